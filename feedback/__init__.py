@@ -1,0 +1,1 @@
+"""specloop feedback."""

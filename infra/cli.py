@@ -1,0 +1,21 @@
+"""The ``specloop`` command line. Each area keeps its commands in its own module; this file wires
+them together and imports them lazily so ``specloop --help`` stays fast."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(help="specloop: speculative decoding whose drafter learns from live traffic.",
+                  no_args_is_help=True, pretty_exceptions_show_locals=False)
+stack_app = typer.Typer(help="Start, check and stop the local service stack (broker, Redis, MLflow).",
+                        no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks; each prints one JSON object on stdout.", no_args_is_help=True)
+app.add_typer(stack_app, name="stack")
+app.add_typer(bench_app, name="bench")
+
+# Command registrations: one import per area. Modules define plain functions with Typer
+# annotations; registering here keeps a single place that lists the whole CLI.
+from infra import cli_commands  # noqa: E402,F401  (registers commands on the apps above)
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,107 @@
+"""The Drafter protocol: anything that proposes up to k tokens per request for the target to verify.
+
+The engine owns the target and the verify loop; a drafter only sees token histories (and, for
+learned heads, the target's features) and returns proposals. Drafters keep their own per-request
+state (suffix matches, a draft KV cache) keyed by request id. The engine calls, per request:
+
+    add_request(view, features)             once when the request joins (also after a drafter swap,
+                                            with the full history so far: draft state is rebuilt)
+    propose(views, k) -> DraftProposal      every step, for the whole running batch
+    on_verified(request_id, accepted, feats) after every verify step with the tokens it committed
+    remove_request(request_id, output_ids)  when the request finishes or is aborted (output_ids is
+                                            None on abort); model-free drafters learn here
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from feedback.trace import DrafterKind
+
+
+@dataclass
+class DraftRequestView:
+    """What a drafter may read of one running request."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt followed by every output token committed so far (the last one is not yet in the
+    target's KV cache: it is the first input of the next verify step)."""
+    prompt_len: int
+    tenant: str = "default"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    generator: torch.Generator | None = None
+    """Per-request RNG (seeded requests); draft sampling should use it when given."""
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+@dataclass
+class DraftProposal:
+    """Draft tokens for a batch. Rows may propose fewer than k tokens (``lengths``)."""
+
+    tokens: torch.Tensor  # [B, k] int64, padded with 0 beyond lengths
+    lengths: torch.Tensor  # [B] int64, 0..k
+    probs: torch.Tensor  # [B, k] float32, q(token) under the draft; 1.0 for deterministic drafts
+    source: np.ndarray  # [B] uint8 DrafterKind of each row's proposal
+    dists: torch.Tensor | None = None
+    """[B, k, V] float32 full draft distributions, or None when every proposal is a point mass
+    (deterministic drafts: q(x)=1 for the drafted token). Needed for lossless rejection sampling
+    with sampled drafts."""
+    draft_ms: float = 0.0
+
+    @property
+    def k(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @staticmethod
+    def empty(batch_size: int, k: int = 0) -> "DraftProposal":
+        return DraftProposal(
+            tokens=torch.zeros(batch_size, k, dtype=torch.long),
+            lengths=torch.zeros(batch_size, dtype=torch.long),
+            probs=torch.ones(batch_size, k, dtype=torch.float32),
+            source=np.full(batch_size, DrafterKind.NONE, dtype=np.uint8),
+        )
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    kind: str
+    """suffix | eagle | standalone | hybrid"""
+    version: str
+    """Registry version ("day0" before any training)."""
+    feature_layers: tuple[int, ...]
+    """Target hidden-state layers (HF ``hidden_states`` indices) this drafter consumes; () if none."""
+
+    def add_request(self, view: DraftRequestView, features: torch.Tensor | None = None) -> None:
+        """``features``: [len(view.token_ids) - 1, F] target features for every position already in
+        the target's KV cache (all but the last token), or None unless feature_layers is set."""
+        ...
+
+    def propose(self, views: list[DraftRequestView], k: int) -> DraftProposal: ...
+
+    def on_verified(
+        self, request_id: str, accepted_ids: list[int], features: torch.Tensor | None
+    ) -> None:
+        """``accepted_ids``: the tokens committed this step (accepted drafts + the bonus token).
+        ``features``: [len(accepted_ids), F] target features for the *inputs* of this step whose
+        outputs were kept, i.e. the previous last token and the accepted drafts (None unless
+        feature_layers is non-empty)."""
+        ...
+
+    def remove_request(self, request_id: str, output_ids: list[int] | None) -> None: ...
+
+
+@dataclass
+class DrafterInfo:
+    kind: str
+    version: str
+    extra: dict = field(default_factory=dict)
