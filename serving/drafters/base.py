@@ -56,6 +56,10 @@ class DraftProposal:
     """[B, k, V] float32 full draft distributions, or None when every proposal is a point mass
     (deterministic drafts: q(x)=1 for the drafted token). Needed for lossless rejection sampling
     with sampled drafts."""
+    confidence: torch.Tensor | None = None
+    """[B, k] float32 drafter's own estimate that each token is accepted given the previous ones
+    were (suffix: observed continuation frequency; learned: q). The hybrid drafter and adaptive k
+    use it; None means unknown."""
     draft_ms: float = 0.0
 
     @property
