@@ -1,0 +1,143 @@
+"""``build_drafter``: a Drafter of any kind for a loaded target, from an artifact or at day 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from serving.drafters.base import Drafter
+from serving.target import Target
+
+KINDS = ("suffix", "eagle", "standalone", "hybrid")
+
+
+def build_drafter(
+    kind: str, target: Target, artifact_dir: str | Path | None = None, **options
+) -> Drafter:
+    """Options by kind (unknown ones raise TypeError):
+
+    - suffix: ``config`` (SuffixConfig) or SuffixConfig fields.
+    - eagle: ``draft_vocab_size`` (16384), ``feature_layers`` (HF hidden_states indices; default
+      (2, L//2, L-3)), ``init`` ("target" | "random"), ``frequencies`` ([V] counts picking the
+      draft vocabulary), ``seed``. Ignored shape options when an artifact is given.
+    - standalone: ``num_layers`` (2), ``init`` ("target-layers" | "random"), ``seed``,
+      ``draft_vocab_size`` (None: full vocabulary; else read the lm_head for the lowest ids only).
+    - hybrid: ``learned`` ("eagle" | "standalone"; default: the artifact's kind, else eagle),
+      ``learned_options`` (dict, as above), ``suffix`` (an existing suffix drafter to keep its
+      index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict).
+
+    With ``artifact_dir`` the learned model is loaded through feedback.artifact.load_drafter, which
+    refuses an artifact built for another target.
+    """
+    if kind == "suffix":
+        return _suffix(options)
+    if kind == "eagle":
+        return _eagle(target, artifact_dir, **options)
+    if kind == "standalone":
+        return _standalone(target, artifact_dir, **options)
+    if kind == "hybrid":
+        return _hybrid(target, artifact_dir, **options)
+    raise ValueError(f"unknown drafter kind {kind!r}: one of {', '.join(KINDS)}")
+
+
+def _suffix(options: dict):
+    from serving.drafters.suffix import SuffixConfig, SuffixDrafter
+
+    config = options.pop("config", None)
+    return SuffixDrafter(config or SuffixConfig(**options))
+
+
+def _load(target: Target, artifact_dir, kind: str):
+    from feedback.artifact import load_drafter
+
+    model, meta = load_drafter(
+        artifact_dir, expected_fingerprint=target.fingerprint, device=target.device
+    )
+    if meta.kind != kind:
+        raise ValueError(f"{artifact_dir} holds a {meta.kind} drafter, not {kind}")
+    return model.to(target.model.get_output_embeddings().weight.dtype), meta
+
+
+def _eagle(
+    target: Target,
+    artifact_dir=None,
+    *,
+    draft_vocab_size: int | None = None,
+    feature_layers=None,
+    init: str = "target",
+    frequencies=None,
+    seed: int = 0,
+):
+    from feedback.drafter_models import (
+        DEFAULT_DRAFT_VOCAB_SIZE,
+        day0_draft_vocab,
+        eagle_from_target,
+        special_token_ids,
+    )
+    from serving.drafters.eagle import EagleDrafter
+
+    if artifact_dir is not None:
+        head, meta = _load(target, artifact_dir, "eagle")
+        head.attach_embeddings(target.model.get_input_embeddings().weight)
+        return EagleDrafter(head, version=meta.version)
+    vocab = int(target.model.get_output_embeddings().weight.shape[0])
+    specials = special_token_ids(target.tokenizer, target.model.config)
+    draft_vocab = day0_draft_vocab(
+        vocab, draft_vocab_size or DEFAULT_DRAFT_VOCAB_SIZE, specials, frequencies
+    )
+    head = eagle_from_target(
+        target.model, feature_layers=feature_layers, draft_vocab=draft_vocab, init=init, seed=seed
+    )
+    return EagleDrafter(head.to(target.device), version="day0")
+
+
+def _standalone(
+    target: Target,
+    artifact_dir=None,
+    *,
+    num_layers: int = 2,
+    init: str = "target-layers",
+    seed: int = 0,
+    draft_vocab_size: int | None = None,
+):
+    from feedback.drafter_models import day0_draft_vocab, special_token_ids, standalone_from_target
+    from serving.drafters.standalone import StandaloneDrafter
+
+    if artifact_dir is not None:
+        model, meta = _load(target, artifact_dir, "standalone")
+        version = meta.version
+    else:
+        model, version = (
+            standalone_from_target(target.model, num_layers=num_layers, init=init, seed=seed),
+            "day0",
+        )
+    draft_vocab = None
+    if draft_vocab_size is not None:
+        vocab = int(model.get_output_embeddings().weight.shape[0])
+        draft_vocab = day0_draft_vocab(
+            vocab, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config)
+        )
+    return StandaloneDrafter(model.to(target.device), version=version, draft_vocab=draft_vocab)
+
+
+def _hybrid(
+    target: Target,
+    artifact_dir=None,
+    *,
+    learned: str | None = None,
+    learned_options: dict | None = None,
+    suffix=None,
+    suffix_options: dict | None = None,
+    policy=None,
+):
+    from feedback.artifact import read_meta
+    from serving.drafters.hybrid import HybridDrafter, HybridPolicy
+
+    if learned is None:
+        learned = read_meta(artifact_dir).kind if artifact_dir is not None else "eagle"
+    if learned not in ("eagle", "standalone"):
+        raise ValueError(f"hybrid: learned drafter must be eagle or standalone, not {learned!r}")
+    learned_drafter = build_drafter(learned, target, artifact_dir, **(learned_options or {}))
+    suffix_drafter = suffix if suffix is not None else _suffix(dict(suffix_options or {}))
+    if isinstance(policy, dict):
+        policy = HybridPolicy(**policy)
+    return HybridDrafter(suffix_drafter, learned_drafter, policy)

@@ -1,0 +1,222 @@
+"""Hybrid drafter: per step and per row, the proposal with the higher expected goodput.
+
+Goodput = expected tokens emitted by the verify step / its cost (draft + verify, ms):
+
+    none     1 / verify(0)
+    suffix   (1 + E_s) / verify(len_s)                 E_s = sum_j prod_{i<=j} confidence_i
+    learned  (1 + sum_{j<=k} a^j) / (k * draft_ms_per_token + verify(k))     before calling it
+             (1 + E_l) / verify(k)                      after (its cost is sunk; E_l from q)
+
+The suffix drafter costs ~nothing, so it runs for every row; a row whose suffix match is confident
+(E_s >= ``suffix_threshold``, or, with no threshold, goodput above the learned drafter's prior) takes
+it. Otherwise the learned drafter runs, batched over just those rows, when its prior goodput beats
+both the suffix proposal and proposing nothing; ``a`` is its live per-token acceptance (EMA over
+the steps it proposed), its draft cost is measured on every call, and the verify cost is measured
+passively (time from a proposal to the first ``on_verified`` after it) unless disabled. A small
+``explore`` fraction of the remaining rows still gets learned proposals so a drafter written off
+early (or improved by a hot swap) keeps being measured.
+
+Both drafters see every add_request / on_verified / remove_request, so the learned drafter's
+per-request state stays in sync even for rows it did not draft (it commits their tokens lazily).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from pydantic import BaseModel, Field
+
+from feedback.trace import DrafterKind
+from serving.adaptive_k import AcceptanceEstimate, CostModel, expected_tokens
+from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
+
+
+class HybridPolicy(BaseModel):
+    """Knobs of the per-row choice."""
+
+    suffix_threshold: float | None = Field(
+        None,
+        description="Expected accepted suffix tokens at or above which the suffix proposal is "
+        "taken without running the learned drafter; None: compare goodputs.",
+    )
+    prior_acceptance: float = Field(
+        0.3, ge=0.0, le=1.0, description="Learned per-token acceptance before any is observed."
+    )
+    acceptance_ema: float = Field(
+        0.05, gt=0.0, le=1.0, description="EMA weight of each observed learned step."
+    )
+    target_step_ms: float = Field(
+        37.6, gt=0.0, description="Verify cost prior (SmolLM2-135M, bf16, 2 cores)."
+    )
+    draft_ms_per_step: float = Field(
+        2.6, ge=0.0, description="Learned draft cost prior per drafted token."
+    )
+    measure_verify: bool = Field(
+        True, description="Measure verify time between propose and on_verified."
+    )
+    explore: float = Field(
+        0.02, ge=0.0, le=1.0, description="Fraction of rows the learned drafter drafts anyway."
+    )
+    seed: int = 0
+
+
+def expected_accepted(confidence: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, k] per-token confidences, [B] lengths -> [B] expected accepted drafts."""
+    k = confidence.shape[1]
+    live = torch.arange(k)[None, :] < lengths[:, None]  # [B, k]
+    cum = torch.cumprod(confidence.float().clamp(0, 1) * live, dim=1)  # [B, k]
+    return cum.sum(1)  # [B]
+
+
+class HybridDrafter:
+    kind = "hybrid"
+
+    def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None):
+        self.suffix = suffix
+        self.learned = learned
+        self.policy = policy or HybridPolicy()
+        self.version = learned.version
+        self.feature_layers = tuple(learned.feature_layers)
+        self.costs = CostModel(
+            target_step_ms=self.policy.target_step_ms,
+            draft_ms_per_token=self.policy.draft_ms_per_step,
+        )
+        self.acceptance = AcceptanceEstimate(
+            value=self.policy.prior_acceptance, ema=self.policy.acceptance_ema
+        )
+        self._rng = np.random.default_rng(self.policy.seed)
+        self._learned_len: dict[str, int] = {}  # request -> drafted length of its learned proposal
+        self._proposed_at: float | None = None
+        self._proposed_k = 0
+        self.last_choice: np.ndarray = np.zeros(0, dtype=np.uint8)
+
+    # -- protocol -----------------------------------------------------------------------------
+
+    def add_request(self, view: DraftRequestView, features: torch.Tensor | None = None) -> None:
+        self.suffix.add_request(view, None)
+        self.learned.add_request(view, features)
+
+    def on_verified(
+        self, request_id: str, accepted_ids: list[int], features: torch.Tensor | None
+    ) -> None:
+        if self._proposed_at is not None and self.policy.measure_verify:
+            self.costs.observe_verify(
+                self._proposed_k, (time.perf_counter() - self._proposed_at) * 1e3
+            )
+        self._proposed_at = None
+        drafted = self._learned_len.pop(request_id, 0)
+        if drafted:
+            accepted = min(max(len(accepted_ids) - 1, 0), drafted)
+            self.acceptance.observe(np.array([drafted]), np.array([accepted]))
+        self.suffix.on_verified(request_id, accepted_ids, None)
+        self.learned.on_verified(request_id, accepted_ids, features)
+
+    def remove_request(self, request_id: str, output_ids: list[int] | None) -> None:
+        self._learned_len.pop(request_id, None)
+        self.suffix.remove_request(request_id, output_ids)
+        self.learned.remove_request(request_id, output_ids)
+
+    def propose(self, views: list[DraftRequestView], k: int) -> DraftProposal:
+        t0 = time.perf_counter()
+        batch = len(views)
+        if k <= 0 or batch == 0:
+            return DraftProposal.empty(batch, max(k, 0))
+        sp = _pad(self.suffix.propose(views, k), k)
+        conf = sp.confidence if sp.confidence is not None else torch.zeros(batch, k)
+        e_suffix = expected_accepted(conf, sp.lengths)  # [B]
+        g_none = 1.0 / self.costs.verify_ms(0)
+        g_suffix = torch.tensor(
+            [(1 + float(e)) / self.costs.verify_ms(int(n)) for e, n in zip(e_suffix, sp.lengths)]
+        )
+        g_learned = self.learned_prior_goodput(k)
+        if self.policy.suffix_threshold is not None:
+            confident = e_suffix >= self.policy.suffix_threshold
+        else:
+            confident = (sp.lengths > 0) & (g_suffix >= g_learned)
+        worth = (g_learned > g_suffix) & (g_learned > g_none)
+        explore = torch.from_numpy(self._rng.random(batch) < self.policy.explore)
+        need = (~confident & (worth | explore)).nonzero().flatten().tolist()
+
+        out = sp
+        use_suffix = (sp.lengths > 0) & (g_suffix > g_none)  # [B]
+        out.lengths = torch.where(use_suffix, sp.lengths, torch.zeros_like(sp.lengths))
+        out.source = np.where(use_suffix.numpy(), sp.source, np.uint8(DrafterKind.NONE)).astype(
+            np.uint8
+        )
+        out.confidence = conf.clone()
+        if need:
+            lp = _pad(self.learned.propose([views[i] for i in need], k), k)
+            self.costs.observe_draft(k, lp.draft_ms)
+            e_learned = expected_accepted(
+                lp.confidence if lp.confidence is not None else lp.probs, lp.lengths
+            )
+            take = []
+            for j, i in enumerate(need):
+                g_post = (1 + float(e_learned[j])) / self.costs.verify_ms(int(lp.lengths[j]))
+                if lp.lengths[j] > 0 and g_post >= max(
+                    float(g_suffix[i]) if use_suffix[i] else 0.0, g_none
+                ):
+                    take.append((i, j))
+            out = self._merge(out, lp, take)
+        for i, v in enumerate(views):
+            if out.source[i] == self._learned_source() and out.lengths[i] > 0:
+                self._learned_len[v.request_id] = int(out.lengths[i])
+            else:
+                self._learned_len.pop(v.request_id, None)
+        out.tokens[out.lengths == 0] = 0
+        out.draft_ms = (time.perf_counter() - t0) * 1e3
+        self.last_choice = out.source.copy()
+        self._proposed_at = time.perf_counter()
+        self._proposed_k = int(out.lengths.max())
+        return out
+
+    # -- policy -------------------------------------------------------------------------------
+
+    def learned_prior_goodput(self, k: int) -> float:
+        tokens = expected_tokens(self.acceptance.value, k)
+        return tokens / (k * self.costs.draft_ms_per_token + self.costs.verify_ms(k))
+
+    def _learned_source(self) -> np.uint8:
+        return np.uint8(DrafterKind.parse(self.learned.kind))
+
+    def _merge(
+        self, out: DraftProposal, lp: DraftProposal, take: list[tuple[int, int]]
+    ) -> DraftProposal:
+        if not take:
+            return out
+        rows = torch.tensor([i for i, _ in take])
+        src = torch.tensor([j for _, j in take])
+        if lp.dists is not None:
+            out.dists = _point_masses(out, lp.dists.shape[-1]) if out.dists is None else out.dists
+            out.dists[rows] = lp.dists[src]
+        out.tokens[rows] = lp.tokens[src]
+        out.lengths[rows] = lp.lengths[src]
+        out.probs[rows] = lp.probs[src]
+        out.confidence[rows] = (lp.confidence if lp.confidence is not None else lp.probs)[src]
+        out.source[rows.numpy()] = lp.source[src.numpy()]
+        return out
+
+
+def _pad(p: DraftProposal, k: int) -> DraftProposal:
+    """Make a proposal exactly k wide (drafters may return fewer columns)."""
+    if p.k == k:
+        return p
+    extra = k - p.k
+    p.tokens = torch.nn.functional.pad(p.tokens[:, :k], (0, max(extra, 0)))
+    p.probs = torch.nn.functional.pad(p.probs[:, :k], (0, max(extra, 0)), value=1.0)
+    if p.confidence is not None:
+        p.confidence = torch.nn.functional.pad(p.confidence[:, :k], (0, max(extra, 0)))
+    if p.dists is not None:
+        p.dists = torch.nn.functional.pad(p.dists[:, :k], (0, 0, 0, max(extra, 0)))
+    p.lengths = p.lengths.clamp(max=k)
+    return p
+
+
+def _point_masses(p: DraftProposal, vocab: int) -> torch.Tensor:
+    """[B, k, V] one-hot at each drafted token (what a deterministic draft's q is)."""
+    dists = torch.zeros(p.tokens.shape[0], p.tokens.shape[1], vocab)  # [B, k, V]
+    dists.scatter_(2, p.tokens[..., None].clamp(0, vocab - 1), 1.0)
+    live = torch.arange(p.k)[None, :] < p.lengths[:, None]  # [B, k]
+    return dists * live[..., None]

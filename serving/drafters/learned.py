@@ -1,0 +1,373 @@
+"""Shared machinery of the learned drafters (eagle, standalone): per-request draft KV caches,
+batched drafting over rows of different lengths, draft sampling.
+
+Per request the drafter keeps a KV buffer per draft layer ([kv_heads, capacity, head_dim], grown by
+doubling) holding only *committed* positions (real tokens / real target features), plus the
+*pending* inputs committed by the target since the last draft (``on_verified`` only appends them;
+no model work happens there). ``propose`` runs, for the whole batch:
+
+    extend : one forward over every row's pending inputs (padded to the longest), committing them
+    draft  : k - 1 single-position forwards on the drafter's own tokens (and, for eagle, its own
+             output hidden states), k lm_head reads
+
+Speculative positions are written past the committed length and simply forgotten: rolling back a
+rejected draft costs nothing, and the next extend overwrites them. A batch of several rows works on
+a padded copy of the rows' caches (committed part, then one shared column block for the new
+positions, masked per row); a single row works in its own buffer with no copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from feedback.trace import DrafterKind
+from serving.drafters.base import DraftProposal, DraftRequestView
+
+log = logging.getLogger(__name__)
+
+
+class DraftNet(Protocol):
+    """What the batched drafting loop needs from a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    dtype: torch.dtype
+    target_vocab_size: int
+    vocab_map: torch.Tensor | None
+    """[Vd] target id of each draft id, or None when the draft vocabulary is the target's."""
+
+    def extend(self, tokens, features, positions, cache, mask) -> torch.Tensor:
+        """tokens [B, M], features [B, M, F] or None -> pre-norm hidden [B, M, H]."""
+        ...
+
+    def step(self, tokens, hidden, positions, cache, mask) -> torch.Tensor:
+        """tokens [B, 1], hidden [B, 1, H] (the previous output) -> [B, 1, H]."""
+        ...
+
+    def logits(self, hidden) -> torch.Tensor:
+        """[B, H] -> [B, Vd]."""
+        ...
+
+
+class BatchKV:
+    """A cache with HF's ``update(key, value, layer_idx)`` signature writing at a shared cursor."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], start: int):
+        self.keys, self.values = keys, values  # per layer [B, kvh, cap, hd]
+        self.length = start
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        end = self.length + key.shape[2]
+        self.keys[layer_idx][:, :, self.length : end] = key
+        self.values[layer_idx][:, :, self.length : end] = value
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+
+@dataclass
+class RowState:
+    """Draft state of one request."""
+
+    keys: list[torch.Tensor]  # per layer [kvh, cap, hd]
+    values: list[torch.Tensor]
+    length: int = 0
+    """committed draft positions"""
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_features: list[torch.Tensor] = field(default_factory=list)  # each [m, F]
+    last_hidden: torch.Tensor | None = None
+    """[H] output at the last committed position: the first draft token's distribution comes
+    from it, and (eagle) it is the hidden state fed to the first draft step."""
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.pending_tokens)
+
+    @property
+    def can_draft(self) -> bool:
+        return self.num_pending > 0 or self.last_hidden is not None
+
+
+@dataclass
+class _Layout:
+    """Column layout of a batched cache: [0, base) committed (row i valid below lengths[i]), then
+    new positions: the extend block [base, base+M) (row i valid below pending[i]), then draft steps."""
+
+    lengths: torch.Tensor  # [B]
+    pending: torch.Tensor  # [B]
+    base: int
+    block: int  # M
+    valid: torch.Tensor  # [B, cols] bool
+    new_index: torch.Tensor  # [cols] -1 for committed columns, else position in the new block
+
+    @classmethod
+    def build(cls, lengths: torch.Tensor, pending: torch.Tensor, extra: int) -> _Layout:
+        base, block = int(lengths.max()), int(pending.max())
+        cols = torch.arange(base + block + extra)  # [C]
+        j = cols - base  # [C]
+        committed = cols[None, :] < lengths[:, None]  # [B, C]
+        new_valid = (j[None, :] >= 0) & (
+            (j[None, :] < pending[:, None]) | (j[None, :] >= block)
+        )  # [B, C]
+        new_index = torch.where(j >= 0, j, torch.full_like(j, -1))  # [C]
+        return cls(lengths, pending, base, block, committed | new_valid, new_index)
+
+    def mask(self, first_query: int, num_queries: int) -> torch.Tensor:
+        """[B, 1, Lq, Lk] bool for queries at new-block indices first_query.. (causal within the block)."""
+        lk = self.base + first_query + num_queries
+        q = torch.arange(first_query, first_query + num_queries)  # [Lq]
+        causal = self.new_index[None, :lk] <= q[:, None]  # [Lq, Lk]
+        return (self.valid[:, None, None, :lk] & causal[None, None]).contiguous()  # [B, 1, Lq, Lk]
+
+
+class LearnedDrafter:
+    """Drafter protocol over a DraftNet; subclasses set ``kind`` and define ``_pending_inputs``."""
+
+    kind = "learned"
+    source_kind = DrafterKind.NONE
+    feature_layers: tuple[int, ...] = ()
+    flush_threshold = 32
+    """Rows with more pending inputs than this are extended alone first (no padding waste)."""
+
+    def __init__(self, net: DraftNet, version: str = "day0"):
+        self.net = net
+        self.version = version
+        self._states: dict[str, RowState] = {}
+        self.last_draft_ms_per_step = 0.0
+
+    # -- protocol -----------------------------------------------------------------------------
+
+    def add_request(self, view: DraftRequestView, features: torch.Tensor | None = None) -> None:
+        state = self._new_state()
+        tokens, feats = self._initial_inputs(view, features)
+        self._append(state, tokens, feats)
+        self._states[view.request_id] = state
+
+    def on_verified(
+        self, request_id: str, accepted_ids: list[int], features: torch.Tensor | None
+    ) -> None:
+        state = self._states.get(request_id)
+        if state is None:
+            raise KeyError(f"{self.kind} drafter: on_verified for unknown request {request_id!r}")
+        if accepted_ids:
+            self._append(
+                state, list(accepted_ids), self._check_features(features, len(accepted_ids))
+            )
+
+    def remove_request(self, request_id: str, output_ids: list[int] | None) -> None:
+        self._states.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    @torch.no_grad()
+    def propose(self, views: list[DraftRequestView], k: int) -> DraftProposal:
+        t0 = time.perf_counter()
+        batch = len(views)
+        if k <= 0 or batch == 0:
+            return DraftProposal.empty(batch, max(k, 0))
+        states = []
+        for v in views:
+            if v.request_id not in self._states:
+                raise KeyError(
+                    f"{self.kind} drafter: propose for request {v.request_id!r} never add_request'ed"
+                )
+            states.append(self._states[v.request_id])
+        active = [i for i, s in enumerate(states) if s.can_draft]
+        out = DraftProposal.empty(batch, k)
+        if not active:
+            out.draft_ms = (time.perf_counter() - t0) * 1e3
+            return out
+        rows = [states[i] for i in active]
+        for s in rows:
+            if s.num_pending > self.flush_threshold and len(rows) > 1:
+                self._extend([s], extra=0)
+        cache, layout, last = self._extend(rows, extra=k - 1)
+        tokens, probs, dists = self._draft(cache, layout, last, [views[i] for i in active], k)
+
+        idx = torch.tensor(active)
+        out.tokens[idx] = tokens
+        out.probs[idx] = probs
+        out.lengths[idx] = k
+        out.source[active] = np.uint8(self.source_kind)
+        out.confidence = out.probs.clone()
+        out.confidence[out.lengths == 0] = 0.0
+        if dists is not None:
+            full = torch.zeros(batch, k, dists.shape[-1], dtype=dists.dtype)
+            full[idx] = dists
+            out.dists = full
+        out.draft_ms = (time.perf_counter() - t0) * 1e3
+        self.last_draft_ms_per_step = out.draft_ms / k
+        return out
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def _initial_inputs(self, view: DraftRequestView, features: torch.Tensor | None):
+        """(tokens, features or None) to commit for a new request's history."""
+        raise NotImplementedError
+
+    def _check_features(self, features: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        return None
+
+    def _append(self, state: RowState, tokens: list[int], features: torch.Tensor | None) -> None:
+        state.pending_tokens.extend(int(t) for t in tokens)
+        if features is not None and features.shape[0]:
+            state.pending_features.append(features.detach().to("cpu", self.net.dtype))
+
+    # -- caches -------------------------------------------------------------------------------
+
+    def _new_state(self, capacity: int = 64) -> RowState:
+        shape = (self.net.num_kv_heads, capacity, self.net.head_dim)
+        keys = [torch.zeros(shape, dtype=self.net.dtype) for _ in range(self.net.num_layers)]
+        values = [torch.zeros(shape, dtype=self.net.dtype) for _ in range(self.net.num_layers)]
+        return RowState(keys, values)
+
+    @staticmethod
+    def _reserve(state: RowState, needed: int) -> None:
+        cap = state.keys[0].shape[1]
+        if needed <= cap:
+            return
+        while cap < needed:
+            cap *= 2
+        for buf in (state.keys, state.values):
+            for i, old in enumerate(buf):
+                new = old.new_zeros(old.shape[0], cap, old.shape[2])  # [kvh, cap, hd]
+                new[:, : state.length] = old[:, : state.length]
+                buf[i] = new
+
+    def _gather(self, rows: list[RowState], layout: _Layout, extra: int) -> BatchKV:
+        cols = layout.base + layout.block + extra
+        if len(rows) == 1:  # work in the row's own buffer: base == its length
+            self._reserve(rows[0], cols)
+            return BatchKV(
+                [k[None] for k in rows[0].keys], [v[None] for v in rows[0].values], layout.base
+            )
+        keys, values = [], []
+        for layer in range(self.net.num_layers):
+            kb = (
+                rows[0]
+                .keys[layer]
+                .new_zeros(len(rows), self.net.num_kv_heads, cols, self.net.head_dim)
+            )
+            vb = torch.zeros_like(kb)  # [B, kvh, C, hd]
+            for i, s in enumerate(rows):
+                kb[i, :, : s.length] = s.keys[layer][:, : s.length]
+                vb[i, :, : s.length] = s.values[layer][:, : s.length]
+            keys.append(kb)
+            values.append(vb)
+        return BatchKV(keys, values, layout.base)
+
+    def _extend(self, rows: list[RowState], extra: int):
+        """Commit every row's pending inputs; return (cache, layout, last hidden [B, H])."""
+        lengths = torch.tensor([s.length for s in rows])
+        pending = torch.tensor([s.num_pending for s in rows])
+        layout = _Layout.build(lengths, pending, extra)
+        cache = self._gather(rows, layout, extra)
+        block = layout.block
+        last = [s.last_hidden for s in rows]
+        if block > 0:
+            tokens = torch.zeros(len(rows), block, dtype=torch.long)  # [B, M]
+            for i, s in enumerate(rows):
+                tokens[i, : s.num_pending] = torch.tensor(s.pending_tokens)
+            features = self._pad_features(rows, block)  # [B, M, F] or None
+            positions = lengths[:, None] + torch.arange(block)[None, :]  # [B, M]
+            hidden = self.net.extend(
+                tokens, features, positions, cache, layout.mask(0, block)
+            )  # [B, M, H]
+            cache.advance(block)
+            for i, s in enumerate(rows):
+                m = s.num_pending
+                if m:
+                    last[i] = hidden[i, m - 1].clone()
+                    if len(rows) > 1:
+                        self._reserve(s, s.length + m)
+                        for layer in range(self.net.num_layers):
+                            s.keys[layer][:, s.length : s.length + m] = cache.keys[layer][
+                                i, :, layout.base : layout.base + m
+                            ]
+                            s.values[layer][:, s.length : s.length + m] = cache.values[layer][
+                                i, :, layout.base : layout.base + m
+                            ]
+                    s.length += m
+                    s.pending_tokens.clear()
+                    s.pending_features.clear()
+                    s.last_hidden = last[i]
+        return cache, layout, torch.stack(last)  # last: [B, H]
+
+    def _pad_features(self, rows: list[RowState], block: int) -> torch.Tensor | None:
+        return None
+
+    # -- drafting -----------------------------------------------------------------------------
+
+    def _draft(
+        self,
+        cache: BatchKV,
+        layout: _Layout,
+        last: torch.Tensor,
+        views: list[DraftRequestView],
+        k: int,
+    ):
+        b = last.shape[0]
+        temps = torch.tensor([max(v.temperature, 0.0) for v in views], dtype=torch.float32)  # [B]
+        sampled = temps > 0  # [B]
+        any_sampled = bool(sampled.any())
+        scale = torch.where(sampled, temps, torch.ones_like(temps))[:, None]  # [B, 1]
+        uniforms = _uniforms(views, k) if any_sampled else None  # [B, k]
+        vocab_map = self.net.vocab_map
+        tokens = torch.zeros(b, k, dtype=torch.long)  # [B, k]
+        probs = torch.zeros(b, k, dtype=torch.float32)  # [B, k]
+        qs = []
+        positions = layout.lengths + layout.pending  # [B] position of the first draft input
+        hidden = last[:, None]  # [B, 1, H]
+        for j in range(k):
+            logits = self.net.logits(hidden[:, 0]).float()  # [B, Vd]
+            q = torch.softmax(logits / scale, dim=-1)  # [B, Vd]
+            idx = logits.argmax(-1)  # [B]
+            if any_sampled:
+                cdf = q.cumsum(-1)  # [B, Vd]
+                u = (uniforms[:, j] * cdf[:, -1])[:, None]  # [B, 1]
+                drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(
+                    max=q.shape[-1] - 1
+                )  # [B]
+                idx = torch.where(sampled, drawn, idx)
+                qs.append(q)
+            probs[:, j] = q.gather(1, idx[:, None])[:, 0]
+            ids = vocab_map[idx] if vocab_map is not None else idx  # [B] target ids
+            tokens[:, j] = ids
+            if j + 1 < k:
+                pos = (positions + j)[:, None]  # [B, 1]
+                hidden = self.net.step(
+                    ids[:, None], hidden, pos, cache, layout.mask(layout.block + j, 1)
+                )  # [B, 1, H]
+                cache.advance(1)
+        dists = None
+        if any_sampled:
+            qd = torch.stack(qs, dim=1)  # [B, k, Vd]
+            if vocab_map is not None:
+                dists = qd.new_zeros(b, k, self.net.target_vocab_size).index_copy_(
+                    -1, vocab_map, qd
+                )  # [B, k, V]
+            else:
+                dists = qd
+        return tokens, probs, dists
+
+
+def _uniforms(views: list[DraftRequestView], k: int) -> torch.Tensor:
+    """[B, k] uniforms in [0, 1): from each row's own generator when it has one."""
+    u = torch.rand(len(views), k)
+    for i, v in enumerate(views):
+        if v.generator is not None and v.temperature > 0:
+            u[i] = torch.rand(k, generator=v.generator)
+    return u

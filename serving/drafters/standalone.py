@@ -1,0 +1,89 @@
+"""Standalone drafter: a small causal LM on the target's tokenizer (SGLang's STANDALONE).
+
+Its per-request KV cache covers every committed token (the request's history, then each verify
+step's accepted tokens); k draft tokens cost one extend over the new tokens plus k-1 decode steps.
+The model is a plain ``LlamaForCausalLM``; drafting runs its layers through ``attend`` with batched
+per-request caches. Optionally the lm_head is read only for a draft vocabulary (``draft_vocab``):
+its probabilities then live on those ids only, which the returned distributions say exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from feedback.drafter_models import attend
+from feedback.trace import DrafterKind
+from serving.drafters.base import DraftRequestView
+from serving.drafters.learned import LearnedDrafter
+
+
+class StandaloneNet:
+    """DraftNet adapter over a LlamaForCausalLM."""
+
+    def __init__(self, model: LlamaForCausalLM, draft_vocab: torch.Tensor | None = None):
+        cfg = model.config
+        self.model = model.eval()
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        )
+        self.hidden_size = int(cfg.hidden_size)
+        head = model.get_output_embeddings().weight  # [V, H]
+        self.dtype = head.dtype
+        self.target_vocab_size = int(head.shape[0])
+        self.vocab_map = (
+            None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
+        )
+        self.head_weight = (
+            head if draft_vocab is None else head[self.vocab_map].contiguous()
+        )  # [Vd, H]
+
+    def _forward(self, tokens, positions, cache, mask):
+        inner = self.model.model
+        h = inner.embed_tokens(tokens)  # [B, L, H]
+        cos, sin = inner.rotary_emb(h, positions)
+        for i, layer in enumerate(inner.layers):
+            h = h + attend(
+                layer.self_attn,
+                layer.input_layernorm(h),
+                cos,
+                sin,
+                cache,
+                i,
+                mask,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h  # [B, L, H] pre-norm
+
+    def extend(self, tokens, features, positions, cache, mask):
+        return self._forward(tokens, positions, cache, mask)
+
+    def step(self, tokens, hidden, positions, cache, mask):
+        return self._forward(tokens, positions, cache, mask)
+
+    def logits(self, hidden):
+        return F.linear(self.model.model.norm(hidden), self.head_weight)  # [B, Vd]
+
+
+class StandaloneDrafter(LearnedDrafter):
+    kind = "standalone"
+    source_kind = DrafterKind.STANDALONE
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        version: str = "day0",
+        draft_vocab: torch.Tensor | None = None,
+    ):
+        super().__init__(StandaloneNet(model, draft_vocab), version)
+        self.model = model
+
+    def _initial_inputs(self, view: DraftRequestView, features: torch.Tensor | None):
+        return view.token_ids, None

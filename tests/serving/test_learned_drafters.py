@@ -1,0 +1,507 @@
+"""Eagle / standalone / hybrid drafters on a tiny random target (token ids only)."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from feedback.artifact import DrafterArtifactError, save_drafter
+from feedback.drafter_models import (
+    StandaloneConfig,
+    eagle_from_target,
+    gather_features,
+    standalone_from_target,
+)
+from feedback.trace import DrafterKind
+from serving.drafters import build_drafter
+from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
+from serving.drafters.eagle import EagleDrafter
+from serving.drafters.hybrid import HybridDrafter, HybridPolicy
+from serving.drafters.standalone import StandaloneDrafter
+from serving.target import tiny_target
+
+V, H, K = 256, 64, 4
+LAYERS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab_size=V, hidden_size=H, num_layers=4, seed=0)
+
+
+def _sharpen(model_head: torch.nn.Linear, factor: float = 8.0) -> None:
+    """Random tiny models are near-uniform; scale the lm_head so drafts have clear favourites."""
+    with torch.no_grad():
+        model_head.weight.mul_(factor)
+
+
+@pytest.fixture(scope="module")
+def eagle_head(target):
+    head = eagle_from_target(
+        target.model,
+        draft_vocab_size=96,
+        special_ids=[V - 1],
+        feature_layers=LAYERS,
+        init="random",
+        seed=1,
+    )
+    _sharpen(head.lm_head)
+    return head
+
+
+@pytest.fixture(scope="module")
+def sharp_head(target):
+    """Confident drafts (q of the drafted tokens well above the verify cost of proposing them)."""
+    head = eagle_from_target(
+        target.model, draft_vocab_size=96, feature_layers=LAYERS, init="random", seed=4
+    )
+    _sharpen(head.lm_head, 25.0)
+    return head
+
+
+@pytest.fixture(scope="module")
+def small_lm(target):
+    model = standalone_from_target(target.model, num_layers=2, init="random", seed=2)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 8.0)
+    return model
+
+
+def features(target, seq):
+    with torch.no_grad():
+        hs = target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    return gather_features(hs, LAYERS)[0]  # [len(seq), F]
+
+
+def history(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n,), generator=g).tolist()
+
+
+class Engine:
+    """Drives a drafter the way the engine does: features for the eagle head from the target."""
+
+    def __init__(self, target, drafter):
+        self.target, self.drafter, self.views = target, drafter, {}
+
+    def add(self, rid, seq, temperature=0.0, generator=None):
+        view = DraftRequestView(
+            rid, list(seq), max(1, len(seq) - 2), temperature=temperature, generator=generator
+        )
+        feats = features(self.target, seq)[:-1] if self.drafter.feature_layers else None
+        self.drafter.add_request(view, feats)
+        self.views[rid] = view
+        return view
+
+    def verified(self, rid, accepted):
+        view = self.views[rid]
+        n = len(view.token_ids)
+        view.token_ids = view.token_ids + list(accepted)
+        feats = None
+        if self.drafter.feature_layers:
+            feats = features(self.target, view.token_ids)[n - 1 : n - 1 + len(accepted)]
+        self.drafter.on_verified(rid, list(accepted), feats)
+
+    def propose(self, rids, k=K):
+        return self.drafter.propose([self.views[r] for r in rids], k)
+
+
+def make(kind, target, eagle_head, small_lm):
+    if kind == "eagle":
+        return EagleDrafter(eagle_head)
+    return StandaloneDrafter(small_lm)
+
+
+# -- references: the models' public forward, no drafter machinery ----------------------------
+
+
+def eagle_reference(target, head, seq, k):
+    f = features(target, seq)[:-1]
+    cache = DynamicCache()
+    toks, probs = [], []
+    with torch.no_grad():
+        hid = head(torch.tensor([seq[1:]]), features=f[None], cache=cache)[:, -1:]
+        for _ in range(k):
+            q = head.compute_logits(hid[:, -1]).float().softmax(-1)[0]  # [Vd]
+            i = int(q.argmax())
+            tid = int(head.draft_vocab()[i])
+            toks.append(tid)
+            probs.append(float(q[i]))
+            hid = head(torch.tensor([[tid]]), hid, cache=cache)
+    return toks, probs
+
+
+def standalone_reference(model, seq, k):
+    seq, toks, probs = list(seq), [], []
+    with torch.no_grad():
+        for _ in range(k):
+            q = model(torch.tensor([seq])).logits[0, -1].float().softmax(-1)
+            i = int(q.argmax())
+            toks.append(i)
+            probs.append(float(q[i]))
+            seq.append(i)
+    return toks, probs
+
+
+@pytest.mark.parametrize("kind", ["eagle", "standalone"])
+def test_greedy_proposals_match_the_models_own_forward(kind, target, eagle_head, small_lm):
+    eng = Engine(target, make(kind, target, eagle_head, small_lm))
+    seqs = {f"r{i}": history(i, n) for i, n in enumerate((7, 15, 3))}
+    for rid, seq in seqs.items():
+        eng.add(rid, seq)
+    p = eng.propose(list(seqs))
+    assert p.tokens.shape == (3, K) and p.probs.shape == (3, K) and p.lengths.tolist() == [K] * 3
+    assert p.dists is None and torch.equal(p.confidence, p.probs)
+    assert set(p.source.tolist()) == {DrafterKind.parse(kind)}
+    for row, seq in enumerate(seqs.values()):
+        if kind == "eagle":
+            toks, probs = eagle_reference(target, eagle_head, seq, K)
+        else:
+            toks, probs = standalone_reference(small_lm, seq, K)
+        assert p.tokens[row].tolist() == toks
+        assert torch.allclose(p.probs[row], torch.tensor(probs), atol=1e-4)
+    if kind == "eagle":
+        assert bool(eagle_head.t2d[p.tokens].all())  # drafted ids come from the draft vocabulary
+
+
+@pytest.mark.parametrize("kind", ["eagle", "standalone"])
+def test_proposals_are_deterministic_and_proposing_leaves_state_untouched(
+    kind, target, eagle_head, small_lm
+):
+    a = Engine(target, make(kind, target, eagle_head, small_lm))
+    b = Engine(target, make(kind, target, eagle_head, small_lm))
+    for eng in (a, b):
+        eng.add("x", history(5, 11))
+        eng.add("y", history(6, 4))
+    first = a.propose(["x", "y"])
+    again = a.propose(["x", "y"])  # speculative positions of the first call must not leak
+    other = b.propose(["x", "y"])
+    assert torch.equal(first.tokens, again.tokens) and torch.equal(first.tokens, other.tokens)
+    assert torch.allclose(first.probs, again.probs, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "standalone"])
+def test_state_after_on_verified_matches_a_fresh_drafter_with_the_full_history(
+    kind, target, eagle_head, small_lm
+):
+    eng = Engine(target, make(kind, target, eagle_head, small_lm))
+    eng.add("a", history(1, 9))
+    eng.add("b", history(2, 5))
+    p = eng.propose(["a", "b"])
+    # a: first two drafts accepted + a bonus token; b: nothing accepted, only the bonus token
+    eng.verified("a", p.tokens[0, :2].tolist() + [17])
+    eng.verified("b", [200])
+    eng.propose(["b"])  # b alone moves ahead; a keeps its pending tokens
+    eng.verified("b", [3, 4, 5])
+    after = eng.propose(["a", "b"])
+
+    fresh = Engine(target, make(kind, target, eagle_head, small_lm))
+    fresh.add("a", eng.views["a"].token_ids)
+    fresh.add("b", eng.views["b"].token_ids)
+    expect = fresh.propose(["a", "b"])
+    assert torch.equal(after.tokens, expect.tokens)
+    assert torch.allclose(after.probs, expect.probs, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "standalone"])
+def test_long_pending_rows_are_flushed_without_changing_proposals(
+    kind, target, eagle_head, small_lm
+):
+    drafter = make(kind, target, eagle_head, small_lm)
+    eng = Engine(target, drafter)
+    eng.add("long", history(3, drafter.flush_threshold + 20))
+    eng.add("short", history(4, 3))
+    together = eng.propose(["long", "short"])
+    alone = Engine(target, make(kind, target, eagle_head, small_lm))
+    alone.add("long", history(3, drafter.flush_threshold + 20))
+    alone.add("short", history(4, 3))
+    assert torch.equal(together.tokens[0], alone.propose(["long"]).tokens[0])
+    assert torch.equal(together.tokens[1], alone.propose(["short"]).tokens[0])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "standalone"])
+def test_sampled_rows_return_full_vocab_dists_consistent_with_probs(
+    kind, target, eagle_head, small_lm
+):
+    eng = Engine(target, make(kind, target, eagle_head, small_lm))
+    eng.add("greedy", history(8, 6))
+    eng.add("hot", history(9, 6), temperature=1.0, generator=torch.Generator().manual_seed(3))
+    p = eng.propose(["greedy", "hot"])
+    assert p.dists is not None and p.dists.shape == (2, K, V)
+    assert torch.allclose(p.dists.sum(-1), torch.ones(2, K), atol=1e-5)
+    picked = p.dists.gather(2, p.tokens[..., None])[..., 0]  # [2, k]
+    assert torch.allclose(picked, p.probs, atol=1e-6)
+    if kind == "eagle":
+        assert float(p.dists[:, :, ~eagle_head.t2d].abs().sum()) == 0.0
+    assert torch.equal(p.tokens[0, 0], p.dists[0, 0].argmax())  # the greedy row is still the argmax
+    # the per-request generator makes sampling reproducible
+    again = Engine(target, make(kind, target, eagle_head, small_lm))
+    again.add("hot", history(9, 6), temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(again.propose(["hot"]).tokens[0], p.tokens[1])
+
+
+def test_sampled_first_tokens_follow_the_draft_distribution(target, sharp_head):
+    head = sharp_head
+    eng = Engine(target, EagleDrafter(head))
+    eng.add("s", history(10, 8), temperature=1.0)
+    n = 800
+    q = eng.propose(["s"], k=1).dists[0, 0]  # [V]
+    counts = torch.zeros(V)
+    for _ in range(n):
+        counts[eng.propose(["s"], k=1).tokens[0, 0]] += 1
+    freq = counts / n
+    top = q.topk(5).indices
+    assert float(q[top].sum()) > 0.5  # a sharp distribution, so the check has power
+    sigma = (q[top] * (1 - q[top]) / n).sqrt()
+    assert bool(((freq[top] - q[top]).abs() < 4 * sigma + 0.01).all()), (freq[top], q[top])
+    assert float(freq[q == 0].sum()) == 0.0
+
+
+def test_eagle_requires_target_features(target, eagle_head):
+    drafter = EagleDrafter(eagle_head)
+    view = DraftRequestView("r", history(0, 5), 3)
+    with pytest.raises(ValueError, match="features"):
+        drafter.add_request(view, None)
+    with pytest.raises(ValueError, match=r"\[4, 192\]"):
+        drafter.add_request(view, torch.zeros(3, 192))
+    with pytest.raises(KeyError):
+        drafter.propose([view], K)
+    assert drafter.feature_layers == LAYERS and isinstance(drafter, Drafter)
+
+
+def test_k_zero_and_unknown_rows(target, small_lm):
+    drafter = StandaloneDrafter(small_lm)
+    view = DraftRequestView("r", history(0, 5), 3)
+    drafter.add_request(view)
+    assert drafter.propose([view], 0).tokens.shape == (1, 0)
+    drafter.remove_request("r", [1, 2])
+    with pytest.raises(KeyError):
+        drafter.propose([view], K)
+
+
+# -- hybrid ---------------------------------------------------------------------------------
+
+
+class StandInSuffix:
+    """A suffix-like drafter: fixed per-request drafts and confidences; records calls."""
+
+    kind = "suffix"
+    version = "day0"
+    feature_layers = ()
+
+    def __init__(self, drafts: dict[str, tuple[list[int], float]]):
+        self.drafts = drafts
+        self.verified: list[tuple[str, list[int]]] = []
+        self.added: list[str] = []
+
+    def add_request(self, view, features=None):
+        self.added.append(view.request_id)
+
+    def on_verified(self, request_id, accepted_ids, features):
+        self.verified.append((request_id, list(accepted_ids)))
+
+    def remove_request(self, request_id, output_ids):
+        pass
+
+    def propose(self, views, k):
+        p = DraftProposal.empty(len(views), k)
+        p.confidence = torch.zeros(len(views), k)
+        for i, v in enumerate(views):
+            toks, conf = self.drafts.get(v.request_id, ([], 0.0))
+            n = min(len(toks), k)
+            if n:
+                p.tokens[i, :n] = torch.tensor(toks[:n])
+                p.lengths[i] = n
+                p.confidence[i, :n] = conf
+                p.source[i] = DrafterKind.SUFFIX
+        return p
+
+
+class Spy:
+    """Wraps a learned drafter, recording which rows it was asked to propose for."""
+
+    def __init__(self, inner):
+        self.inner, self.proposed = inner, []
+        self.kind, self.version, self.feature_layers = (
+            inner.kind,
+            inner.version,
+            inner.feature_layers,
+        )
+
+    def add_request(self, view, features=None):
+        self.inner.add_request(view, features)
+
+    def on_verified(self, request_id, accepted_ids, features):
+        self.inner.on_verified(request_id, accepted_ids, features)
+
+    def remove_request(self, request_id, output_ids):
+        self.inner.remove_request(request_id, output_ids)
+
+    def propose(self, views, k):
+        self.proposed.append([v.request_id for v in views])
+        return self.inner.propose(views, k)
+
+
+CHEAP = {
+    "prior_acceptance": 0.6,
+    "target_step_ms": 40.0,
+    "draft_ms_per_step": 1.0,
+    "measure_verify": False,
+    "explore": 0.0,
+}
+
+
+def test_hybrid_takes_a_confident_suffix_and_the_learned_drafter_elsewhere(target, sharp_head):
+    suffix = StandInSuffix({"conf": ([7, 8, 9, 10], 0.95), "weak": ([11, 12], 0.05)})
+    learned = Spy(EagleDrafter(sharp_head))
+    eng = Engine(target, HybridDrafter(suffix, learned, HybridPolicy(**CHEAP)))
+    for seed, rid in enumerate(("conf", "weak", "nomatch")):
+        eng.add(rid, history(seed, 6))
+    p = eng.propose(["conf", "weak", "nomatch"])
+    assert p.source.tolist() == [DrafterKind.SUFFIX, DrafterKind.EAGLE, DrafterKind.EAGLE]
+    assert learned.proposed == [["weak", "nomatch"]]  # the learned drafter only ran where needed
+    assert p.tokens[0].tolist() == [7, 8, 9, 10] and p.probs[0].tolist() == [1.0] * 4
+    assert p.lengths.tolist() == [4, 4, 4]
+    alone = Engine(target, EagleDrafter(sharp_head))
+    alone.add("weak", eng.views["weak"].token_ids)
+    assert torch.equal(p.tokens[1], alone.propose(["weak"]).tokens[0])
+
+
+def test_hybrid_proposes_nothing_when_the_learned_drafter_does_not_pay(target, sharp_head):
+    suffix = StandInSuffix({"conf": ([7, 8], 0.9)})
+    learned = Spy(EagleDrafter(sharp_head))
+    policy = HybridPolicy(
+        prior_acceptance=0.05,
+        target_step_ms=40.0,
+        draft_ms_per_step=10.0,
+        measure_verify=False,
+        explore=0.0,
+    )
+    eng = Engine(target, HybridDrafter(suffix, learned, policy))
+    eng.add("conf", history(1, 6))
+    eng.add("none", history(2, 6))
+    p = eng.propose(["conf", "none"])
+    assert p.source.tolist() == [DrafterKind.SUFFIX, DrafterKind.NONE]
+    assert p.lengths.tolist() == [2, 0] and learned.proposed == []
+
+
+def test_hybrid_threshold_and_learned_acceptance_tracking(target, sharp_head):
+    suffix = StandInSuffix({"a": ([5, 6, 7], 0.5)})  # expected accepted 0.5+0.25+0.125 = 0.875
+    hybrid = HybridDrafter(
+        suffix, EagleDrafter(sharp_head), HybridPolicy(suffix_threshold=0.8, **CHEAP)
+    )
+    eng = Engine(target, hybrid)
+    eng.add("a", history(1, 6))
+    eng.add("b", history(2, 6))
+    p = eng.propose(["a", "b"])
+    assert p.source.tolist() == [DrafterKind.SUFFIX, DrafterKind.EAGLE]
+    before = hybrid.acceptance.value
+    eng.verified("a", [5, 6, 7, 1])
+    eng.verified("b", [9])  # learned draft rejected at once: acceptance estimate drops
+    assert hybrid.acceptance.value < before
+    assert suffix.verified == [("a", [5, 6, 7, 1]), ("b", [9])]
+
+
+def test_hybrid_keeps_the_learned_state_in_sync_for_suffix_rows(target, sharp_head):
+    suffix = StandInSuffix({"r": ([1, 2, 3, 4], 0.99)})
+    learned = Spy(EagleDrafter(sharp_head))
+    eng = Engine(target, HybridDrafter(suffix, learned, HybridPolicy(**CHEAP)))
+    eng.add("r", history(4, 7))
+    for accepted in ([1, 2, 3, 4, 9], [1, 2, 30], [5]):
+        assert eng.propose(["r"]).source[0] == DrafterKind.SUFFIX
+        eng.verified("r", accepted)
+    assert learned.proposed == []
+    suffix.drafts.clear()  # no match any more: the learned drafter takes over with its state current
+    p = eng.propose(["r"])
+    fresh = Engine(target, EagleDrafter(sharp_head))
+    fresh.add("r", eng.views["r"].token_ids)
+    assert p.source[0] == DrafterKind.EAGLE
+    assert torch.equal(p.tokens[0], fresh.propose(["r"]).tokens[0])
+
+
+def test_hybrid_mixes_point_masses_with_sampled_learned_dists(target, sharp_head):
+    suffix = StandInSuffix({"s": ([7, 8], 0.99)})
+    eng = Engine(target, HybridDrafter(suffix, EagleDrafter(sharp_head), HybridPolicy(**CHEAP)))
+    eng.add("s", history(1, 6), temperature=1.0)
+    eng.add("l", history(2, 6), temperature=1.0)
+    p = eng.propose(["s", "l"])
+    assert p.source.tolist() == [DrafterKind.SUFFIX, DrafterKind.EAGLE]
+    assert p.dists.shape == (2, K, V)
+    assert (
+        p.dists[0, 0, 7] == 1.0 and p.dists[0, 1, 8] == 1.0 and float(p.dists[0, 2:].sum()) == 0.0
+    )
+    assert torch.allclose(p.dists[1].sum(-1), torch.ones(K), atol=1e-5)
+
+
+def test_hybrid_with_the_real_suffix_drafter_uses_a_repeated_pattern(target):
+    drafter = build_drafter(
+        "hybrid",
+        target,
+        learned_options={"draft_vocab_size": 96, "feature_layers": LAYERS},
+        policy={"measure_verify": False, "explore": 0.0},
+    )
+    assert drafter.suffix.kind == "suffix" and drafter.learned.kind == "eagle"
+    eng = Engine(target, drafter)
+    pattern = [11, 12, 13, 14, 15, 16, 17, 18]
+    eng.add("p", pattern * 4 + pattern[:3])
+    p = eng.propose(["p"])
+    assert p.source[0] == DrafterKind.SUFFIX
+    assert p.tokens[0, : p.lengths[0]].tolist() == pattern[3 : 3 + int(p.lengths[0])]
+
+
+# -- factory ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["suffix", "eagle", "standalone", "hybrid"])
+def test_build_drafter_day0_every_kind(kind, target):
+    options = {
+        "eagle": {"draft_vocab_size": 64},
+        "standalone": {"num_layers": 1},
+        "hybrid": {"learned_options": {"draft_vocab_size": 64}},
+        "suffix": {},
+    }[kind]
+    drafter = build_drafter(kind, target, **options)
+    assert drafter.kind == kind and drafter.version == "day0" and isinstance(drafter, Drafter)
+    eng = Engine(target, drafter)
+    eng.add("r", history(0, 9))
+    p = eng.propose(["r"])
+    assert p.tokens.shape == (1, K) and 0 <= int(p.lengths[0]) <= K
+    assert int(p.tokens.max()) < V
+
+
+def test_build_drafter_from_artifacts(target, tmp_path):
+    head = eagle_from_target(target.model, draft_vocab_size=64, feature_layers=LAYERS)
+    save_drafter(head, head.config, target.fingerprint, tmp_path / "e", version="v7")
+    model = standalone_from_target(target.model, num_layers=1)
+    save_drafter(
+        model,
+        StandaloneConfig.for_target(target.model.config, 1, V),
+        target.fingerprint,
+        tmp_path / "s",
+        version="v3",
+    )
+    eagle = build_drafter("eagle", target, tmp_path / "e")
+    assert eagle.version == "v7" and eagle.feature_layers == LAYERS
+    hybrid = build_drafter("hybrid", target, tmp_path / "s")
+    assert hybrid.learned.kind == "standalone" and hybrid.version == "v3"
+    with pytest.raises(ValueError, match="standalone drafter, not eagle"):
+        build_drafter("eagle", target, tmp_path / "s")
+    other = tiny_target(vocab_size=V, hidden_size=H, num_layers=4, seed=1)
+    with pytest.raises(DrafterArtifactError, match="refusing"):
+        build_drafter("eagle", other, tmp_path / "e")
+    with pytest.raises(ValueError, match="unknown drafter kind"):
+        build_drafter("medusa", target)
+    with pytest.raises(TypeError):
+        build_drafter("eagle", target, bogus=1)
+    eng = Engine(target, eagle)
+    eng.add("r", history(0, 9))
+    assert eng.propose(["r"]).lengths.tolist() == [K]
+
+
+def test_unused_rows_in_hybrid_proposal_are_zero_padded(target, sharp_head):
+    suffix = StandInSuffix({"a": ([7], 0.99)})
+    eng = Engine(target, HybridDrafter(suffix, EagleDrafter(sharp_head), HybridPolicy(**CHEAP)))
+    eng.add("a", history(1, 6))
+    p = eng.propose(["a"])
+    assert p.lengths.tolist() == [1] and p.tokens[0].tolist() == [7, 0, 0, 0]
+    assert isinstance(p.source, np.ndarray) and p.source.dtype == np.uint8
