@@ -1,0 +1,285 @@
+"""``specloop bench train``: does distilling on served traces raise held-out acceptance?
+
+Real traces from a TorchEngine (SmolLM2-135M, suffix drafter, MT-Bench chat prompts; target features
+captured for EAGLE heads) are cached on disk with the trace codec, so re-runs skip generation. The
+train traces arrive in chunks; after each the student trains a few steps and is scored on held-out
+prompts of the same domain (the acceptance-vs-trace-tokens curve). Speedups are simulated inside the
+hybrid policy with the suffix drafter, charged with the student's draft cost measured here.
+``generate_traces`` is also the trainer's headline test's trace source (a tiny target).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import typer
+
+from feedback import codec
+from feedback.sink import InProcessTraceSink
+from feedback.trace import TraceRecord
+
+
+def generate_traces(
+    target,
+    prompts: list[list[int]],
+    *,
+    k: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    feature_layers: tuple[int, ...] | None = None,
+    domain: str = "default",
+    tenant: str = "default",
+    id_prefix: str = "req",
+    max_batch_size: int = 8,
+    seed: int = 0,
+) -> list[TraceRecord]:
+    """Serve ``prompts`` (token ids) on ``target`` (serving.target.Target); one trace per prompt,
+    in prompt order. ``feature_layers``: HF hidden_states indices captured into the traces."""
+    from serving.drafters.factory import build_drafter
+    from serving.engine.base import GenerationRequest, SamplingParams
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.observers import TraceRecorder
+
+    sink = InProcessTraceSink()
+    features = bool(feature_layers)
+    recorder = TraceRecorder(sink, target.fingerprint, record_features=features)
+    config = EngineConfig(max_batch_size=max_batch_size, k=k, capture_features=features,
+                          feature_layers=tuple(feature_layers or (-1,)))
+    engine = TorchEngine(target, build_drafter("suffix", target), config=config, observers=[recorder])
+    ids = [f"{id_prefix}-{i}" for i in range(len(prompts))]
+
+    async def one(rid: str, prompt: list[int], i: int):
+        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i,
+                                ignore_eos=True)
+        req = GenerationRequest(request_id=rid, prompt_ids=list(prompt), params=params, tenant=tenant,
+                                domain=domain)
+        async for _ in engine.generate(req):
+            pass
+
+    async def main():
+        await engine.start()
+        try:
+            await asyncio.gather(*[one(r, p, i) for i, (r, p) in enumerate(zip(ids, prompts))])
+        finally:
+            await engine.stop()
+
+    asyncio.run(main())
+    by_id = {r.request_id: r for r in sink.drain()}
+    missing = [r for r in ids if r not in by_id]
+    if missing:
+        raise RuntimeError(f"{len(missing)} requests left no trace (first: {missing[0]})")
+    return [by_id[r] for r in ids]
+
+
+def save_traces(records: list[TraceRecord], path: str | Path) -> None:
+    """Length-prefixed trace codec blobs (no pickle)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        for r in records:
+            blob = codec.encode(r)
+            f.write(len(blob).to_bytes(4, "little"))
+            f.write(blob)
+    tmp.replace(path)
+
+
+def load_traces(path: str | Path) -> list[TraceRecord]:
+    data = Path(path).read_bytes()
+    out, i = [], 0
+    while i < len(data):
+        n = int.from_bytes(data[i : i + 4], "little")
+        out.append(codec.decode(data[i + 4 : i + 4 + n]))
+        i += 4 + n
+    return out
+
+
+# ---- measured draft cost ----------------------------------------------------------------------
+
+
+def _median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    import time
+
+    import numpy as np
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1000.0)
+
+
+def measure_draft_cost(target, student, context: int = 256) -> dict:
+    """Per-token draft time of ``student`` (in the target's dtype, with a KV cache of ``context``
+    positions) relative to one target decode step at the same context, on this machine."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    dtype = target.model.get_output_embeddings().weight.dtype
+    ids = torch.randint(0, 1000, (1, context))
+    with torch.inference_mode():
+        cache = DynamicCache()
+        target.model(ids, past_key_values=cache, use_cache=True)
+        tok = ids[:, -1:]
+
+        def target_step():
+            target.model(tok, past_key_values=cache, use_cache=True)
+            cache.crop(-1)
+
+        target_ms = _median_ms(target_step)
+        model = copy.deepcopy(student.model).to(dtype).eval()
+        if student.kind == "eagle":
+            model.attach_embeddings(target.model.get_input_embeddings().weight)
+            dcache = DynamicCache()
+            feats = torch.randn(1, context, model.config.feature_size, dtype=dtype)
+            h = model(ids, features=feats, cache=dcache)[:, -1:]  # [1, 1, H]
+
+            def draft_step():
+                out = model(tok, h, cache=dcache)
+                model.compute_logits(out).argmax(-1)
+                dcache.crop(-1)
+        else:
+            dcache = DynamicCache()
+            model(ids, past_key_values=dcache, use_cache=True)
+
+            def draft_step():
+                model(tok, past_key_values=dcache, use_cache=True).logits.argmax(-1)
+                dcache.crop(-1)
+
+        draft_ms = _median_ms(draft_step)
+    return {"target_step_ms": target_ms, "draft_token_ms": draft_ms, "draft_cost": draft_ms / target_ms}
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+
+
+def _cached_traces(target, name: str, prompts, args, feature_layers, cache_dir) -> list[TraceRecord]:
+    import hashlib
+    import json
+
+    key = hashlib.sha256(json.dumps([target.fingerprint.key(), prompts, args.max_new_tokens, args.k,
+                                     list(feature_layers)]).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"{name}-{key}.traces"
+    if path.exists():
+        return load_traces(path)
+    traces = generate_traces(target, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
+                             feature_layers=feature_layers, domain="chat", id_prefix=name)
+    save_traces(traces, path)
+    return traces
+
+
+def run(args) -> dict:
+    import time
+
+    import torch
+
+    from benchmarks.prompts import interleave_categories, load_mtbench
+    from feedback.drafter_models import (day0_draft_vocab, default_feature_layers, eagle_from_target,
+                                         special_token_ids, standalone_from_target)
+    from serving.target import load_target
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.eagle_student import EagleStudent, traffic_frequencies
+    from trainer.gate import GateConfig, build_suffix_index, score
+    from trainer.replay import ReplayBuffer
+    from trainer.students import StandaloneStudent
+
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    target = load_target(args.model)
+    layers = default_feature_layers(int(target.model.config.num_hidden_layers))
+    items = interleave_categories(load_mtbench())
+    prompts = [it.token_ids(target.tokenizer) for it in items[: args.train_prompts + args.heldout_prompts]]
+    train_p, held_p = prompts[: args.train_prompts], prompts[args.train_prompts :]
+    t0 = time.perf_counter()
+    train = _cached_traces(target, "train", train_p, args, layers, args.cache_dir)
+    held = _cached_traces(target, "heldout", held_p, args, layers, args.cache_dir)
+    gen_s = time.perf_counter() - t0
+
+    vocab = int(target.model.get_output_embeddings().weight.shape[0])
+    if args.student == "eagle":
+        dv = day0_draft_vocab(vocab, args.draft_vocab, special_token_ids(target.tokenizer, target.model.config),
+                              frequencies=traffic_frequencies(train, vocab))
+        student = EagleStudent(eagle_from_target(target.model, feature_layers=layers, draft_vocab=dv),
+                               depth=args.depth, max_len=args.max_len)
+    else:
+        student = StandaloneStudent(standalone_from_target(target.model, num_layers=2).float(), max_len=args.max_len)
+    cost = measure_draft_cost(target, student)
+    gate = GateConfig(k=args.k, draft_cost=cost["draft_cost"], hybrid=True)
+    suffix = build_suffix_index(train)
+
+    replay = ReplayBuffer(heldout_size=len(held), fingerprint=target.fingerprint)
+    for r in held:
+        replay.add(r, heldout=True)
+    before = score(student, held, gate, suffix)
+    suffix_only = score(None, held, gate, suffix)
+    distiller = Distiller(student, DistillConfig(lr=args.lr, batch_traces=args.batch_traces, max_len=args.max_len,
+                                                 eval_every=args.eval_every, patience=10**6))
+    curve = [{"trace_tokens_seen": 0, "expected_acceptance": before.expected_acceptance,
+              "sim_accept_len": before.sim_accept_len}]
+    chunks = max(1, args.chunks)
+    steps = train_s = 0.0
+    best = before.expected_acceptance
+    for c in range(chunks):
+        lo, hi = len(train) * c // chunks, len(train) * (c + 1) // chunks
+        for r in train[lo:hi]:
+            replay.add(r, heldout=False)
+        res = distiller.fit(replay, args.steps_per_chunk, k=args.k)
+        steps += res.steps
+        train_s += res.train_seconds
+        best = max(best, res.best_acceptance)
+        ev = distiller.evaluate(held, args.k)
+        curve.append({"trace_tokens_seen": replay.tokens_seen, **ev, "train_steps": distiller.global_step})
+    after = score(student, held, gate, suffix)
+    return {
+        "model": target.model_id, "student": args.student, "k": args.k,
+        "train_prompts": len(train), "heldout_prompts": len(held), "max_new_tokens": args.max_new_tokens,
+        "expected_acceptance_before": before.expected_acceptance, "expected_acceptance_after": after.expected_acceptance,
+        "sim_accept_len_before": before.sim_accept_len, "sim_accept_len_after": after.sim_accept_len,
+        "sim_speedup_before": before.sim_speedup, "sim_speedup_after": after.sim_speedup,
+        "sim_speedup_suffix_only": suffix_only.sim_speedup,
+        "trace_tokens_seen": replay.tokens_seen, "train_steps": int(steps),
+        "train_steps_per_s": steps / train_s if train_s else 0.0,
+        **cost, "curve": curve,
+        "trace_generation_s": gen_s, "total_s": time.perf_counter() - t_start,
+        "note": "held-out = separate MT-Bench prompts; weights selected on held-out expected acceptance "
+                "(as the gate does), so 'after' is the selected checkpoint's score on the selection set",
+    }
+
+
+def bench_train(
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option("SmolLM2-135M-Instruct", help="Target model."),
+    student: str = typer.Option("eagle", help="eagle | standalone"),
+    train_prompts: int = typer.Option(36, help="MT-Bench prompts whose traces train."),
+    heldout_prompts: int = typer.Option(12, help="Held-out MT-Bench prompts (same domain)."),
+    max_new_tokens: int = typer.Option(64, help="Tokens generated per prompt."),
+    k: int = typer.Option(4, help="Draft length (serving and gate)."),
+    chunks: int = typer.Option(4, help="Train traces arrive in this many chunks (curve points)."),
+    steps_per_chunk: int = typer.Option(40, help="Training steps after each chunk."),
+    eval_every: int = typer.Option(20, help="Held-out evaluation interval (steps)."),
+    batch_traces: int = typer.Option(4, help="Traces per step."),
+    lr: float = typer.Option(1e-3, help="AdamW learning rate."),
+    depth: int = typer.Option(3, help="EAGLE training-time-test chain depth."),
+    draft_vocab: int = typer.Option(8192, help="EAGLE draft vocabulary (by traffic frequency)."),
+    max_len: int = typer.Option(512, help="Left-truncate training sequences."),
+    threads: int = typer.Option(1, help="torch threads (1: two threads on 2 shared cores ran 10x slower here)."),
+    cache_dir: str = typer.Option(str(Path.home() / ".cache" / "specloop" / "bench_train"),
+                                                 help="Trace cache (re-runs skip generation)."),
+) -> None:
+    """Generate (or reuse) TorchEngine traces on MT-Bench, distil a drafter, report held-out gains."""
+    import json
+    from types import SimpleNamespace
+
+    out = run(SimpleNamespace(**{k_: v for k_, v in locals().items() if k_ != "json_out"}))
+    if json_out:
+        print(json.dumps(out))
+    else:
+        for key, v in out.items():
+            print(f"{key}: {v}")

@@ -1,0 +1,25 @@
+import pytest
+import torch
+
+from trainer_tracegen import FP, make_trace, tiny_lm
+
+
+@pytest.fixture(scope="module")
+def domain_a_replay():
+    from trainer.replay import ReplayBuffer
+
+    rb = ReplayBuffer(heldout_fraction=0.2, fingerprint=FP)
+    rb.extend(make_trace("a", seed=i) for i in range(80))
+    return rb
+
+
+@pytest.fixture(scope="module")
+def trained_student(domain_a_replay):
+    """A tiny standalone student distilled on domain a (and the fit result)."""
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.students import StandaloneStudent
+
+    torch.set_num_threads(1)
+    st = StandaloneStudent(tiny_lm(seed=0))
+    res = Distiller(st, DistillConfig(lr=3e-3, eval_every=20)).fit(domain_a_replay, 80, k=3)
+    return st, res

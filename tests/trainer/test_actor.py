@@ -1,0 +1,36 @@
+import pytest
+
+from trainer.config import TrainerSettings
+
+
+def _student():
+    from trainer.students import StandaloneStudent
+    from trainer_tracegen import tiny_lm
+
+    return StandaloneStudent(tiny_lm(seed=0))
+
+
+def _source():
+    from trainer.sources import ListTraceSource
+    from trainer_tracegen import make_trace
+
+    return ListTraceSource([make_trace("a", seed=i) for i in range(60)])
+
+
+@pytest.mark.integration
+def test_ray_actor_trains_and_promotes(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    from trainer.actor import start_actor
+    from trainer_tracegen import FP
+
+    monkeypatch.setenv("PYTHONPATH", __file__.rsplit("/", 1)[0])
+    s = TrainerSettings(source="inprocess", tracking_uri=f"sqlite:///{tmp_path}/m.db",
+                        checkpoint_dir=str(tmp_path / "ckpt"), min_train_traces=8, steps_per_round=20,
+                        rounds_per_gate=1, poll_records=60, k=3, lr=3e-3)
+    try:
+        actor = start_actor(s, _student, FP, _source, registry=None)
+        stats = ray.get(actor.run.remote(max_rounds=2), timeout=300)
+        assert stats["train_steps"] > 0 and stats["promotions"] >= 1, stats
+        assert (tmp_path / "ckpt" / "latest" / "meta.json").exists()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,83 @@
+import copy
+import math
+
+import torch
+
+from trainer.distill import DistillConfig, Distiller
+from trainer.gate import GateConfig, build_suffix_index, judge, loss_healthy, score
+from trainer.students import StandaloneStudent
+from trainer_tracegen import make_trace, tiny_lm
+
+CFG = GateConfig(k=3)
+
+
+def test_distillation_raises_heldout_acceptance(trained_student):
+    _, res = trained_student
+    before = res.curve[0]["expected_acceptance"]
+    assert res.best_acceptance > before + 0.3
+    assert all(math.isfinite(x) for x in res.losses)
+
+
+def test_gate_promotes_a_better_candidate_and_refuses_a_worse_one(trained_student, domain_a_replay):
+    good, res = trained_student
+    fresh = StandaloneStudent(tiny_lm(seed=5))
+    suffix = build_suffix_index(domain_a_replay.train_records)
+    up = judge(good, fresh, domain_a_replay.heldout, CFG, suffix=suffix, losses=res.losses)
+    assert up.promote, up.reason
+    assert up.candidate.sim_speedup > up.champion.sim_speedup
+    down = judge(fresh, good, domain_a_replay.heldout, CFG, suffix=suffix, losses=[1.0, 0.9])
+    assert not down.promote and "expected acceptance" in down.reason
+
+
+def test_gate_refuses_equal_candidate_within_margin(trained_student, domain_a_replay):
+    good, _ = trained_student
+    twin = StandaloneStudent(copy.deepcopy(good.model))
+    assert not judge(twin, good, domain_a_replay.heldout, CFG).promote
+
+
+def test_gate_refuses_nan_weights_and_diverged_loss(trained_student, domain_a_replay):
+    good, res = trained_student
+    broken = StandaloneStudent(copy.deepcopy(good.model))
+    with torch.no_grad():
+        next(broken.model.parameters()).view(-1)[0] = float("nan")
+    d = judge(broken, None, domain_a_replay.heldout, CFG)
+    assert not d.promote and "non-finite weights" in d.reason
+    inf = StandaloneStudent(copy.deepcopy(good.model))
+    with torch.no_grad():
+        next(inf.model.parameters()).view(-1)[0] = float("inf")
+    assert not judge(inf, None, domain_a_replay.heldout, CFG).promote
+    assert not judge(good, None, domain_a_replay.heldout, CFG, losses=[1.0, float("nan")]).promote
+    assert not loss_healthy([1.0, 0.5, 0.4] + [50.0] * 3)
+    assert loss_healthy([1.0, 0.5, 0.4, 0.41])
+
+
+def test_learned_acceptance_is_domain_specific(trained_student):
+    good, _ = trained_student
+    a = [make_trace("a", seed=1000 + i) for i in range(8)]
+    b = [make_trace("b", seed=1000 + i) for i in range(8)]
+    assert score(good, a, CFG, None).expected_acceptance > score(good, b, CFG, None).expected_acceptance + 0.3
+
+
+def test_every_loss_kind_trains(domain_a_replay):
+    for kind in ("fkl", "rkl", "jsd", "tvd"):
+        st = StandaloneStudent(tiny_lm(seed=1))
+        d = Distiller(st, DistillConfig(loss=kind, lr=3e-3, ce_weight=0.1, eval_every=10, patience=10))
+        before = d.evaluate(domain_a_replay.heldout, 3)["expected_acceptance"]
+        d.fit(domain_a_replay, 20, k=3)
+        after = d.evaluate(domain_a_replay.heldout, 3)["expected_acceptance"]
+        assert after > before + 0.05, kind
+
+
+def test_checkpoint_round_trip_resumes_identically(domain_a_replay):
+    cfg = DistillConfig(lr=3e-3)
+    a = Distiller(StandaloneStudent(tiny_lm(seed=2)), cfg)
+    for _ in range(3):
+        a.step(domain_a_replay.sample(4, a.rng))
+    state = copy.deepcopy(a.state_dict())
+    b = Distiller(StandaloneStudent(tiny_lm(seed=9)), cfg)
+    b.load_state_dict(state)
+    la = a.step(domain_a_replay.sample(4, a.rng))["loss"]
+    lb = b.step(domain_a_replay.sample(4, b.rng))["loss"]
+    assert la == lb
+    for x, y in zip(a.student.model.parameters(), b.student.model.parameters()):
+        assert torch.equal(x, y)

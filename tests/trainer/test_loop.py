@@ -1,0 +1,92 @@
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from trainer.distill import DistillConfig
+from trainer.gate import GateConfig
+from trainer.loop import LoopConfig, TrainerLoop
+from trainer.sources import ListTraceSource
+from trainer.students import StandaloneStudent
+from trainer_tracegen import FP, make_trace, tiny_lm
+
+
+def _loop(source, tmp_path, **kw):
+    return TrainerLoop(
+        source, StandaloneStudent(tiny_lm(seed=0)), FP,
+        loop=LoopConfig(poll_records=20, min_train_traces=8, steps_per_round=5, rounds_per_gate=2,
+                        checkpoint_dir=str(tmp_path / "ckpt")),
+        distill=DistillConfig(lr=3e-3, eval_every=5), gate=GateConfig(k=3), **kw)
+
+
+def test_offsets_are_committed_only_after_training_and_pauses_when_saturated(tmp_path):
+    src = ListTraceSource([make_trace("a", seed=i) for i in range(60)])
+    busy = {"v": True}
+    loop = _loop(src, tmp_path, saturated=lambda: busy["v"])
+    loop.run_round()
+    assert loop.stats.paused_rounds == 1 and loop.stats.train_steps == 0 and src.committed == 0
+    busy["v"] = False
+    loop.run_round()
+    assert loop.stats.train_steps == 5 and src.committed == 40
+
+
+def test_killed_loop_resumes_from_checkpoint_without_losing_records(tmp_path):
+    recs = [make_trace("a", seed=i) for i in range(60)]
+    src = ListTraceSource(recs)
+    loop = _loop(src, tmp_path)
+    loop.run_round()
+    loop.run_round()
+    trained = {r.request_id for r in loop.replay.train_records} | {r.request_id for r in loop.replay.heldout}
+    step, params = loop.distiller.global_step, [p.clone() for p in loop.student.model.parameters()]
+    loop.source.poll(20)  # polled, then "killed" before the round finished: not committed
+    src.rewind()  # what the broker does for an uncommitted consumer group
+
+    resumed = _loop(src, tmp_path)
+    assert resumed.distiller.global_step == step
+    for a, b in zip(params, resumed.student.model.parameters()):
+        assert torch.equal(a, b)
+    assert {r.request_id for r in resumed.replay.train_records} | {r.request_id for r in resumed.replay.heldout} == trained
+    while src.poll.__self__._pending:
+        resumed.run_round()
+    seen = {r.request_id for r in resumed.replay.train_records} | {r.request_id for r in resumed.replay.heldout}
+    assert seen == {r.request_id for r in recs}
+    assert resumed.replay.rejected["duplicate"] == 0
+
+
+def _exporter(student, out, fingerprint):
+    save_file({k: v.contiguous() for k, v in student.model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "fingerprint.json").write_text(json.dumps(fingerprint.model_dump()))
+
+
+class _Announcer:
+    def __init__(self):
+        self.calls = []
+
+    def announce(self, tenant, version):
+        self.calls.append((tenant, version))
+
+
+def test_loop_promotes_registers_and_announces(tmp_path):
+    from feedback.registry import DrafterRegistry
+    from safetensors.torch import load_file
+
+    reg = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
+    ann = _Announcer()
+    src = ListTraceSource([make_trace("a", seed=i, tenant="acme") for i in range(80)])
+    loop = TrainerLoop(src, StandaloneStudent(tiny_lm(seed=0)), FP,
+                       loop=LoopConfig(tenant="acme", poll_records=80, min_train_traces=8, steps_per_round=30,
+                                       rounds_per_gate=1, lineage={"topic": "inproc"}),
+                       distill=DistillConfig(lr=3e-3, eval_every=10), gate=GateConfig(k=3),
+                       registry=reg, announcer=ann, exporter=_exporter)
+    loop.run_round()
+    assert loop.stats.promotions == 1, loop.stats.last_decision
+    assert ann.calls == [("acme", "1")]
+    path, champ = reg.download("acme")
+    got = load_file(str(path / "model.safetensors"))
+    for k, v in loop.student.model.state_dict().items():
+        assert torch.equal(got[k], v)
+    params = reg.client.get_run(champ.run_id).data.params
+    assert params["topic"] == "inproc" and params["parent_version"] == "none" and params["loss"] == "fkl"
+    # same model again: not better than itself -> no second promotion
+    loop.gate()
+    assert loop.stats.promotions == 1

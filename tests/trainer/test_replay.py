@@ -1,0 +1,59 @@
+import numpy as np
+
+from feedback.fingerprint import TargetFingerprint
+from trainer.replay import ReplayBuffer, is_heldout
+from trainer_tracegen import make_trace
+
+
+def test_heldout_split_is_by_request_and_stable():
+    rb = ReplayBuffer(heldout_fraction=0.3, heldout_size=1000)
+    recs = [make_trace("a", seed=i) for i in range(60)]
+    rb.extend(recs)
+    held = {r.request_id for r in rb.heldout}
+    train = {r.request_id for r in rb.train_records}
+    assert held and train and not (held & train)
+    assert held == {r.request_id for r in recs if is_heldout(r.request_id, 0.3)}
+
+
+def test_heldout_keeps_only_the_most_recent():
+    rb = ReplayBuffer(heldout_fraction=0.5, heldout_size=3)
+    recs = [make_trace("a", seed=i) for i in range(40)]
+    rb.extend(recs)
+    expected = [r.request_id for r in recs if is_heldout(r.request_id, 0.5)][-3:]
+    assert [r.request_id for r in rb.heldout] == expected
+
+
+def test_recent_traces_are_sampled_more():
+    rb = ReplayBuffer(heldout_fraction=0.0, half_life=10)
+    recs = [make_trace("a", seed=i) for i in range(60)]
+    rb.extend(recs)
+    w = rb.weights()
+    assert w[-1] == 1.0 and np.all(np.diff(w) > 0)
+    counts = {}
+    for r in rb.sample(3000, np.random.default_rng(0)):
+        counts[r.request_id] = counts.get(r.request_id, 0) + 1
+    old = sum(counts.get(r.request_id, 0) for r in recs[:10])
+    new = sum(counts.get(r.request_id, 0) for r in recs[-10:])
+    assert new > 10 * max(old, 1)
+
+
+def test_duplicates_and_foreign_targets_are_refused():
+    rb = ReplayBuffer(heldout_fraction=0.0, fingerprint=make_trace("a", seed=0).target)
+    r = make_trace("a", seed=0)
+    assert rb.add(r) and not rb.add(r)
+    same_content = make_trace("a", seed=0, request_id="other-id")
+    assert not rb.add(same_content)
+    other = make_trace("a", seed=1).model_copy(
+        update={"target": TargetFingerprint(model_id="x", tokenizer_hash="f" * 16, vocab_size=48)})
+    assert not rb.add(other)
+    assert rb.rejected == {"duplicate": 2, "fingerprint": 1}
+    assert len(rb) == 1 and rb.tokens_seen == len(r.output_ids)
+
+
+def test_dedup_memory_is_bounded_and_forgets_the_oldest():
+    rb = ReplayBuffer(capacity=5, heldout_fraction=0.0, max_seen=10)
+    recs = [make_trace("a", seed=i, out_len=4) for i in range(30)]
+    rb.extend(recs)
+    assert len(rb._seen_ids) == 10 and len(rb._seen_keys) == 10 and len(rb) == 5
+    assert not rb.add(recs[-1])  # recent: still a duplicate
+    assert rb.add(recs[0])  # long forgotten: accepted again

@@ -1,0 +1,52 @@
+"""Trainer settings (env prefix ``SPECLOOP_TRAINER_``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TrainerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECLOOP_TRAINER_")
+
+    tenant: str = Field("default", description="Tenant whose traces are trained on and whose drafter is versioned.")
+    drafter: Literal["standalone", "eagle"] = Field("standalone", description="Which learned drafter to train.")
+    source: Literal["kafka", "inprocess"] = Field("kafka", description="Where traces come from.")
+    bootstrap_servers: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers.")
+    topic: str = Field("specloop.traces", description="Trace topic.")
+    group_id: str = Field("specloop-trainer", description="Kafka consumer group (offsets are committed per group).")
+    redis_url: str | None = Field(None, description="Control plane; None = no heartbeats (always train), no announcements.")
+    tracking_uri: str = Field("sqlite:///specloop-mlflow.db", description="MLflow tracking + registry URI.")
+    checkpoint_dir: str = Field("./specloop-trainer-ckpt", description="Model + optimizer + replay checkpoints.")
+    ray_address: str | None = Field(None, description="Ray cluster address; None starts a local Ray with num_cpus.")
+    num_cpus: int = Field(2, description="CPUs for a local Ray.")
+
+    poll_records: int = Field(64, description="Max traces per poll.")
+    poll_timeout_s: float = Field(1.0, description="Poll wait.")
+    min_train_traces: int = Field(16, description="Training traces needed before the first step.")
+    steps_per_round: int = Field(20, description="Training steps between polls.")
+    rounds_per_gate: int = Field(5, description="Rounds between gate evaluations.")
+    max_queue_depth: int = Field(8, description="Pause training while any serving replica reports more waiting requests.")
+    max_utilisation: float = Field(0.85, description="Pause training while serving busy fraction exceeds this.")
+
+    loss: Literal["fkl", "rkl", "jsd", "tvd"] = Field("fkl", description="Distillation divergence.")
+    discard_weight: float = Field(0.5, description="Weight of discarded-branch rows (0 = ignore them).")
+    reject_weight: float = Field(0.1, description="Weight of the rejected-token (unlikelihood) term.")
+    ce_weight: float = Field(0.0, description="Weight of the optional next-token CE.")
+    lr: float = Field(1e-3, description="AdamW learning rate.")
+    weight_decay: float = Field(0.01, description="AdamW weight decay.")
+    batch_traces: int = Field(8, description="Traces per training step.")
+    max_len: int = Field(512, description="Left-truncate training sequences to this many tokens.")
+
+    heldout_fraction: float = Field(0.15, description="Fraction of requests held out for the gate.")
+    heldout_size: int = Field(64, description="Most recent held-out traces the gate judges on.")
+    replay_capacity: int = Field(5000, description="Training traces kept.")
+    half_life: float = Field(500.0, description="Recency half-life in traces.")
+
+    k: int = Field(4, description="Serving draft length the gate simulates.")
+    acceptance_margin: float = Field(0.005, description="Absolute expected-acceptance margin to promote.")
+    speedup_margin: float = Field(0.0, description="Relative simulated-speedup margin to promote.")
+    draft_cost: float = Field(0.16, description="Learned draft token cost relative to a target step.")
+    hybrid: bool = Field(True, description="Gate inside the hybrid policy with the suffix drafter.")

@@ -1,0 +1,177 @@
+"""Distillation loop: replay samples -> examples -> KD + discard (+ CE) loss -> AdamW step.
+
+Early stopping and model selection use held-out expected acceptance, never the loss: with a few
+thousand traffic tokens the student memorises, held-out KL bottoms out and rises while train loss
+keeps falling, and loss and acceptance disagree. ``fit`` keeps the best-on-held-out weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from feedback.trace import TraceRecord
+from trainer.examples import build_examples
+from trainer.gate import GateConfig, score
+from trainer.replay import ReplayBuffer
+from trainer.students import RowBatch
+
+LossKind = Literal["fkl", "rkl", "jsd", "tvd"]
+
+
+@dataclass
+class DistillConfig:
+    loss: LossKind = "fkl"
+    discard_weight: float = 0.5
+    """Weight of discarded-branch rows in the distillation loss (0 drops the branches)."""
+    reject_weight: float = 0.1
+    """Weight of the discard term pushing probability off the rejected drafted token."""
+    ce_weight: float = 0.0
+    """Optional next-token cross-entropy on the target's top-1 token."""
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    batch_traces: int = 8
+    max_len: int = 512
+    eval_every: int = 20
+    patience: int = 4
+    """Evaluations without held-out improvement before stopping."""
+    seed: int = 0
+
+
+def compute_loss(rows: RowBatch, cfg: DistillConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    from kernels.losses import discard_loss, distill_loss, next_token_ce
+
+    kd = distill_loss(rows.logits, rows.topk_ids, rows.topk_logprobs, kind=cfg.loss, weights=rows.weights)
+    total = kd
+    parts = {"loss_kd": float(kd.detach())}
+    has_rej = rows.rejected_ids >= 0  # [N]
+    if cfg.reject_weight > 0 and bool(has_rej.any()):
+        rej = discard_loss(rows.logits[has_rej], rows.rejected_ids[has_rej], weights=rows.weights[has_rej])
+        total = total + cfg.reject_weight * rej
+        parts["loss_reject"] = float(rej.detach())
+    if cfg.ce_weight > 0:
+        top1 = rows.topk_ids[:, 0]  # [N] target's most likely token (draft vocab; -1 outside)
+        ok = top1 >= 0
+        if bool(ok.any()):
+            ce = next_token_ce(rows.logits[ok], top1[ok], weights=rows.weights[ok])
+            total = total + cfg.ce_weight * ce
+            parts["loss_ce"] = float(ce.detach())
+    parts["loss"] = float(total.detach())
+    return total, parts
+
+
+@dataclass
+class FitResult:
+    steps: int
+    best_step: int
+    best_acceptance: float
+    stopped_early: bool
+    losses: list[float] = field(default_factory=list)
+    curve: list[dict] = field(default_factory=list)
+    """Held-out evaluations: {step, expected_acceptance, sim_accept_len, loss}."""
+    seconds: float = 0.0
+    train_seconds: float = 0.0
+    """Time in training steps only (no held-out evaluation)."""
+
+
+class Distiller:
+    """Owns a student's optimizer; ``step`` trains on a list of traces, ``fit`` runs to early stop."""
+
+    def __init__(self, student, cfg: DistillConfig | None = None):
+        self.student = student
+        self.cfg = cfg or DistillConfig()
+        self.optimizer = torch.optim.AdamW(
+            student.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+        )
+        self.global_step = 0
+        self.rng = np.random.default_rng(self.cfg.seed)
+
+    def step(self, records: list[TraceRecord]) -> dict[str, float]:
+        cfg = self.cfg
+        examples = [
+            ex
+            for r in records
+            for ex in build_examples(
+                r, discard_weight=cfg.discard_weight, include_discard=cfg.discard_weight > 0, max_len=cfg.max_len
+            )
+        ]
+        self.student.model.train()
+        rows = self.student.row_batch(examples)
+        loss, parts = compute_loss(rows, cfg)
+        self.optimizer.zero_grad(set_to_none=True)
+        if not torch.isfinite(loss):
+            return parts  # never step on a non-finite loss; the gate sees it in the loss history
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.student.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.global_step += 1
+        return parts
+
+    def evaluate(self, heldout: list[TraceRecord], k: int = 4) -> dict[str, float]:
+        self.student.model.eval()
+        s = score(self.student, heldout, GateConfig(k=k, hybrid=False), None)
+        return {"expected_acceptance": s.expected_acceptance, "sim_accept_len": s.sim_accept_len}
+
+    def fit(self, replay: ReplayBuffer, max_steps: int, k: int = 4, should_stop=None) -> FitResult:
+        """Train up to ``max_steps``, evaluating every ``eval_every``; restore the best weights.
+
+        ``should_stop()`` (optional) is polled between steps (serving saturated, shutdown).
+        """
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        heldout = replay.heldout
+        best = self.evaluate(heldout, k)["expected_acceptance"] if heldout else -math.inf
+        best_state = copy.deepcopy(self.student.model.state_dict())
+        res = FitResult(steps=0, best_step=self.global_step, best_acceptance=best, stopped_early=False)
+        res.curve.append({"step": self.global_step, "tokens_seen": replay.tokens_seen,
+                          "expected_acceptance": best, "loss": float("nan")})
+        bad = 0
+        for i in range(max_steps):
+            if should_stop is not None and should_stop():
+                break
+            ts = time.perf_counter()
+            parts = self.step(replay.sample(cfg.batch_traces, self.rng))
+            res.train_seconds += time.perf_counter() - ts
+            res.losses.append(parts["loss"])
+            res.steps += 1
+            if not math.isfinite(parts["loss"]):
+                break
+            if heldout and ((i + 1) % cfg.eval_every == 0 or i + 1 == max_steps):
+                ev = self.evaluate(heldout, k)
+                res.curve.append({"step": self.global_step, "tokens_seen": replay.tokens_seen,
+                                  "loss": parts["loss"], **ev})
+                if ev["expected_acceptance"] > best:
+                    best, bad = ev["expected_acceptance"], 0
+                    best_state = copy.deepcopy(self.student.model.state_dict())
+                    res.best_step = self.global_step
+                else:
+                    bad += 1
+                    if bad >= cfg.patience:
+                        res.stopped_early = True
+                        break
+        if heldout:
+            self.student.model.load_state_dict(best_state)
+        res.best_acceptance = best
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.student.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "global_step": self.global_step,
+            "rng": self.rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.student.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])
+        self.rng.bit_generator.state = state["rng"]

@@ -1,0 +1,24 @@
+"""Student -> drafter artifact directory (feedback/artifact.py format), for the registry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from feedback.fingerprint import TargetFingerprint
+
+
+def artifact_exporter(config=None, version_prefix: str = "cand"):
+    """Exporter for TrainerLoop: writes ``student.model`` with its drafter ``config``
+    (StandaloneConfig, or None for an EagleHead, which carries its own) via
+    ``feedback.artifact.save_drafter``."""
+    from feedback.artifact import save_drafter
+
+    counter = {"n": 0}
+
+    def export(student, out_dir: Path, fingerprint: TargetFingerprint) -> None:
+        counter["n"] += 1
+        cfg = config if config is not None else student.model.config
+        save_drafter(student.model, cfg, fingerprint, out_dir, version=f"{version_prefix}-{counter['n']}",
+                     overwrite=True)
+
+    return export

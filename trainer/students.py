@@ -1,0 +1,150 @@
+"""Students: the trainer's view of a drafter model (what distil and the gate need from it).
+
+A student turns a batch of SequenceExamples into logits at their rows (for the losses) and scores
+one held-out trace (for the gate): the overlap ``sum_x min(p, q)`` at each accepted-path row and the
+accepted length of its greedy k-token chain from each output position.
+
+For a causal standalone LM the chain needs no generation: the chain from position p agrees with the
+output exactly as long as the teacher-forced argmax agrees at p, p+1, ... (after the first miss
+nothing more is accepted), so one forward over prompt + output gives every position's chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from feedback.trace import TraceRecord
+from trainer.examples import SequenceExample, build_examples
+
+
+@dataclass
+class RecordEval:
+    overlap: np.ndarray  # [R] sum over the target top-k of min(p, q), accepted-path rows
+    accept_at: np.ndarray  # [len(output)] accepted tokens of the greedy k-chain from each position
+
+
+@dataclass
+class RowBatch:
+    """Loss inputs for the rows of a batch of examples, in the student's draft vocabulary."""
+
+    logits: torch.Tensor  # [N, Vd]
+    topk_ids: torch.Tensor  # [N, T] draft-vocab ids, -1 where padded or outside the draft vocab
+    topk_logprobs: torch.Tensor  # [N, T]
+    rejected_ids: torch.Tensor  # [N] draft-vocab ids, -1 for none
+    weights: torch.Tensor  # [N]
+    discard: torch.Tensor  # [N] bool
+
+
+def run_lengths(match: np.ndarray, cap: int) -> np.ndarray:
+    """run[p] = consecutive True from p on, capped at ``cap``."""
+    run = np.zeros(len(match) + 1, dtype=np.int64)
+    for p in range(len(match) - 1, -1, -1):
+        run[p] = run[p + 1] + 1 if match[p] else 0
+    return np.minimum(run[:-1], cap)
+
+
+def topk_overlap(q: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
+    """sum_{x in top-k} min(p(x), q(x)); q: [N, V] probs, ids: [N, T] (-1 = absent) -> [N]."""
+    valid = topk_ids >= 0  # [N, T]
+    qx = torch.gather(q, 1, topk_ids.clamp(min=0)) * valid  # [N, T]
+    px = topk_logprobs.float().exp() * valid  # [N, T]
+    return torch.minimum(px, qx).sum(-1)  # [N]
+
+
+class Student:
+    """Base: vocabulary mapping between the target's ids and the student's draft vocabulary."""
+
+    kind = "base"
+    model: torch.nn.Module
+    draft_to_target: torch.Tensor | None = None
+    """[Vd] target id of each draft-vocab id, or None when the draft vocabulary is the target's."""
+
+    def _t2d_table(self, vocab_size: int) -> torch.Tensor | None:
+        if self.draft_to_target is None:
+            return None
+        table = torch.full((vocab_size,), -1, dtype=torch.long)
+        table[self.draft_to_target] = torch.arange(len(self.draft_to_target))
+        return table
+
+    def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> draft ids (-1 stays -1; ids outside the draft vocab become -1)."""
+        if self.draft_to_target is None:
+            return ids
+        if getattr(self, "_t2d", None) is None:
+            self._t2d = self._t2d_table(int(self.draft_to_target.max()) + 1)
+        table = self._t2d
+        inside = (ids >= 0) & (ids < len(table))
+        out = torch.full_like(ids, -1)
+        out[inside] = table[ids[inside]]
+        return out
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.draft_to_target is None else self.draft_to_target[ids]
+
+    def _row_tensors(self, examples: list[SequenceExample], logits: torch.Tensor, keep=None) -> RowBatch:
+        cat = lambda name: np.concatenate([getattr(e, name) for e in examples])  # noqa: E731
+        topk = torch.from_numpy(cat("topk_ids"))
+        rejected = torch.from_numpy(cat("rejected_ids"))
+        discard = torch.from_numpy(np.concatenate([np.full(e.num_rows, e.discard) for e in examples]))
+        out = RowBatch(
+            logits=logits,
+            topk_ids=self.to_draft_ids(topk),
+            topk_logprobs=torch.from_numpy(cat("topk_logprobs")),
+            rejected_ids=self.to_draft_ids(rejected),
+            weights=torch.from_numpy(cat("weights")),
+            discard=discard,
+        )
+        if keep is not None:
+            for name in ("topk_ids", "topk_logprobs", "rejected_ids", "weights", "discard"):
+                setattr(out, name, getattr(out, name)[keep])
+        return out
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+class StandaloneStudent(Student):
+    """A small causal LM over the target's vocabulary (or a draft vocabulary with a mapping).
+
+    ``model(input_ids [B, L]) -> logits [B, L, Vd]`` (a tensor or an object with ``.logits``).
+    """
+
+    kind = "standalone"
+
+    def __init__(self, model: torch.nn.Module, max_len: int = 512, draft_to_target: torch.Tensor | None = None):
+        self.model = model
+        self.max_len = max_len
+        self.draft_to_target = draft_to_target
+
+    def row_batch(self, examples: list[SequenceExample]) -> RowBatch:
+        L = max(len(e.tokens) for e in examples)
+        tokens = torch.zeros(len(examples), L, dtype=torch.long)  # [B, L] right-padded
+        for b, e in enumerate(examples):
+            tokens[b, : len(e.tokens)] = torch.from_numpy(e.tokens)
+        # Causal attention: right padding never reaches a row's context, so no mask is needed.
+        logits = _logits(self.model(tokens))  # [B, L, Vd]
+        b_idx = torch.cat([torch.full((e.num_rows,), b) for b, e in enumerate(examples)])  # [N]
+        pos = torch.from_numpy(np.concatenate([e.ctx_len - 1 for e in examples]))  # [N]
+        return self._row_tensors(examples, logits[b_idx, pos])  # [N, Vd]
+
+    @torch.no_grad()
+    def evaluate(self, record: TraceRecord, k: int) -> RecordEval:
+        main = build_examples(record, include_discard=False, max_len=self.max_len)[0]
+        logits = _logits(self.model(torch.from_numpy(main.tokens)[None]))[0].float()  # [L, Vd]
+        cut = len(record.prompt_ids) + len(record.output_ids) - len(main.tokens)  # left-truncated
+        rows = logits[torch.from_numpy(main.ctx_len - 1)]  # [R, Vd]
+        q = rows.softmax(-1)
+        ids = self.to_draft_ids(torch.from_numpy(main.topk_ids))
+        overlap = topk_overlap(q, ids, torch.from_numpy(main.topk_logprobs)).numpy()
+        # greedy prediction for every output position p (logit index P + p - 1 - cut)
+        out = np.asarray(record.output_ids, dtype=np.int64)
+        P = len(record.prompt_ids)
+        pred = np.full(len(out), -1, dtype=np.int64)
+        first = max(0, cut - P + 1)  # output positions whose context survived truncation
+        idx = torch.arange(first, len(out)) + P - 1 - cut
+        pred[first:] = self.to_target_ids(logits[idx].argmax(-1)).numpy()
+        return RecordEval(overlap=overlap, accept_at=run_lengths(pred == out, k))
