@@ -94,6 +94,19 @@ class VerifyBatch:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     drafter_version: str = "day0"
+    feature_layers: tuple[int, ...] = ()
+    """HF hidden_states indices concatenated into each ``features`` row (empty when none)."""
+
+
+class RequestError(Exception):
+    """Raised from ``generate()`` when one request cannot be served; other requests carry on.
+
+    ``invalid=True``: the request itself is bad (the message says why; HTTP 400). Otherwise the
+    engine failed while serving it (HTTP 500)."""
+
+    def __init__(self, message: str, invalid: bool = False):
+        super().__init__(message)
+        self.invalid = invalid
 
 
 @runtime_checkable

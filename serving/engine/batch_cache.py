@@ -1,0 +1,160 @@
+"""RaggedKVCache: one batched KV cache whose rows hold different numbers of tokens.
+
+Layout: row b keeps its committed tokens contiguous at columns ``[0, lengths[b])`` of per-layer
+buffers ``[B, H, C, D]`` (C = capacity). A forward of q new tokens per row writes them at columns
+``[lengths[b], lengths[b] + q)`` of each row (an index_put), and attention reads columns
+``[0, max(lengths) + q)`` under a 4D mask that lets query i of row b see columns
+``j < lengths[b] + i + 1``. Position ids are the column indices, so RoPE sees each row's true
+positions.
+
+Speculative rollback is then free: after verification a row keeps its first ``accepted + 1`` new
+columns by advancing ``lengths[b]``; the rejected columns past it are garbage that the mask hides
+and the next step overwrites. No holes, no compaction. Rows join by concatenation along the batch
+(a prefilled batch-1 cache) and leave by index_select; both copy the cache, but only on those
+events, not per step.
+
+The object implements the one method HF Llama attention calls on ``past_key_values``
+(``update(keys, values, layer_idx)``); the engine always passes a prepared 4D mask and explicit
+``position_ids``, so transformers never asks the cache for lengths or mask sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GROW = 256  # capacity granularity (columns)
+
+
+class RaggedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        batch_size: int = 0,
+    ):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.capacity = 0
+        shape = (batch_size, num_kv_heads, 0, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.lengths: list[int] = [0] * batch_size
+        """Committed tokens per row (columns [0, lengths[b]) are valid)."""
+        self._write_rows: torch.Tensor | None = None  # [B, q] row of each new column (pending step)
+        self._write_cols: torch.Tensor | None = None  # [B, q] its column
+        self._read_len = 0
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, batch_size: int = 0) -> RaggedKVCache:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        param = next(model.parameters())
+        return cls(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            head_dim,
+            param.dtype,
+            param.device,
+            batch_size,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    # ---- one forward -------------------------------------------------------------------------
+
+    def prepare(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Get ready for a forward of ``q`` new tokens per row.
+
+        Returns ``(position_ids [B, q] int64, mask [B, 1, q, max(lengths)+q] bool)`` to pass to the
+        model. The new columns land at ``lengths[b] + i``; ``commit`` decides how many stay.
+        """
+        read_len = max(self.lengths, default=0) + q
+        self._ensure_capacity(read_len)
+        start = torch.tensor(self.lengths, dtype=torch.long, device=self.device)  # [B]
+        positions = start[:, None] + torch.arange(q, device=self.device)  # [B, q]
+        cols = torch.arange(read_len, device=self.device)  # [L]
+        mask = cols[None, None, :] <= positions[:, :, None]  # [B, q, L]
+        self._write_rows = torch.arange(len(self.lengths), device=self.device)[:, None].expand(
+            -1, q
+        )
+        self._write_cols = positions  # [B, q]
+        self._read_len = read_len
+        return positions, mask[:, None]  # [B, q], [B, 1, q, L]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ):
+        """Called by each attention layer: write this step's keys/values, return the readable span."""
+        rows, cols = self._write_rows, self._write_cols
+        if rows is None:
+            raise RuntimeError("RaggedKVCache.prepare() must be called before a forward")
+        # Advanced indices around a slice put their dims first: the target is [B, q, H, D].
+        # (index_put is ~10-30x faster than scatter_ here.)
+        self.keys[layer_idx][rows, :, cols] = key_states.transpose(1, 2).to(self.dtype)
+        self.values[layer_idx][rows, :, cols] = value_states.transpose(1, 2).to(self.dtype)
+        n = self._read_len
+        return self.keys[layer_idx][:, :, :n], self.values[layer_idx][:, :, :n]
+
+    def commit(self, kept: list[int]) -> None:
+        """After a forward: row b keeps its first ``kept[b]`` new columns."""
+        if len(kept) != self.batch_size:
+            raise ValueError(f"commit: {len(kept)} rows for a batch of {self.batch_size}")
+        self.lengths = [n + int(k) for n, k in zip(self.lengths, kept)]
+        self._write_rows = self._write_cols = None
+
+    # ---- batch membership --------------------------------------------------------------------
+
+    def append(self, other: RaggedKVCache) -> None:
+        """Add ``other``'s rows (e.g. a freshly prefilled batch-1 cache) at the end of the batch.
+        All-or-nothing: on failure (out of memory) the cache is unchanged."""
+        need = max(max(other.lengths, default=0), max(self.lengths, default=0))
+        self._ensure_capacity(need)
+        n = self.capacity
+        keys, values = [], []
+        for layer in range(self.num_layers):
+            k, v = other.keys[layer][:, :, :n], other.values[layer][:, :, :n]
+            pad = n - k.shape[2]
+            if pad > 0:
+                k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+                v = torch.nn.functional.pad(v, (0, 0, 0, pad))
+            keys.append(torch.cat([self.keys[layer], k.to(self.dtype)], dim=0))
+            values.append(torch.cat([self.values[layer], v.to(self.dtype)], dim=0))
+        self.keys, self.values = keys, values
+        self.lengths = self.lengths + list(other.lengths)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (in that order); shrink the capacity if it is now far too large."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.lengths = [self.lengths[r] for r in rows]
+        target = _round_up(max(self.lengths, default=0))
+        cut = target if target + 2 * _GROW <= self.capacity else self.capacity
+        for layer in range(self.num_layers):
+            self.keys[layer] = self.keys[layer].index_select(0, index)[:, :, :cut].contiguous()
+            self.values[layer] = self.values[layer].index_select(0, index)[:, :, :cut].contiguous()
+        self.capacity = cut
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_cap = _round_up(max(needed, int(self.capacity * 1.5)))
+        grow = new_cap - self.capacity
+        for layer in range(self.num_layers):
+            # Zeros, not empty(): masked columns still enter the attention matmul (weight 0), and
+            # 0 * NaN from uninitialised memory would poison the output.
+            self.keys[layer] = torch.nn.functional.pad(self.keys[layer], (0, 0, 0, grow))
+            self.values[layer] = torch.nn.functional.pad(self.values[layer], (0, 0, 0, grow))
+        self.capacity = new_cap
+
+
+def _round_up(n: int) -> int:
+    return max(_GROW, -(-n // _GROW) * _GROW)

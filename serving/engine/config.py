@@ -1,0 +1,60 @@
+"""EngineConfig: the knobs of the embedded TorchEngine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(
+        8,
+        ge=1,
+        description="Most requests decoded together in one verify step; more wait their turn.",
+    )
+    k: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="Most tokens drafted per request per step (the policy may choose fewer). "
+        "0 = target-only decoding (the benchmark baseline).",
+    )
+    trace_topk: int = Field(
+        20,
+        ge=1,
+        description="Target top-k (ids, logprobs) recorded per verified position for traces.",
+    )
+    device: str | None = Field(
+        None,
+        description="Move the target to this torch device (e.g. 'cpu', 'cuda:0'); None = as loaded.",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="Cast the target to this dtype; None = as loaded."
+    )
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads (process-wide, set at start); None = unchanged.",
+    )
+    max_context: int | None = Field(
+        None,
+        ge=2,
+        description="Longest prompt + output in tokens; None = the model's max_position_embeddings "
+        "(a larger value is capped to it).",
+    )
+    capture_features: bool = Field(
+        False,
+        description="Run the target with hidden states even when the drafter needs none, so traces "
+        "can carry target features (VerifyBatch.features).",
+    )
+    feature_layers: tuple[int, ...] = Field(
+        (-1,),
+        description="HF hidden_states indices captured when capture_features is on and the drafter "
+        "names none (-1 = the final, normed hidden state).",
+    )
+    idle_poll_s: float = Field(
+        0.5, gt=0, description="How often an idle step thread re-checks for shutdown (seconds)."
+    )

@@ -1,0 +1,60 @@
+"""SpeculationPolicy: how many tokens to draft in the next verify step.
+
+The engine asks the policy once per step and tells it what the step cost and yielded, so an
+adaptive policy (goodput-optimal k from live acceptance and measured costs, serving/adaptive_k.py)
+can replace ``FixedK`` without touching the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass
+class BatchState:
+    """What the policy may look at when choosing k for the next step."""
+
+    batch_size: int
+    k_max: int
+    """Configured upper bound (EngineConfig.k)."""
+    room: np.ndarray
+    """[B] int: tokens each row may still emit (max_tokens and context); a row drafts at most
+    room - 1 tokens whatever k is."""
+    drafter_kind: str | None = None
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    def choose_k(self, state: BatchState) -> int:
+        """0..state.k_max; 0 = plain target decoding for this step."""
+        ...
+
+    def observe(
+        self,
+        k: int,
+        num_drafted: np.ndarray,
+        num_accepted: np.ndarray,
+        draft_ms: float,
+        verify_ms: float,
+    ) -> None:
+        """After each step: the k chosen, per-row [B] drafted/accepted counts, and the measured
+        draft and verify (target forward + accept) times of the whole batch."""
+        ...
+
+
+class FixedK:
+    """Always k (capped by the configured maximum)."""
+
+    def __init__(self, k: int):
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        self.k = k
+
+    def choose_k(self, state: BatchState) -> int:
+        return min(self.k, state.k_max)
+
+    def observe(self, k, num_drafted, num_accepted, draft_ms, verify_ms) -> None:
+        pass

@@ -1,0 +1,678 @@
+"""TorchEngine: speculative decoding of a Hugging Face causal LM with continuous batching.
+
+One background thread runs the step loop (torch releases the GIL in its kernels); ``generate``
+is an async iterator fed from that thread through the caller's event loop. Each step:
+
+    admit   waiting requests join (prefill prompt[:-1] alone, append the row to the batch cache)
+    draft   the drafter proposes up to k tokens per row (k from the SpeculationPolicy)
+    verify  ONE target forward over [last token + drafts] for every row (ragged, see batch_cache)
+    accept  greedy match (temperature 0), sample-and-match with position-keyed randomness (sampled
+            rows, point-mass drafts; see seeded.py) or rejection sampling (drafts with dists)
+    commit  each row keeps accepted + 1 KV columns, streams its tokens, may finish
+    report  one VerifyBatch to the observers; drafter.on_verified per row
+
+The last prompt token is not prefilled: it is the first input of the first verify step, so every
+output token comes out of a verify step (and the drafter may already draft the first tokens).
+
+Failures stay local: a bad request is refused by ``generate`` (RequestError, invalid=True); a
+drafter that raises loses its drafts (requests continue, still lossless); a failing prefill ends
+that request; a failing batch forward ends the requests of that batch with an error and the loop
+carries on with a fresh cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import torch
+
+from kernels.sampling import probs_from_logits
+from kernels.verify import VerifyResult, greedy_verify, rejection_verify
+from serving.drafters.base import Drafter
+from serving.engine.base import GenerationChunk, GenerationRequest, RequestError, VerifyBatch
+from serving.engine.batch_cache import RaggedKVCache
+from serving.engine.config import EngineConfig
+from serving.engine.drafting import DraftPlan, plan_from_proposal
+from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
+from serving.engine.rows import Client, Row, Submission
+from serving.engine.seeded import match_verify
+from serving.target import Target
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        config: EngineConfig | None = None,
+        observers: list | tuple = (),
+        policy: SpeculationPolicy | None = None,
+    ):
+        self.config = config or EngineConfig()
+        cfg = self.config
+        if cfg.device is not None or cfg.dtype is not None:
+            target.model.to(device=cfg.device, dtype=_DTYPES[cfg.dtype] if cfg.dtype else None)
+        self.target = target
+        self.model = target.model.eval()
+        self.tokenizer = target.tokenizer
+        self.model_name = target.model_id
+        self.fingerprint = target.fingerprint
+        self.max_context = min(cfg.max_context or target.max_context, target.max_context)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.device = target.device
+        attn = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"TorchEngine supports sdpa or eager attention, not {attn!r}")
+        self._additive_mask = attn == "eager"
+        self.eos_ids = _eos_ids(target)
+        self.observers = list(observers)
+        self.policy: SpeculationPolicy = policy or FixedK(cfg.k)
+
+        self._drafter: Drafter | None = drafter
+        self._feature_layers = self._layers_for(drafter)
+        self._pending_swap: tuple[Drafter | None] | None = None
+        self._swap_lock = threading.Lock()
+
+        self._cv = threading.Condition()
+        self._inbox: list[Submission] = []
+        self._abort_ids: set[str] = set()
+        self._in_flight: set[str] = set()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+        # Owned by the step thread.
+        self._waiting: collections.deque[Submission] = collections.deque()
+        self._rows: list[Row] = []
+        self._cache = RaggedKVCache.for_model(self.model)
+        self.steps = 0
+        self.drafter_errors = 0
+
+    # ---- Engine protocol ---------------------------------------------------------------------
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self._drafter
+
+    async def start(self) -> None:
+        self._start_thread()
+
+    async def stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        await asyncio.to_thread(thread.join)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        self._validate(request)
+        self._start_thread()
+        client = Client(asyncio.get_running_loop(), asyncio.Queue())
+        with self._cv:
+            if self._stopping:
+                raise RequestError("the engine is stopping")
+            if request.request_id in self._in_flight:
+                raise RequestError(
+                    f"request id {request.request_id!r} is already running", invalid=True
+                )
+            self._in_flight.add(request.request_id)
+            self._inbox.append(Submission(request, client))
+            self._cv.notify_all()
+        finished = False
+        try:
+            while True:
+                item = await client.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the caller stopped listening: free the row
+                self._request_abort(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._request_abort(request_id)
+
+    def swap_drafter(self, drafter: Drafter | None) -> None:
+        """Install ``drafter`` between two steps; running requests are re-added to it with their
+        full history (and target features when it wants them) and removed from the old one."""
+        with self._swap_lock:
+            self._pending_swap = (drafter,)
+        with self._cv:
+            self._cv.notify_all()
+        if self._thread is None:  # not running: nothing in flight, apply now
+            self._apply_swap()
+
+    # ---- thread plumbing ---------------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        with self._cv:
+            if self._thread is not None:
+                return
+            if self.config.num_threads:
+                torch.set_num_threads(self.config.num_threads)
+            self._announce_drafter()
+            self._thread = threading.Thread(target=self._run, name="specloop-engine", daemon=True)
+            self._thread.start()
+
+    def _request_abort(self, request_id: str) -> None:
+        with self._cv:
+            if request_id in self._in_flight:
+                self._abort_ids.add(request_id)
+                self._cv.notify_all()
+
+    def _validate(self, request: GenerationRequest) -> None:
+        def bad(msg: str):
+            raise RequestError(msg, invalid=True)
+
+        if not isinstance(request.request_id, str) or not request.request_id:
+            bad("request_id must be a non-empty string")
+        ids = request.prompt_ids
+        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+            bad("the prompt is empty")
+        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
+            bad(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(ids) >= self.max_context:
+            bad(
+                f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
+                "(prompt + at least one output token)"
+            )
+        p = request.params
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            bad("temperature must be a finite number >= 0")
+        if not (0 < p.top_p <= 1):
+            bad("top_p must be in (0, 1]")
+        if p.top_k < 0 or p.max_tokens < 1:
+            bad("top_k must be >= 0 and max_tokens >= 1")
+        if not all(_is_int(t) for t in p.stop_token_ids):
+            bad("stop_token_ids must be integers")
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not (
+                        self._stopping
+                        or self._inbox
+                        or self._abort_ids
+                        or self._rows
+                        or self._waiting
+                        or self._pending_swap is not None
+                    ):
+                        self._cv.wait(self.config.idle_poll_s)
+                    if self._stopping:
+                        break
+                    self._waiting.extend(self._inbox)
+                    self._inbox.clear()
+                    aborts, self._abort_ids = self._abort_ids, set()
+                try:
+                    self._apply_swap()
+                    self._apply_aborts(aborts)
+                    self._admit()
+                    if self._rows:
+                        self._step_or_fail()
+                except Exception:  # never let the loop die
+                    log.exception("engine loop error")
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._cv:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+        for row in list(self._rows):
+            self._finish(row, "abort", [], "")
+        self._rows = []
+        while self._waiting:
+            sub = self._waiting.popleft()
+            self._forget(sub.request.request_id)
+            sub.client.send(RequestError("the engine stopped"))
+
+    def _forget(self, request_id: str) -> None:
+        with self._cv:
+            self._in_flight.discard(request_id)
+
+    # ---- membership --------------------------------------------------------------------------
+
+    def _apply_aborts(self, ids: set[str]) -> None:
+        if not ids:
+            return
+        for sub in [s for s in self._waiting if s.request.request_id in ids]:
+            self._waiting.remove(sub)
+            self._forget(sub.request.request_id)
+            sub.client.send(
+                GenerationChunk(
+                    request_id=sub.request.request_id,
+                    token_ids=[],
+                    text="",
+                    finished=True,
+                    finish_reason="abort",
+                    prompt_tokens=len(sub.request.prompt_ids),
+                )
+            )
+        gone = [r for r in self._rows if r.request_id in ids]
+        for row in gone:
+            self._finish(row, "abort", [], "")
+        if gone:
+            self._drop_rows({id(r) for r in gone})
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._rows) < self.config.max_batch_size:
+            sub = self._waiting.popleft()
+            try:
+                row = Row(sub, self.tokenizer, self.eos_ids, self.max_context)
+                cache, feats = self._prefill(row.token_ids)
+                self._cache.append(cache)
+            except Exception as e:
+                log.exception("admission failed for %s", sub.request.request_id)
+                self._forget(sub.request.request_id)
+                sub.client.send(RequestError(f"prefill failed: {e}"))
+                continue
+            self._rows.append(row)
+            if self._drafter is not None and self._drafter.feature_layers:
+                row.features, row.features_layers = [feats], self._feature_layers
+            self._add_to_drafter(row, feats)
+            self._notify_start(row, feats)
+
+    def _drop_rows(self, ids: set[int]) -> None:
+        keep = [i for i, r in enumerate(self._rows) if id(r) not in ids]
+        self._rows = [self._rows[i] for i in keep]
+        self._cache.keep_rows(keep)
+
+    # ---- model calls -------------------------------------------------------------------------
+
+    def _forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0):
+        """One target forward of ``input_ids`` [B, q] appended to ``cache``."""
+        positions, mask = cache.prepare(input_ids.shape[1])  # [B, q], [B, 1, q, L]
+        if self._additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min
+            )
+        return self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(self._feature_layers),
+            logits_to_keep=logits_to_keep,
+        )
+
+    def _features(self, out) -> torch.Tensor | None:
+        if not self._feature_layers:
+            return None
+        return torch.cat([out.hidden_states[i] for i in self._feature_layers], dim=-1)  # [B, q, F]
+
+    def _prefill(self, prompt_ids: list[int]) -> tuple[RaggedKVCache, torch.Tensor | None]:
+        """Batch-1 cache holding prompt[:-1], and its features [P-1, F] (None if not captured)."""
+        cache = RaggedKVCache.for_model(self.model, batch_size=1)
+        n = len(prompt_ids) - 1
+        if n == 0:
+            feats = None
+            if self._feature_layers:
+                feats = torch.zeros(
+                    0, self._feature_dim(), dtype=self.model.dtype, device=self.device
+                )
+            return cache, feats
+        out = self._forward(cache, torch.tensor([prompt_ids[:-1]]), logits_to_keep=1)
+        cache.commit([n])
+        feats = self._features(out)
+        return cache, None if feats is None else feats[0]
+
+    def _feature_dim(self) -> int:
+        return int(self.model.config.hidden_size) * len(self._feature_layers)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _step_or_fail(self) -> None:
+        try:
+            self._step()
+        except Exception as e:
+            log.exception(
+                "verify step failed; ending the %d requests of the batch", len(self._rows)
+            )
+            for row in self._rows:
+                self._fail(row, RequestError(f"engine step failed: {e}"))
+            self._rows = []
+            self._cache = RaggedKVCache.for_model(self.model)
+
+    def _step(self) -> None:
+        rows = self._rows
+        batch = len(rows)
+        room = np.array([r.room for r in rows], dtype=np.int64)  # [B]
+        drafter = self._drafter
+        k = 0
+        if drafter is not None and self.config.k > 0:
+            state = BatchState(batch, self.config.k, room, drafter.kind)
+            k = max(0, min(int(self.policy.choose_k(state)), self.config.k))
+
+        t0 = time.perf_counter()
+        plan = self._draft(rows, k, room)
+        t1 = time.perf_counter()
+        last = torch.tensor([r.token_ids[-1] for r in rows], dtype=torch.long)  # [B]
+        inputs = torch.cat([last[:, None], plan.tokens], dim=1)  # [B, K+1]
+        out = self._forward(self._cache, inputs)
+        logits = out.logits  # [B, K+1, V]
+        result = self._verify(rows, plan, logits)
+        num_accepted = result.num_accepted.tolist()
+        next_tokens = result.next_tokens.tolist()
+        self._cache.commit([a + 1 for a in num_accepted])
+        t2 = time.perf_counter()
+        self.steps += 1
+
+        drafts = plan.tokens.tolist()
+        emitted = [drafts[b][:a] + [next_tokens[b]] for b, a in enumerate(num_accepted)]
+        feats = self._features(out)  # [B, K+1, F] or None
+        report = self._report(rows, plan, logits, emitted, num_accepted, feats, t1 - t0, t2 - t1)
+        self._notify("on_step", report)
+        try:
+            self.policy.observe(
+                k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, report.verify_ms
+            )
+        except Exception:
+            log.exception("speculation policy failed to observe a step")
+
+        finished: set[int] = set()
+        for b, row in enumerate(rows):
+            row.stats.verify_steps += 1
+            row.stats.drafted_tokens += int(plan.lengths[b])
+            row.stats.accepted_tokens += num_accepted[b]
+            if self._commit(row, emitted[b], None if feats is None else feats[b]):
+                finished.add(id(row))
+        if finished:
+            self._drop_rows(finished)
+
+    def _draft(self, rows: list[Row], k: int, room: np.ndarray) -> DraftPlan:
+        drafter = self._drafter
+        if drafter is None or k == 0:
+            return DraftPlan.none(len(rows))
+        caps = np.minimum(k, room - 1)  # [B] a row never drafts past what it may emit
+        ask = [b for b, r in enumerate(rows) if r.draft_ok and caps[b] > 0]
+        if not ask:
+            return DraftPlan.none(len(rows))
+        try:
+            proposal = drafter.propose([rows[b].view for b in ask], int(caps[ask].max()))
+            return plan_from_proposal(proposal, ask, caps, len(rows), self.vocab_size)
+        except Exception:
+            self.drafter_errors += 1
+            if self.drafter_errors <= 10 or self.drafter_errors % 1000 == 0:
+                log.exception(
+                    "drafter %s failed to propose (%d so far)", drafter.kind, self.drafter_errors
+                )
+            return DraftPlan.none(len(rows))
+
+    def _verify(self, rows: list[Row], plan: DraftPlan, logits: torch.Tensor) -> VerifyResult:
+        device = logits.device
+        tokens, lengths = plan.tokens.to(device), plan.lengths.to(device)  # [B, K], [B]
+        sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
+        if not sampled:
+            return greedy_verify(tokens, lengths, logits)
+        batch = len(rows)
+        num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+        next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        greedy = [b for b in range(batch) if rows[b].params.temperature == 0]
+        if greedy:
+            g = torch.tensor(greedy, device=device)
+            res = greedy_verify(tokens[g], lengths[g], logits[g])
+            num_accepted[g], next_tokens[g] = res.num_accepted, res.next_tokens
+        s = torch.tensor(sampled, device=device)
+        srows = [rows[b] for b in sampled]
+        probs = probs_from_logits(
+            logits[s],
+            torch.tensor([r.params.temperature for r in srows], device=device),
+            torch.tensor([r.params.top_k for r in srows], device=device),
+            torch.tensor([r.params.top_p for r in srows], device=device),
+        )  # [Bs, K+1, V]
+        if plan.dists is None:
+            res = match_verify(
+                tokens[s], lengths[s], probs, [r.seed for r in srows], [r.num_output for r in srows]
+            )
+        else:
+            res = rejection_verify(
+                tokens[s],
+                lengths[s],
+                plan.probs.to(device)[s],
+                plan.dists.to(device)[s],
+                probs,
+                [r.generator for r in srows],
+            )
+        num_accepted[s], next_tokens[s] = res.num_accepted, res.next_tokens
+        return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+
+    def _report(
+        self,
+        rows: list[Row],
+        plan: DraftPlan,
+        logits: torch.Tensor,
+        emitted: list[list[int]],
+        num_accepted: list[int],
+        feats: torch.Tensor | None,
+        draft_s: float,
+        verify_s: float,
+    ) -> VerifyBatch:
+        """The step as observers see it (numpy, CPU)."""
+        k = plan.k
+        lengths = plan.lengths.numpy()
+        in_len = np.arange(k)[None, :] < lengths[:, None]  # [B, K]
+        topk_ids = topk_lp = None
+        if any(getattr(o, "wants_topk", False) for o in self.observers) and any(
+            r.request.train for r in rows
+        ):
+            t = min(self.config.trace_topk, logits.shape[-1])
+            lf = logits.float()  # [B, K+1, V]
+            values, ids = lf.topk(t, dim=-1)  # [B, K+1, T]
+            lp = values - torch.logsumexp(lf, dim=-1, keepdim=True)  # [B, K+1, T]
+            verified = (
+                torch.arange(k + 1, device=lf.device)[None, :]
+                <= plan.lengths.to(lf.device)[:, None]
+            )
+            topk_ids = ids.masked_fill(~verified[..., None], -1).to(torch.int32).cpu().numpy()
+            topk_lp = (
+                lp.masked_fill(~verified[..., None], -math.inf).to(torch.float16).cpu().numpy()
+            )
+        features = None
+        if feats is not None:
+            bits = (
+                feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+            )  # [B, K+1, F]
+            features = [bits[b, : a + 1] for b, a in enumerate(num_accepted)]
+        drafter = self._drafter
+        return VerifyBatch(
+            request_ids=[r.request_id for r in rows],
+            positions=np.array([r.num_output for r in rows], dtype=np.int32),
+            num_drafted=lengths.astype(np.int16),
+            num_accepted=np.asarray(num_accepted, dtype=np.int16),
+            source=plan.source,
+            draft_ids=np.where(in_len, plan.tokens.numpy(), -1).astype(np.int32),
+            draft_probs=np.where(in_len, plan.probs.numpy(), 0.0).astype(np.float32),
+            emitted=emitted,
+            target_topk_ids=topk_ids,
+            target_topk_logprobs=topk_lp,
+            features=features,
+            draft_ms=draft_s * 1000.0,
+            verify_ms=verify_s * 1000.0,
+            drafter_version=drafter.version if drafter is not None else "none",
+            feature_layers=self._feature_layers if feats is not None else (),
+        )
+
+    def _commit(self, row: Row, emitted: list[int], feats: torch.Tensor | None) -> bool:
+        """Apply one step's tokens to a row: stop tokens, stop strings, length. True if finished."""
+        reason = None
+        stop_at = next((i for i, t in enumerate(emitted) if t in row.stop_ids), None)
+        text_tokens = emitted
+        if stop_at is not None:
+            emitted, text_tokens, reason = emitted[: stop_at + 1], emitted[:stop_at], "stop"
+        pushed = row.text.push(text_tokens)
+        if pushed.stopped:
+            emitted, reason = emitted[: pushed.stop_index], "stop"
+        row.token_ids.extend(emitted)
+        if reason is None and row.room <= 0:
+            reason = "length"
+        kept = None if feats is None else feats[: len(emitted)]  # [n, F]
+        if row.draft_ok and self._drafter is not None:
+            try:
+                self._drafter.on_verified(
+                    row.request_id, emitted, kept if self._drafter.feature_layers else None
+                )
+            except Exception:
+                log.exception("drafter.on_verified failed for %s", row.request_id)
+        if reason is None:
+            if row.features_layers and kept is not None:
+                row.features.append(kept)
+            if not row.client.send(row.chunk(emitted, pushed.text, None)):
+                self._request_abort(row.request_id)  # the caller's event loop is gone
+            return False
+        text = pushed.text + row.text.flush()
+        self._finish(row, reason, emitted, text)
+        return True
+
+    def _finish(self, row: Row, reason: str, tokens: list[int], text: str) -> None:
+        self._forget(row.request_id)
+        row.client.send(row.chunk(tokens, text, reason))
+        if self._drafter is not None and row.draft_ok:
+            try:
+                self._drafter.remove_request(
+                    row.request_id, None if reason == "abort" else row.output_ids
+                )
+            except Exception:
+                log.exception("drafter.remove_request failed for %s", row.request_id)
+        self._notify("on_request_finish", row.request, row.output_ids, reason, row.stats)
+
+    def _fail(self, row: Row, error: RequestError) -> None:
+        self._forget(row.request_id)
+        row.client.send(error)
+        if self._drafter is not None and row.draft_ok:
+            try:
+                self._drafter.remove_request(row.request_id, None)
+            except Exception:
+                log.exception("drafter.remove_request failed for %s", row.request_id)
+        self._notify("on_request_finish", row.request, row.output_ids, "error", row.stats)
+
+    # ---- drafter management ------------------------------------------------------------------
+
+    def _layers_for(self, drafter: Drafter | None) -> tuple[int, ...]:
+        if drafter is not None and drafter.feature_layers:
+            return tuple(drafter.feature_layers)
+        return tuple(self.config.feature_layers) if self.config.capture_features else ()
+
+    def _add_to_drafter(self, row: Row, feats: torch.Tensor | None) -> None:
+        drafter = self._drafter
+        row.draft_ok = drafter is not None
+        if drafter is None:
+            return
+        try:
+            drafter.add_request(row.view, feats if drafter.feature_layers else None)
+        except Exception:
+            row.draft_ok = False
+            log.exception(
+                "drafter %s refused request %s; it decodes without drafts",
+                drafter.kind,
+                row.request_id,
+            )
+
+    def _apply_swap(self) -> None:
+        with self._swap_lock:
+            pending, self._pending_swap = self._pending_swap, None
+        if pending is None:
+            return
+        new, old = pending[0], self._drafter
+        for row in self._rows:
+            if old is not None and row.draft_ok:
+                try:
+                    old.remove_request(row.request_id, None)
+                except Exception:
+                    log.exception("old drafter failed to drop %s", row.request_id)
+        self._drafter = new
+        self._feature_layers = self._layers_for(new)
+        for row in self._rows:
+            feats = None
+            if new is not None and new.feature_layers:
+                feats = self._history_features(row)
+            else:  # nobody needs the history any more
+                row.features, row.features_layers = [], ()
+            self._add_to_drafter(row, feats)
+        log.info(
+            "drafter swapped to %s %s (%d requests in flight)",
+            new.kind if new else "none",
+            new.version if new else "-",
+            len(self._rows),
+        )
+        self._announce_drafter()
+
+    def _history_features(self, row: Row) -> torch.Tensor:
+        """Features of every token in the row's KV cache, for the current feature layers;
+        recomputed with one target forward when the history holds other layers (or none)."""
+        if row.features_layers == self._feature_layers and row.features:
+            feats = torch.cat(row.features, dim=0)  # [len-1, F]
+            if feats.shape[0] == len(row.token_ids) - 1:
+                row.features = [feats]
+                return feats
+        ids = row.token_ids[:-1]
+        if ids:
+            out = self.model(
+                input_ids=torch.tensor([ids], device=self.device),
+                use_cache=False,
+                output_hidden_states=True,
+                logits_to_keep=1,
+            )
+            feats = self._features(out)[0]  # [len-1, F]
+        else:
+            feats = torch.zeros(0, self._feature_dim(), dtype=self.model.dtype, device=self.device)
+        row.features, row.features_layers = [feats], self._feature_layers
+        return feats
+
+    def _announce_drafter(self) -> None:
+        d = self._drafter
+        self._notify("on_drafter_change", d.kind if d else "none", d.version if d else "none")
+
+    # ---- observers ---------------------------------------------------------------------------
+
+    def _notify(self, method: str, *args) -> None:
+        for obs in self.observers:
+            fn = getattr(obs, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("observer %s.%s failed", type(obs).__name__, method)
+
+    def _notify_start(self, row: Row, feats: torch.Tensor | None) -> None:
+        if feats is None:
+            self._notify("on_request_start", row.request)
+            return
+        bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [P-1, F]
+        self._notify("on_request_start", row.request, bits)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _eos_ids(target: Target) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (
+        getattr(target.model, "generation_config", None),
+        target.model.config,
+        target.tokenizer,
+    ):
+        value = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

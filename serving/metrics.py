@@ -1,0 +1,157 @@
+"""Prometheus metrics of speculative decoding, fed by the engine's verify steps.
+
+``SpecMetrics`` is a StepObserver; every engine gets one. Collectors are created once per registry
+(several engines in one process, e.g. tests, share them instead of failing on duplicate names).
+
+Series (``row`` = one request in one verify step):
+    specloop_spec_drafted_tokens_total     drafted tokens
+    specloop_spec_accepted_tokens_total    drafted tokens the target accepted
+    specloop_spec_emitted_tokens_total     tokens committed by verify steps (accepted + 1 per row)
+    specloop_spec_verify_steps_total       rows verified (one per request per step)
+    specloop_spec_verify_batches_total     target forwards (one per step, whole batch)
+    specloop_spec_accept_length            histogram of accepted drafts per row
+    specloop_spec_draft_ms / _verify_ms    histograms, per step (whole batch)
+    specloop_spec_batch_size               histogram of rows per step
+    specloop_requests_finished_total{reason}   finished requests (stop, length, abort, error)
+    specloop_drafter_info{kind, version}   1 for the active drafter
+
+PromQL:
+    acceptance rate       rate(specloop_spec_accepted_tokens_total[5m])
+                            / rate(specloop_spec_drafted_tokens_total[5m])
+    tokens per verify     rate(specloop_spec_emitted_tokens_total[5m])
+                            / rate(specloop_spec_verify_steps_total[5m])
+    mean accept length    rate(specloop_spec_accept_length_sum[5m])
+                            / rate(specloop_spec_accept_length_count[5m])
+    decode tokens/s       rate(specloop_spec_emitted_tokens_total[5m])
+    p90 verify latency    histogram_quantile(0.9, rate(specloop_spec_verify_ms_bucket[5m]))
+    finishes by reason    sum by (reason) (rate(specloop_requests_finished_total[5m]))
+    active drafter        specloop_drafter_info == 1
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from serving.engine.base import VerifyBatch
+from serving.observers import BaseObserver
+
+_MS_BUCKETS = (1, 2, 5, 10, 20, 30, 40, 50, 75, 100, 150, 250, 500, 1000, 2500)
+
+
+@dataclass
+class _Collectors:
+    drafted: Counter
+    accepted: Counter
+    emitted: Counter
+    verify_steps: Counter
+    verify_batches: Counter
+    accept_length: Histogram
+    draft_ms: Histogram
+    verify_ms: Histogram
+    batch_size: Histogram
+    finished: Counter
+    drafter_info: Gauge
+
+
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
+
+
+def _collectors(registry: CollectorRegistry) -> _Collectors:
+    with _lock:
+        found = _by_registry.get(registry)
+        if found is not None:
+            return found
+        r = registry
+        c = _Collectors(
+            drafted=Counter("specloop_spec_drafted_tokens", "Drafted tokens.", registry=r),
+            accepted=Counter(
+                "specloop_spec_accepted_tokens", "Accepted drafted tokens.", registry=r
+            ),
+            emitted=Counter(
+                "specloop_spec_emitted_tokens", "Tokens committed by verify steps.", registry=r
+            ),
+            verify_steps=Counter(
+                "specloop_spec_verify_steps", "Rows verified (request x step).", registry=r
+            ),
+            verify_batches=Counter(
+                "specloop_spec_verify_batches", "Target verify forwards.", registry=r
+            ),
+            accept_length=Histogram(
+                "specloop_spec_accept_length",
+                "Accepted drafted tokens per row and step.",
+                buckets=tuple(range(17)),
+                registry=r,
+            ),
+            draft_ms=Histogram(
+                "specloop_spec_draft_ms",
+                "Draft time per step (ms).",
+                buckets=_MS_BUCKETS,
+                registry=r,
+            ),
+            verify_ms=Histogram(
+                "specloop_spec_verify_ms",
+                "Verify time per step (ms).",
+                buckets=_MS_BUCKETS,
+                registry=r,
+            ),
+            batch_size=Histogram(
+                "specloop_spec_batch_size",
+                "Rows per verify step.",
+                buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+                registry=r,
+            ),
+            finished=Counter(
+                "specloop_requests_finished", "Finished requests.", ["reason"], registry=r
+            ),
+            drafter_info=Gauge(
+                "specloop_drafter_info",
+                "Active drafter (value 1).",
+                ["kind", "version"],
+                registry=r,
+            ),
+        )
+        _by_registry[registry] = c
+        return c
+
+
+class SpecMetrics(BaseObserver):
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else REGISTRY
+        self._c = _collectors(self.registry)
+        self._drafter: tuple[str, str] | None = None
+
+    def on_step(self, batch: VerifyBatch) -> None:
+        c = self._c
+        drafted = int(batch.num_drafted.sum())
+        accepted = int(batch.num_accepted.sum())
+        rows = len(batch.request_ids)
+        c.drafted.inc(drafted)
+        c.accepted.inc(accepted)
+        c.emitted.inc(accepted + rows)
+        c.verify_steps.inc(rows)
+        c.verify_batches.inc()
+        for n in batch.num_accepted.tolist():
+            c.accept_length.observe(n)
+        c.draft_ms.observe(batch.draft_ms)
+        c.verify_ms.observe(batch.verify_ms)
+        c.batch_size.observe(rows)
+
+    def on_request_finish(self, request, output_ids, finish_reason, stats) -> None:
+        self._c.finished.labels(reason=finish_reason or "unknown").inc()
+
+    def on_drafter_change(self, kind: str, version: str) -> None:
+        info = self._c.drafter_info
+        if self._drafter is not None and self._drafter != (kind, version):
+            try:
+                info.remove(*self._drafter)
+            except KeyError:
+                pass
+        self._drafter = (kind, version)
+        info.labels(kind=kind, version=version).set(1)

@@ -1,0 +1,86 @@
+"""OutputText: incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.output import OutputText
+from serving.target import load_default_tokenizer
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Größe: 3½ m² — naïve café, 日本語のテキスト, emoji 🤖🚀 and\n  indented code: def f(x): return x**2",
+    "    for i in range(10):\n        print(i)  # ✓",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_default_tokenizer()
+
+
+def _stream(tok, ids, chunk_sizes, stop=None, prompt=(1, 2, 3)):
+    out = OutputText(tok, list(prompt), stop)
+    pieces, i = [], 0
+    for n in chunk_sizes:
+        if i >= len(ids):
+            break
+        res = out.push(ids[i : i + n])
+        pieces.append(res.text)
+        if res.stopped:
+            return pieces, i + res.stop_index, out
+        i += n
+    pieces.append(out.flush())
+    return pieces, None, out
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunking", ["one", "random"])
+def test_incremental_text_equals_full_decode(tok, text, chunking):
+    ids = tok.encode(text)
+    sizes = (
+        [1] * len(ids)
+        if chunking == "one"
+        else np.random.default_rng(0).integers(1, 6, len(ids)).tolist()
+    )
+    pieces, stopped, out = _stream(tok, ids, sizes)
+    assert stopped is None
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert out.text == text
+    # a piece never ends inside a multi-byte character
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_trims_text_and_reports_the_completing_token(tok):
+    text = TEXTS[0]
+    ids = tok.encode(text)
+    pieces, stop_at, out = _stream(tok, ids, [3] * len(ids), stop=["lazy"])
+    assert "".join(pieces) == "The quick brown fox jumps over the "
+    assert "lazy" in tok.decode(ids[:stop_at]) and "lazy" not in tok.decode(ids[: stop_at - 1])
+    assert out.stopped
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_then_released(tok):
+    ids = tok.encode("over the lazy dog")
+    out = OutputText(tok, [], ["lazy cat"])
+    released = []
+    for t in ids:
+        res = out.push([t])
+        released.append(res.text)
+        # never stream a prefix of the stop string before knowing it is not one
+        assert not "".join(released).endswith((" lazy", " la"))
+    released.append(out.flush())
+    assert "".join(released) == "over the lazy dog"
+
+
+def test_earliest_stop_string_wins_and_spans_tokens(tok):
+    ids = tok.encode("alpha beta gamma delta")
+    pieces, stop_at, _ = _stream(tok, ids, [len(ids)], stop=["delta", "ta gam"])
+    assert "".join(pieces) == "alpha be"
+    assert stop_at is not None and stop_at < len(ids)
+
+
+def test_id_only_models_produce_no_text():
+    out = OutputText(None, [1, 2], ["x"])
+    assert out.push([5, 6]).text == "" and out.flush() == ""
