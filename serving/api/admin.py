@@ -1,0 +1,71 @@
+"""Operator routes under /admin, mounted only when an admin token is configured and guarded by
+``Authorization: Bearer <token>`` (401 without one, 403 with a wrong one).
+
+Drafter routes: ``GET /admin/drafter`` (current version, kind, live acceptance), ``POST
+/admin/drafter/swap`` ``{"version": "3"}`` (same download + validation as an announced swap: 404
+unknown version, 422 refused artifact with the reason, 503 registry down) and ``POST
+/admin/drafter/rollback`` (409 when there is nothing to roll back to). Swap and rollback need the
+Swapper (``app.state.swapper``; 409 without one)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel
+
+from serving.api.errors import APIError
+
+
+def require_admin(raw: Request) -> None:
+    token = raw.app.state.admin_token
+    scheme, _, given = raw.headers.get("authorization", "").partition(" ")
+    if token is None or scheme.lower() != "bearer" or not given:
+        raise APIError("missing admin token", 401, "authentication_error")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise APIError("invalid admin token", 403, "permission_error")
+
+
+admin_router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+class SwapBody(BaseModel):
+    version: str
+
+
+def _swapper(raw: Request):
+    swapper = getattr(raw.app.state, "swapper", None)
+    if swapper is None:
+        raise APIError("drafter hot swap is not configured (no redis_url / mlflow_tracking_uri)",
+                       409, code="swap_not_configured")
+    return swapper
+
+
+async def _call(fn, *args, **kwargs):
+    from serving.swap import SwapError
+
+    try:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    except SwapError as e:
+        raise APIError(str(e), e.status, code=type(e).__name__) from e
+
+
+@admin_router.get("/drafter")
+async def drafter_info(raw: Request) -> dict:
+    drafter = raw.app.state.openai_serving.engine.drafter
+    info = {"kind": getattr(drafter, "kind", None), "version": getattr(drafter, "version", None)}
+    swapper = getattr(raw.app.state, "swapper", None)
+    if swapper is not None:
+        info.update(swapper.status())
+    return info
+
+
+@admin_router.post("/drafter/swap")
+async def drafter_swap(body: SwapBody, raw: Request) -> dict:
+    return await _call(_swapper(raw).swap_to, body.version, reason="admin")
+
+
+@admin_router.post("/drafter/rollback")
+async def drafter_rollback(raw: Request) -> dict:
+    return await _call(_swapper(raw).rollback, reason="admin")

@@ -1,0 +1,274 @@
+"""Request and response models of the OpenAI-compatible API, plus specloop's extension fields.
+
+Requests ignore unknown fields (clients send many optional ones) but reject the ones whose meaning
+we would silently change (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``). Range checks that
+depend on the deployment (max_tokens limit, context length, model name) live in
+openai_serving.py.
+
+Unlike OpenAI (default 1.0), an unset ``temperature`` means greedy: reproducible outputs that are
+token-identical to target-only decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serving.engine.base import SpecStats
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="None = the served model")
+    max_tokens: int | None = Field(None, ge=1, description="None = server default")
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, allow_inf_nan=False, description="None = 0 (greedy)"
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = no top-k cut")
+    stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    # Extensions.
+    train: bool = Field(True, description="False: this request emits no trace")
+    tenant: str | None = Field(None, min_length=1, max_length=128)
+    domain: str | None = Field(None, max_length=128)
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported (got n={n}); send separate requests")
+        return n
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, stop):
+        return [stop] if isinstance(stop, str) else [] if stop is None else stop
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        return [s for s in stop if s]  # an empty stop string would end every request at once
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+
+def _reject_if(value, bad: bool, what: str):
+    if bad:
+        raise ValueError(f"{what} is not supported")
+    return value
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt):
+        """One prompt per request: a string or a token-id list (a one-element batch is unwrapped)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError(
+                    f"batched prompts are not supported (got {len(prompt)}); send one per request"
+                )
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        return _reject_if(v, v, "echo")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        return _reject_if(v, v is not None, "logprobs")
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        return _reject_if(v, v not in (None, 1), "best_of > 1")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        return _reject_if(v, bool(v), "suffix (insertion)")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, messages):
+        if not messages:
+            raise ValueError("messages must contain at least one message")
+        return messages
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        return _reject_if(v, v, "logprobs")
+
+    @model_validator(mode="after")
+    def _one_max_tokens(self):
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class SpecUsage(BaseModel):
+    """The request's speculative-decoding statistics (extension of ``usage``)."""
+
+    verify_steps: int
+    drafted_tokens: int
+    accepted_tokens: int
+    mean_accept_len: float = Field(description="tokens emitted per target forward")
+    acceptance_rate: float = Field(description="accepted / drafted")
+
+    @classmethod
+    def of(cls, s: SpecStats) -> SpecUsage:
+        return cls(
+            verify_steps=s.verify_steps,
+            drafted_tokens=s.drafted_tokens,
+            accepted_tokens=s.accepted_tokens,
+            mean_accept_len=round(s.mean_accept_len, 4),
+            acceptance_rate=round(s.acceptance_rate, 4),
+        )
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    spec: SpecUsage
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streamed chat completion. The optional last one (include_usage) has
+    ``choices == []`` and the usage; every other one has ``usage: null``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "specloop"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

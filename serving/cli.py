@@ -1,0 +1,197 @@
+"""``specloop serve`` and ``specloop generate``.
+
+Options left unset fall back to ``SPECLOOP_*`` environment variables, then to ServingSettings'
+defaults. Heavy modules (torch, the engine, uvicorn) are imported inside the commands so
+``specloop --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+_MODEL = typer.Option(help="Target: SmolLM2-135M-Instruct (default) or a Hugging Face model dir.")
+_DRAFTER = typer.Option(help="Drafter kind: suffix (default) | eagle | standalone | hybrid.")
+_DRAFTER_DIR = typer.Option(help="Drafter artifact directory (learned drafters); default: day-0.")
+_K = typer.Option(help="Maximum drafted tokens per verify step (0 = plain decoding).")
+_DTYPE = typer.Option(help="bfloat16 (default) | float16 | float32.")
+_DEVICE = typer.Option(help="Torch device (default cpu).")
+_THREADS = typer.Option(help="torch intra-op threads.")
+
+
+def _settings(**overrides):
+    from pydantic import ValidationError
+
+    from serving.config import ServingSettings
+
+    try:
+        return ServingSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise typer.BadParameter(_first_error(exc)) from exc
+
+
+def _first_error(exc) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+def serve(
+    model: Annotated[str | None, _MODEL] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Name clients pass as `model`.")
+    ] = None,
+    drafter: Annotated[str | None, _DRAFTER] = None,
+    drafter_dir: Annotated[Path | None, _DRAFTER_DIR] = None,
+    k: Annotated[int | None, _K] = None,
+    max_batch_size: Annotated[int | None, typer.Option(help="Requests decoded together.")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
+    trace_sink: Annotated[str | None, typer.Option(help="none (default) | memory | kafka.")] = None,
+    dtype: Annotated[str | None, _DTYPE] = None,
+    device: Annotated[str | None, _DEVICE] = None,
+    num_threads: Annotated[int | None, _THREADS] = None,
+    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+) -> None:
+    """Serve the OpenAI-compatible API with speculative decoding.
+
+    The admin token is read from SPECLOOP_ADMIN_TOKEN only (not a flag: argv is visible to all)."""
+    import logging
+
+    import uvicorn
+
+    from serving.api.app import create_app
+    from serving.builder import build_engine
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = _settings(
+        model=model,
+        served_model_name=served_model_name,
+        drafter=drafter,
+        drafter_dir=drafter_dir,
+        k=k,
+        max_batch_size=max_batch_size,
+        host=host,
+        port=port,
+        trace_sink=trace_sink,
+        dtype=dtype,
+        device=device,
+        num_threads=num_threads,
+    )
+    # One engine per process: its metrics go to the global registry, next to the process metrics.
+    app = create_app(build_engine(settings), settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower())
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The prompt (a user message unless --raw).")],
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")
+    ] = False,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Top-k cut (0 = none).")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed.")] = None,
+    model: Annotated[str | None, _MODEL] = None,
+    drafter: Annotated[str | None, _DRAFTER] = None,
+    drafter_dir: Annotated[Path | None, _DRAFTER_DIR] = None,
+    k: Annotated[int | None, _K] = None,
+    dtype: Annotated[str | None, _DTYPE] = None,
+    device: Annotated[str | None, _DEVICE] = None,
+    num_threads: Annotated[int | None, _THREADS] = None,
+) -> None:
+    """Run one prompt from the shell: the text streams to stdout, speculative stats to stderr."""
+    import asyncio
+
+    settings = _settings(
+        model=model,
+        drafter=drafter,
+        drafter_dir=drafter_dir,
+        k=k,
+        dtype=dtype,
+        device=device,
+        num_threads=num_threads,
+        trace_sink="none",
+    )
+    stats = asyncio.run(
+        _generate_once(
+            settings,
+            prompt,
+            raw,
+            {
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
+                "seed": seed,
+            },
+        )
+    )
+    from rich.console import Console
+
+    Console(stderr=True).print(
+        f"\n[dim]{stats['completion_tokens']} tokens in {stats['seconds']:.2f} s "
+        f"({stats['completion_tokens'] / max(stats['seconds'], 1e-9):.1f} tok/s) · "
+        f"{stats['verify_steps']} verify steps · {stats['mean_accept_len']:.2f} tokens/step · "
+        f"acceptance {stats['acceptance_rate']:.2f} ({stats['accepted_tokens']}/{stats['drafted_tokens']}) · "
+        f"drafter {settings.drafter} · finish {stats['finish_reason']}[/dim]"
+    )
+
+
+async def _generate_once(settings, prompt: str, raw: bool, params: dict) -> dict:
+    """Runs through the same request checks as the HTTP API."""
+    import sys
+    import time
+    import uuid
+
+    from pydantic import ValidationError
+
+    from serving.api import protocol as p
+    from serving.api.errors import APIError
+    from serving.api.openai_serving import OpenAIServing
+    from serving.builder import build_engine
+
+    try:  # parameter checks first: loading the model takes a while
+        if raw:
+            req = p.CompletionRequest(prompt=prompt, **params)
+        else:
+            req = p.ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], **params)
+    except ValidationError as exc:
+        raise typer.BadParameter(_first_error(exc)) from exc
+    engine = build_engine(settings)
+    serving = OpenAIServing(engine, settings)
+    try:
+        if raw:
+            ids, param = serving.encode_prompt(req.prompt), "prompt"
+        else:
+            ids, param = serving.encode_chat(req.messages), "messages"
+        greq = serving.engine_request(req, ids, param, f"cli-{uuid.uuid4().hex[:8]}")
+    except APIError as exc:
+        raise typer.BadParameter(exc.message) from exc
+    await engine.start()
+    try:
+        t0, last = time.perf_counter(), None
+        async for chunk in serving.generate(greq):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            last = chunk
+        seconds = time.perf_counter() - t0
+    finally:
+        await engine.stop()
+    sys.stdout.write("\n")
+    s = last.stats
+    return {
+        "completion_tokens": last.completion_tokens,
+        "seconds": seconds,
+        "finish_reason": last.finish_reason,
+        "verify_steps": s.verify_steps,
+        "drafted_tokens": s.drafted_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "mean_accept_len": s.mean_accept_len,
+        "acceptance_rate": s.acceptance_rate,
+    }

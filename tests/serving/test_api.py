@@ -1,0 +1,438 @@
+"""The OpenAI-compatible API, end to end: the official ``openai`` client against a live uvicorn
+server on a loopback port, serving a TorchEngine (suffix drafter) over a tiny random Llama with the
+real SmolLM2 tokenizer. One server per module."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client import CollectorRegistry
+
+from feedback.sink import InProcessTraceSink
+from serving.api.app import create_app
+from serving.builder import build_engine
+from serving.config import ServingSettings
+from serving.engine.reference import target_greedy_reference
+from serving.target import Target, tiny_target
+
+SERVED = "tiny-smol"
+ADMIN_TOKEN = "test-admin-token"
+LIMIT = 1500  # max_tokens limit; the tiny model's context is 2048
+
+
+@dataclass
+class Live:
+    base_url: str
+    client: openai.OpenAI
+    http: httpx.Client
+    target: Target
+    engine: object
+    sink: InProcessTraceSink
+    registry: CollectorRegistry
+
+    def metric(self, name: str, labels: dict | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def live():
+    target = tiny_target()
+    settings = ServingSettings(
+        served_model_name=SERVED,
+        drafter="suffix",
+        k=4,
+        max_batch_size=4,
+        default_max_tokens=16,
+        max_tokens_limit=LIMIT,
+        admin_token=ADMIN_TOKEN,
+    )
+    registry, sink = CollectorRegistry(), InProcessTraceSink()
+    engine = build_engine(settings, target=target, registry=registry, sink=sink)
+    app = create_app(engine, settings, registry)
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _wait_for(lambda: server.started or not thread.is_alive(), "the server to start")
+    assert server.started, "uvicorn did not start"
+
+    base = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    with httpx.Client(base_url=base, timeout=120) as http:
+        yield Live(base, client, http, target, engine, sink, registry)
+    server.should_exit = True
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "uvicorn did not shut down"
+
+
+def _reference_text(live: Live, prompt_ids: list[int], n: int) -> str:
+    ids = target_greedy_reference(live.target.model, prompt_ids, n)
+    return live.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _chat_ids(live: Live, messages: list[dict]) -> list[int]:
+    tok = live.target.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _assert_spec(usage) -> dict:
+    spec = usage.model_extra["spec"]
+    assert set(spec) == {
+        "verify_steps",
+        "drafted_tokens",
+        "accepted_tokens",
+        "mean_accept_len",
+        "acceptance_rate",
+    }
+    steps, drafted, accepted = spec["verify_steps"], spec["drafted_tokens"], spec["accepted_tokens"]
+    assert steps >= 1 and 0 <= accepted <= drafted
+    # every output token comes out of a verify step (accepted drafts + one token per step)
+    assert usage.completion_tokens <= accepted + steps
+    assert spec["mean_accept_len"] == pytest.approx((accepted + steps) / steps, abs=1e-3)
+    assert spec["acceptance_rate"] == pytest.approx(
+        accepted / drafted if drafted else 0.0, abs=1e-3
+    )
+    return spec
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+def test_completion_is_target_greedy_with_usage(live):
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    out = live.client.completions.create(
+        model=SERVED, prompt=prompt, max_tokens=24, extra_body={"ignore_eos": True}
+    )
+    prompt_ids = live.target.tokenizer.encode(prompt)
+    assert out.object == "text_completion" and out.model == SERVED
+    assert out.choices[0].text == _reference_text(live, prompt_ids, 24)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == 24
+    assert out.usage.total_tokens == len(prompt_ids) + 24
+    _assert_spec(out.usage)
+
+
+def test_completion_accepts_token_ids_and_default_model(live):
+    ids = live.target.tokenizer.encode("Hello there, general")
+    out = live.client.completions.create(
+        model="", prompt=ids, max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].text == _reference_text(live, ids, 8)
+    assert out.usage.prompt_tokens == len(ids)
+
+
+def test_streamed_completion_concatenates_to_the_full_text(live):
+    kwargs = {
+        "model": SERVED,
+        "prompt": "Once upon a time",
+        "max_tokens": 20,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = live.client.completions.create(**kwargs).choices[0].text
+    chunks = list(
+        live.client.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in text_chunks) == full
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
+    _assert_spec(usage_chunk.usage)
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_uses_the_chat_template(live):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    out = live.client.chat.completions.create(
+        model=SERVED, messages=messages, max_completion_tokens=12, extra_body={"ignore_eos": True}
+    )
+    ids = _chat_ids(live, messages)
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == _reference_text(live, ids, 12)
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 12
+    _assert_spec(out.usage)
+
+
+def test_streamed_chat_matches_non_streamed(live):
+    kwargs = {
+        "model": SERVED,
+        "messages": [{"role": "user", "content": "Count to five."}],
+        "max_tokens": 16,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = live.client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(live.client.chat.completions.create(stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_stop_string_ends_the_text_before_it(live):
+    kwargs = {
+        "model": SERVED,
+        "prompt": "Lists: one, two,",
+        "max_tokens": 24,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = live.client.completions.create(**kwargs).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip(), f"degenerate greedy text {full!r}"
+    out = live.client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert out.text == full[: full.index(stop)]
+    assert out.finish_reason == "stop"
+
+
+def test_concurrent_requests_are_each_answered_exactly(live):
+    prompts = [f"Request number {i} says" for i in range(4)]
+    results: dict[int, str] = {}
+
+    def ask(i):
+        results[i] = (
+            live.client.completions.create(
+                model=SERVED, prompt=prompts[i], max_tokens=12, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tok = live.target.tokenizer
+    assert results == {i: _reference_text(live, tok.encode(p), 12) for i, p in enumerate(prompts)}
+
+
+def test_train_false_emits_no_trace_and_tenant_reaches_the_trace(live):
+    live.sink.drain()
+    skipped = live.client.completions.create(
+        model=SERVED, prompt="private", max_tokens=4, extra_body={"train": False}
+    )
+    kept = live.client.completions.create(
+        model=SERVED, prompt="public", max_tokens=4, extra_body={"tenant": "acme", "domain": "code"}
+    )
+    seen = []
+
+    def kept_arrived():
+        seen.extend(live.sink.drain(timeout=0.1))
+        return any(r.request_id == kept.id for r in seen)
+
+    _wait_for(kept_arrived, "the trace of the train=true request")
+    assert skipped.id not in {r.request_id for r in seen}
+    record = next(r for r in seen if r.request_id == kept.id)
+    assert (record.tenant, record.domain) == ("acme", "code")
+
+
+def test_models_health_and_metrics(live):
+    models = live.client.models.list()
+    assert [m.id for m in models.data] == [SERVED]
+    assert live.client.models.retrieve(SERVED).id == SERVED
+
+    health = live.http.get("/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok" and health.json()["drafter"]["kind"] == "suffix"
+
+    live.client.completions.create(model=SERVED, prompt="metrics please", max_tokens=4)
+    body = live.http.get("/metrics").text
+    for series in (
+        "specloop_spec_drafted_tokens_total",
+        "specloop_spec_accepted_tokens_total",
+        "specloop_spec_verify_steps_total",
+        "specloop_spec_accept_length_bucket",
+        "specloop_drafter_info",
+    ):
+        assert series in body, series
+    steps = next(
+        line for line in body.splitlines() if line.startswith("specloop_spec_verify_steps_total")
+    )
+    assert float(steps.split()[-1]) >= 1
+
+
+def test_admin_routes_need_the_token(live):
+    assert live.http.get("/admin/drafter").status_code == 401
+    bad = live.http.get("/admin/drafter", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 403 and bad.json()["error"]["type"] == "permission_error"
+    ok = live.http.get("/admin/drafter", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert ok.status_code == 200 and ok.json()["kind"] == "suffix"
+
+
+# ---------------------------------------------------------------------------- client disconnects
+
+
+def _aborts(live: Live) -> float:
+    return live.metric("specloop_requests_finished_total", {"reason": "abort"})
+
+
+def test_stream_disconnect_aborts_the_request(live):
+    before = _aborts(live)
+    body = {
+        "model": SERVED,
+        "prompt": "Tell me everything",
+        "max_tokens": LIMIT,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with live.http.stream("POST", "/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        first = next(resp.iter_lines())
+        assert first.startswith("data: ")
+    # the engine would need many seconds to reach max_tokens; an abort ends it right away
+    _wait_for(lambda: _aborts(live) > before, "the engine to abort the streamed request")
+
+
+def test_non_streamed_disconnect_aborts_the_request(live):
+    before = _aborts(live)
+    body = {
+        "model": SERVED,
+        "prompt": "Tell me everything",
+        "max_tokens": LIMIT,
+        "ignore_eos": True,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        live.http.post("/v1/completions", json=body, timeout=httpx.Timeout(120, read=0.5))
+    _wait_for(lambda: _aborts(live) > before, "the engine to abort the request")
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def _chat(live, **kw):
+    kw.setdefault("model", SERVED)
+    kw.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return live.client.chat.completions.create(**kw)
+
+
+def _completion(live, **kw):
+    kw.setdefault("model", SERVED)
+    kw.setdefault("prompt", "hi")
+    return live.client.completions.create(**kw)
+
+
+def _bad(call, *words, param=None, exc=openai.BadRequestError):
+    with pytest.raises(exc) as info:
+        call()
+    error = info.value.body
+    assert isinstance(error, dict) and error["type"], error
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+def test_unknown_model_is_404(live):
+    err = _bad(
+        lambda: _chat(live, model="gpt-4o"),
+        "gpt-4o",
+        "does not exist",
+        param="model",
+        exc=openai.NotFoundError,
+    )
+    assert err["code"] == "model_not_found"
+    _bad(lambda: live.client.models.retrieve("gpt-4o"), "gpt-4o", exc=openai.NotFoundError)
+
+
+def test_empty_messages_and_prompts(live):
+    _bad(lambda: _chat(live, messages=[]), "at least one message", param="messages")
+    _bad(lambda: _completion(live, prompt=""), "prompt must not be empty", param="prompt")
+    _bad(lambda: _completion(live, prompt=[]), "prompt must not be empty", param="prompt")
+    _bad(lambda: _completion(live, prompt=["a", "b"]), "batched prompts are not supported")
+
+
+def test_max_tokens_bounds(live):
+    _bad(lambda: _completion(live, max_tokens=0), "max_tokens", "greater than or equal to 1")
+    _bad(lambda: _chat(live, max_tokens=-3), "max_tokens")
+    _bad(lambda: _chat(live, max_completion_tokens=0), "max_completion_tokens")
+    _bad(
+        lambda: _completion(live, max_tokens=LIMIT + 1),
+        str(LIMIT + 1),
+        f"limit of {LIMIT}",
+        param="max_tokens",
+    )
+
+
+def test_prompt_longer_than_the_context(live):
+    ctx = live.engine.max_context
+    ids = [42] * (ctx - 10)
+    err = _bad(
+        lambda: _completion(live, prompt=ids, max_tokens=100), str(ctx), str(ctx - 10), "100"
+    )
+    assert err["code"] == "context_length_exceeded"
+    _bad(lambda: _completion(live, prompt=[42] * ctx, max_tokens=1), str(ctx), "prompt has")
+    # unset max_tokens shrinks to the room left instead of failing
+    out = _completion(live, prompt=[42] * (ctx - 3), extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+
+
+def test_bad_sampling_parameters(live):
+    _bad(lambda: _chat(live, temperature=2.5), "temperature", param="temperature")
+    _bad(lambda: _chat(live, temperature=-0.1), "temperature")
+    _bad(lambda: _completion(live, top_p=0), "top_p", param="top_p")
+    _bad(lambda: _completion(live, top_p=1.5), "top_p")
+    _bad(lambda: _completion(live, extra_body={"top_k": -5}), "top_k", param="top_k")
+    _bad(lambda: _chat(live, n=2), "only n=1 is supported", param="n")
+    _bad(lambda: _completion(live, prompt=[live.engine.vocab_size + 5]), "outside the vocabulary")
+
+
+def test_malformed_bodies_are_400_not_500(live):
+    url = "/v1/chat/completions"
+    cases = [
+        (b'{"model": "x", "messages": [', "Invalid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b"", "missing"),
+        (b'{"messages": "hello"}', "messages"),
+        (b'{"messages": [{"role": "wizard", "content": "x"}]}', "role"),
+    ]
+    for raw, words in cases:
+        resp = live.http.post(url, content=raw, headers={"Content-Type": "application/json"})
+        assert resp.status_code == 400, (raw, resp.text)
+        error = resp.json()["error"]
+        assert words in error["message"] and error["type"] == "invalid_request_error", (raw, error)
+    resp = live.http.post("/v1/nothing-here", json={})
+    assert resp.status_code == 404 and "error" in resp.json()
+
+
+def test_sampled_request_with_seed_is_reproducible(live):
+    kw = {
+        "model": SERVED,
+        "prompt": "Random words:",
+        "max_tokens": 12,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 1234,
+        "extra_body": {"top_k": 50, "ignore_eos": True},
+    }
+    a = live.client.completions.create(**kw).choices[0].text
+    b = live.client.completions.create(**kw).choices[0].text
+    assert a == b
