@@ -1,0 +1,208 @@
+"""``specloop bench swap``: hot-swap drafters repeatedly under concurrent load.
+
+A TorchEngine (SmolLM2-135M by default, ``--tiny`` for a tiny random Llama) serves ``--concurrency``
+clients that submit greedy requests back to back while the Swapper alternates between two valid
+registered drafter versions (standalone drafters of 1 and 2 target layers, downloaded from a sqlite
+MLflow registry and validated on every swap). Prints one JSON object:
+
+    swaps            swaps that took effect in the engine
+    failed_requests  requests that raised or finished with an error
+    stall_p99_ms     p99 over swap steps of (wall-clock gap before the first step of a new drafter
+                     minus the median gap between ordinary consecutive steps), i.e. the decode stall
+                     a swap adds (re-adding every in-flight row to the new drafter)
+    lossless         every output equals target-only greedy decoding of its prompt
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import typer
+
+_TEXT_PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain how a hash map works.",
+    "def fibonacci(n):",
+    "List three tips for learning a new language.",
+    "What is the capital of France? Answer in one sentence.",
+    "Summarise the plot of Hamlet.",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+]
+
+
+class _StepClock:
+    """StepObserver: wall-clock time and drafter version of every verify step."""
+
+    wants_topk = False
+
+    def __init__(self):
+        self.steps: list[tuple[float, str, int]] = []
+
+    def on_step(self, batch) -> None:
+        self.steps.append((time.perf_counter(), batch.drafter_version, len(batch.request_ids)))
+
+    def on_request_start(self, *a, **k) -> None: ...
+
+    def on_request_finish(self, *a, **k) -> None: ...
+
+
+def _stall_ms(steps: list[tuple[float, str, int]]) -> tuple[list[float], float]:
+    """Extra gap of steps that follow a swap over the median ordinary gap (ms)."""
+    import numpy as np
+
+    gaps, swap_gaps = [], []
+    for (t0, v0, _), (t1, v1, _) in zip(steps, steps[1:]):
+        (swap_gaps if v1 != v0 else gaps).append((t1 - t0) * 1000.0)
+    base = float(np.median(gaps)) if gaps else 0.0
+    return [max(0.0, g - base) for g in swap_gaps], base
+
+
+def _tiny_target():
+    import torch
+
+    from serving.target import tiny_target
+
+    t = tiny_target(vocab_size=256, hidden_size=64, num_layers=4, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # untied random head: tied tiny models only repeat the last token
+        t.model.lm_head.weight = torch.nn.Parameter(torch.randn(256, 64, generator=gen) * 0.5)
+    t.model.config.tie_word_embeddings = False
+    return t
+
+
+def _register_versions(target, tmp: Path, registry, tenant: str) -> list[str]:
+    from feedback.artifact import save_drafter
+    from feedback.drafter_models import StandaloneConfig, standalone_from_target
+
+    vocab = int(target.model.get_output_embeddings().weight.shape[0])
+    versions = []
+    for layers in (1, 2):
+        model = standalone_from_target(target.model, num_layers=layers)
+        cfg = StandaloneConfig.for_target(target.model.config, num_layers=layers, vocab_size=vocab)
+        save_drafter(model, cfg, target.fingerprint, tmp / f"l{layers}", version=f"l{layers}")
+        rid = registry.log_candidate(target.fingerprint, tmp / f"l{layers}")
+        versions.append(registry.register(tenant, rid).version)
+    return versions
+
+
+def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
+              swap_every_s: float) -> dict:
+    import logging
+
+    import torch
+
+    from feedback.registry import DrafterRegistry
+    from serving.drafters.factory import build_drafter
+    from serving.engine.base import GenerationRequest, SamplingParams
+    from serving.engine.config import EngineConfig
+    from serving.engine.reference import target_greedy_reference
+    from serving.engine.torch_engine import TorchEngine
+    from serving.swap import ArtifactDrafterLoader, LiveAcceptance, SwapConfig, Swapper
+    from serving.target import load_target
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    torch.set_num_threads(2)
+    target = _tiny_target() if tiny else load_target()
+    if tiny:
+        prompts = [[(11 * i + j) % 256 for j in range(8 + 3 * i)] for i in range(8)]
+    else:
+        tok = target.tokenizer
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                         add_generation_prompt=True) for p in _TEXT_PROMPTS]
+        prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+    tmp = Path(tempfile.mkdtemp(prefix="specloop-bench-swap-"))
+    registry = DrafterRegistry(f"sqlite:///{tmp}/mlflow.db")
+    versions = _register_versions(target, tmp, registry, "bench")
+
+    clock, live = _StepClock(), LiveAcceptance()
+    engine = TorchEngine(target, build_drafter("standalone", target, num_layers=1),
+                         config=EngineConfig(max_batch_size=concurrency, k=k), observers=[live, clock])
+    swapper = Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
+                      config=SwapConfig(tenant="bench", floor_ratio=0.0, poll_interval_s=0,
+                                        log_interval_s=3600))
+    outputs: dict[int, set[tuple[int, ...]]] = {}
+    failed = completed = 0
+    errors: list[str] = []
+    done = threading.Event()
+
+    def swap_loop():
+        for i in range(swaps):
+            if done.wait(swap_every_s):
+                return
+            swapper.swap_to(versions[i % 2], reason="bench")
+        done.set()
+
+    async def client(c: int):
+        nonlocal failed, completed
+        n = 0
+        while not done.is_set():
+            p = (c + n * concurrency) % len(prompts)
+            n += 1
+            req = GenerationRequest(request_id=f"c{c}-{n}", prompt_ids=prompts[p],
+                                    params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            try:
+                out = [t async for ch in engine.generate(req) for t in ch.token_ids]
+                outputs.setdefault(p, set()).add(tuple(out))
+                completed += 1
+            except Exception as e:  # noqa: BLE001
+                failed += 1
+                errors.append(repr(e))
+                if failed > 100:  # something is systematically wrong: stop, report it
+                    done.set()
+
+    async def main():
+        await engine.start()
+        swapper.start()
+        try:
+            t = asyncio.get_running_loop().run_in_executor(None, swap_loop)
+            await asyncio.gather(*[client(c) for c in range(concurrency)], t)
+        finally:
+            swapper.stop()
+            await engine.stop()
+
+    t0 = time.perf_counter()
+    asyncio.run(main())
+    wall = time.perf_counter() - t0
+    stalls, base = _stall_ms(clock.steps)
+    import numpy as np
+
+    lossless = all(
+        outs == {tuple(target_greedy_reference(target.model, prompts[p], max_tokens))}
+        for p, outs in outputs.items()
+    )
+    return {
+        "model": target.model_id,
+        "swaps": len(stalls),
+        "swaps_requested": swaps,
+        "failed_requests": failed,
+        "stall_p99_ms": round(float(np.percentile(stalls, 99)), 2) if stalls else None,
+        "stall_median_ms": round(float(np.median(stalls)), 2) if stalls else None,
+        "step_median_ms": round(base, 2),
+        "lossless": lossless,
+        "requests": completed,
+        "first_error": errors[0] if errors else None,
+        "concurrency": concurrency,
+        "steps": len(clock.steps),
+        "wall_s": round(wall, 1),
+    }
+
+
+def bench_swap(
+    json_out: bool = typer.Option(False, "--json", help="Print the JSON object only."),
+    tiny: bool = typer.Option(False, "--tiny", help="Tiny random Llama instead of SmolLM2-135M."),
+    swaps: int = typer.Option(10, help="Swaps to perform (alternating two versions)."),
+    concurrency: int = typer.Option(4, help="Concurrent clients (= engine batch size)."),
+    max_tokens: int = typer.Option(48, help="Tokens per request."),
+    k: int = typer.Option(4, help="Draft length."),
+    swap_every_s: float = typer.Option(1.0, help="Seconds between swaps."),
+) -> None:
+    """Swap drafters repeatedly under concurrent load; print swaps, failed_requests, stall_p99_ms."""
+    result = run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s)
+    typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))

@@ -1,0 +1,532 @@
+"""Hot drafter swaps with automatic rollback, shared by every engine.
+
+The ``Swapper`` learns of new drafter versions from the Redis control plane (announcements) with
+the MLflow ``champion`` alias polled as a fallback, downloads and validates the artifact (target
+fingerprint, checksum, shapes, finite weights: ``feedback.artifact.load_drafter``), and installs it
+with ``Engine.swap_drafter`` (between decode steps; in-flight requests keep going). It only needs the
+Engine protocol and the StepObserver stream: ``LiveAcceptance`` (an observer the engine must be
+given) tracks each version's live acceptance.
+
+Live acceptance = mean tokens emitted per verify step and row (accepted drafts + 1), as an EMA per
+drafter version; it is the rollback signal, the ``/metrics`` gauge and the MLflow ``live_acceptance``
+metric. After a swap the new version is watched for ``watch_steps`` verify steps; if its EMA ends
+below ``floor_ratio`` x the previous version's EMA, the Swapper swaps the previous drafter back,
+moves the alias back, announces the rollback on Redis, counts it and tags the version in MLflow.
+
+Redis or MLflow being down never stops serving: the engine keeps the drafter it has, failures are
+logged (once per outage) and retried at the next announcement or poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from serving.engine.base import VerifyBatch
+from serving.observers import BaseObserver
+
+# The MLflow client retries a dead server for minutes by default; the Swapper retries on its own.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+log = logging.getLogger(__name__)
+
+
+# ---- errors (the admin API maps them to HTTP statuses) ----------------------------------------
+
+
+class SwapError(Exception):
+    status = 409
+
+
+class UnknownVersion(SwapError):
+    status = 404
+
+
+class RefusedArtifact(SwapError):
+    """The artifact failed validation; it is never served."""
+
+    status = 422
+
+
+class RegistryUnavailable(SwapError):
+    status = 503
+
+
+class NothingToRollBack(SwapError):
+    status = 409
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+@dataclass
+class SwapConfig:
+    tenant: str = "default"
+    watch_steps: int = 64
+    """Verify steps of a new version watched before it is kept (or rolled back)."""
+    floor_ratio: float = 0.8
+    """Roll back when the new version's EMA < floor_ratio x the previous version's EMA."""
+    poll_interval_s: float = 30.0
+    """Fallback polling of the MLflow champion alias (<= 0: no polling)."""
+    log_interval_s: float = 10.0
+    """Live acceptance to MLflow and Redis counters."""
+    ema_alpha: float = 0.1
+    replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:8]}")
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Collectors:
+    live_accept_len: Gauge
+    live_acceptance_rate: Gauge
+    swaps: Counter
+    rollbacks: Counter
+    refused: Counter
+
+
+_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, _Collectors]" = weakref.WeakKeyDictionary()
+_collectors_lock = threading.Lock()
+
+
+def _collectors(registry: CollectorRegistry) -> _Collectors:
+    with _collectors_lock:
+        found = _by_registry.get(registry)
+        if found is None:
+            r = registry
+            found = _Collectors(
+                live_accept_len=Gauge(
+                    "specloop_drafter_live_accept_len",
+                    "EMA of tokens per verify step and row, per drafter version.",
+                    ["version"], registry=r,
+                ),
+                live_acceptance_rate=Gauge(
+                    "specloop_drafter_live_acceptance_rate",
+                    "Accepted / drafted tokens since the version went live.",
+                    ["version"], registry=r,
+                ),
+                swaps=Counter("specloop_drafter_swaps", "Drafter swaps applied.", registry=r),
+                rollbacks=Counter(
+                    "specloop_drafter_rollbacks", "Automatic or admin rollbacks.", registry=r
+                ),
+                refused=Counter(
+                    "specloop_drafter_refused", "Drafter artifacts refused by validation.", registry=r
+                ),
+            )
+            _by_registry[registry] = found
+        return found
+
+
+# ---- live acceptance ----------------------------------------------------------------------------
+
+
+@dataclass
+class VersionStats:
+    ema: float | None = None
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rows: int = 0
+    unflushed: tuple[int, int, int] = (0, 0, 0)
+    """drafted, accepted, rows not yet reported to the control plane."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class LiveAcceptance(BaseObserver):
+    """Per-version live acceptance from the engine's verify steps (cheap: O(batch) per step).
+
+    ``listener(version, stats)`` is called after each step, on the engine's thread."""
+
+    def __init__(self, alpha: float = 0.1, registry: CollectorRegistry | None = None):
+        self.alpha = alpha
+        self._c = _collectors(registry if registry is not None else REGISTRY)
+        self._stats: dict[str, VersionStats] = {}
+        self._lock = threading.Lock()
+        self.listener = None
+
+    def on_step(self, batch: VerifyBatch) -> None:
+        rows = len(batch.request_ids)
+        if rows == 0:
+            return
+        drafted = int(batch.num_drafted.sum())
+        accepted = int(batch.num_accepted.sum())
+        value = (accepted + rows) / rows
+        version = batch.drafter_version
+        with self._lock:
+            s = self._stats.setdefault(version, VersionStats())
+            s.ema = value if s.ema is None else s.ema + self.alpha * (value - s.ema)
+            s.steps += 1
+            s.drafted += drafted
+            s.accepted += accepted
+            s.rows += rows
+            d, a, r = s.unflushed
+            s.unflushed = (d + drafted, a + accepted, r + rows)
+            ema, rate = s.ema, s.acceptance_rate
+        self._c.live_accept_len.labels(version=version).set(ema)
+        self._c.live_acceptance_rate.labels(version=version).set(rate)
+        if self.listener is not None:
+            self.listener(version, s)
+
+    def get(self, version: str) -> VersionStats:
+        with self._lock:
+            s = self._stats.get(version)
+            return VersionStats(s.ema, s.steps, s.drafted, s.accepted, s.rows) if s else VersionStats()
+
+    def take_unflushed(self) -> dict[str, tuple[VersionStats, tuple[int, int, int]]]:
+        """Snapshot of every version with new steps since the last call, with the deltas."""
+        out = {}
+        with self._lock:
+            for version, s in self._stats.items():
+                if s.unflushed != (0, 0, 0):
+                    out[version] = (VersionStats(s.ema, s.steps, s.drafted, s.accepted, s.rows),
+                                    s.unflushed)
+                    s.unflushed = (0, 0, 0)
+        return out
+
+
+# ---- building drafters from artifacts -----------------------------------------------------------
+
+
+class ArtifactDrafterLoader:
+    """Builds a validated drafter from an artifact directory for a loaded target.
+
+    ``kind="hybrid"``: a hybrid around the artifact's learned model that keeps the running hybrid's
+    suffix drafter (and so its index); otherwise the artifact's own kind."""
+
+    def __init__(self, target, kind: str = "hybrid", options: dict | None = None):
+        self.target, self.kind, self.options = target, kind, dict(options or {})
+
+    def load(self, artifact_dir: Path, current=None):
+        from feedback.artifact import read_meta
+        from serving.drafters.factory import build_drafter
+
+        meta = read_meta(artifact_dir)  # DrafterArtifactError when absent or malformed
+        if self.kind == "hybrid":
+            suffix = getattr(current, "suffix", None)
+            return build_drafter("hybrid", self.target, artifact_dir, suffix=suffix, **self.options)
+        return build_drafter(meta.kind, self.target, artifact_dir)
+
+
+# ---- the swapper --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Watch:
+    version: str
+    baseline: float | None
+    start_steps: int
+    done: bool = False
+
+
+@dataclass
+class _Installed:
+    version: str
+    drafter: object
+
+
+class Swapper:
+    """See the module docstring. ``engine``: any Engine; ``live``: the LiveAcceptance observer the
+    engine reports to; ``registry``: feedback.registry.DrafterRegistry or None; ``control``:
+    feedback.control.ControlPlane or None; ``version``: the registry version of the drafter the
+    engine starts with (default: its own ``version`` attribute, e.g. "day0")."""
+
+    def __init__(
+        self,
+        engine,
+        loader: ArtifactDrafterLoader,
+        live: LiveAcceptance,
+        *,
+        registry=None,
+        control=None,
+        config: SwapConfig | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+        version: str | None = None,
+    ):
+        self.engine, self.loader, self.live = engine, loader, live
+        self.registry, self.control = registry, control
+        self.config = config or SwapConfig()
+        self._c = _collectors(metrics_registry if metrics_registry is not None else REGISTRY)
+        drafter = engine.drafter
+        start_version = version or getattr(drafter, "version", None) or "none"
+        self._current = _Installed(start_version, drafter)
+        self._previous: _Installed | None = None
+        self._watch: _Watch | None = None
+        self._rejected: dict[str, str] = {}  # version -> why (refused or rolled back)
+        self._registry_versions: set[str] = set()
+        self._last_champion: str | None = None
+        self._op_lock = threading.RLock()
+        self._inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._subscription = None
+        self._warned: set[str] = set()
+        self.swaps = 0
+        self.rollbacks = 0
+        self.refused = 0
+        self.events: list[dict] = []
+        """Swap / rollback / refusal log (newest last), for operators, tests and the demo."""
+        live.listener = self._on_live_step
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        if self.control is not None:
+            self._subscription = self.control.subscribe(lambda msg: self._inbox.put(("announce", msg)))
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="drafter-swapper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
+        self._flush_live()
+
+    def wait_subscribed(self, timeout: float = 5.0) -> bool:
+        return self._subscription is not None and self._subscription.wait_subscribed(timeout)
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def version(self) -> str:
+        return self._current.version
+
+    def status(self) -> dict:
+        cur, prev = self._current, self._previous
+        stats = self.live.get(cur.version)
+        return {
+            "version": cur.version,
+            "kind": getattr(cur.drafter, "kind", None),
+            "previous_version": prev.version if prev else None,
+            "live_accept_len": stats.ema,
+            "live_acceptance_rate": stats.acceptance_rate if stats.drafted else None,
+            "live_steps": stats.steps,
+            "watching": self._watch.version if self._watch and not self._watch.done else None,
+            "swaps": self.swaps,
+            "rollbacks": self.rollbacks,
+            "refused": self.refused,
+        }
+
+    # ---- operations (thread-safe; the admin API calls them from a worker thread) ------------
+
+    def swap_to(self, version: str, *, reason: str = "admin", force: bool = True) -> dict:
+        """Download, validate and install ``version``. Raises UnknownVersion, RefusedArtifact or
+        RegistryUnavailable; the engine keeps its drafter on any error."""
+        version = str(version)
+        with self._op_lock:
+            if version == self._current.version:
+                return {"version": version, "previous_version": None, "changed": False}
+            if not force and version in self._rejected:
+                log.info("ignoring %s for drafter %s: %s earlier", reason, version, self._rejected[version])
+                return {"version": self._current.version, "previous_version": None, "changed": False}
+            drafter = self._load(version)
+            old = self._current
+            self._install(_Installed(version, drafter))
+            self._previous = old
+            baseline = self.live.get(old.version).ema
+            self._watch = _Watch(version, baseline, self.live.get(version).steps)
+            self._rejected.pop(version, None)
+            self.swaps += 1
+            self._c.swaps.inc()
+            self._event("swap", version=version, previous_version=old.version, reason=reason)
+            self._mlflow("log_event", version, f"swapped in on {self.config.replica_id} ({reason})")
+            log.info("drafter %s -> %s (%s)", old.version, version, reason)
+            return {"version": version, "previous_version": old.version, "changed": True}
+
+    def rollback(self, *, reason: str = "admin", live: float | None = None,
+                 floor: float | None = None, from_version: str | None = None) -> dict:
+        """Reinstall the previous drafter, move the alias back and announce it."""
+        from feedback.control import RollbackAnnouncement
+
+        with self._op_lock:
+            bad, prev = self._current, self._previous
+            if prev is None or (from_version is not None and bad.version != from_version):
+                raise NothingToRollBack("no previous drafter to roll back to")
+            self._install(prev)
+            self._previous = None
+            self._watch = None
+            self._rejected[bad.version] = "rolled back"
+            self._last_champion = prev.version
+            self.rollbacks += 1
+            self._c.rollbacks.inc()
+            self._event("rollback", from_version=bad.version, to_version=prev.version,
+                        reason=reason, live=live, floor=floor)
+            log.warning("drafter rolled back %s -> %s: %s", bad.version, prev.version, reason)
+        if prev.version in self._registry_versions:
+            self._mlflow("set_champion", prev.version)
+        self._mlflow("log_event", bad.version, f"rolled back on {self.config.replica_id}: {reason}")
+        if self.control is not None:
+            self.control.announce_rollback(RollbackAnnouncement(
+                tenant=self.config.tenant, from_version=bad.version, to_version=prev.version,
+                reason=reason, live_acceptance=live, floor=floor, replica_id=self.config.replica_id))
+        return {"from_version": bad.version, "to_version": prev.version}
+
+    def poll_once(self) -> None:
+        """Fallback: swap to the champion alias when it moved since the last look."""
+        if self.registry is None:
+            return
+        try:
+            reg = self.registry.champion(self.config.tenant)
+        except Exception as e:  # noqa: BLE001  (MLflow down: keep serving what we have)
+            self._warn_once("poll", f"champion alias unavailable: {e}")
+            return
+        self._warned.discard("poll")
+        if reg is None or reg.version == self._last_champion:
+            return
+        self._last_champion = reg.version
+        self._try_swap(reg.version, "champion alias")
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _load(self, version: str):
+        if self.registry is None:
+            raise RegistryUnavailable("no drafter registry configured")
+        from mlflow.exceptions import MlflowException
+
+        from feedback.artifact import DrafterArtifactError
+
+        try:
+            path, _ = self.registry.download(self.config.tenant, version)
+        except MlflowException as e:
+            if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(e).lower():
+                raise UnknownVersion(f"tenant {self.config.tenant!r} has no drafter version {version!r}") from e
+            raise RegistryUnavailable(f"registry error fetching version {version}: {e}") from e
+        except Exception as e:  # noqa: BLE001  (connection refused, timeouts)
+            raise RegistryUnavailable(f"registry unavailable fetching version {version}: {e}") from e
+        self._registry_versions.add(version)
+        try:
+            drafter = self.loader.load(path, self._current.drafter)
+        except (DrafterArtifactError, ValueError, TypeError, KeyError) as e:
+            self.refused += 1
+            self._c.refused.inc()
+            self._rejected[version] = "refused"
+            self._event("refused", version=version, reason=str(e))
+            log.error("drafter version %s refused: %s", version, e)
+            self._mlflow("log_event", version, f"refused on {self.config.replica_id}: {e}"[:4900])
+            raise RefusedArtifact(f"drafter version {version} refused: {e}") from e
+        drafter.version = version  # traces, metrics and MLflow all speak registry versions
+        return drafter
+
+    def _install(self, installed: _Installed) -> None:
+        self.engine.swap_drafter(installed.drafter)
+        self._current = installed
+
+    def _try_swap(self, version: str, reason: str) -> None:
+        try:
+            self.swap_to(version, reason=reason, force=False)
+        except SwapError as e:
+            log.warning("swap to %s (%s) not done: %s", version, reason, e)
+
+    def _on_announcement(self, msg) -> None:
+        if msg.tenant != self.config.tenant:
+            return
+        if msg.kind == "swap":
+            self._last_champion = msg.version
+            self._try_swap(msg.version, "announcement")
+        elif msg.replica_id != self.config.replica_id and msg.from_version == self._current.version:
+            prev = self._previous
+            if prev is not None and prev.version == msg.to_version:
+                try:
+                    self.rollback(reason=f"announced by {msg.replica_id}: {msg.reason}",
+                                  from_version=msg.from_version)
+                except NothingToRollBack:
+                    pass
+            else:
+                self._rejected[msg.from_version] = "rolled back"
+                self._try_swap(msg.to_version, "rollback announcement")
+
+    def _on_live_step(self, version: str, stats: VersionStats) -> None:
+        """Engine thread: decide at the end of the watch; the rollback itself runs on the worker."""
+        w = self._watch
+        if w is None or w.done or version != w.version:
+            return
+        if stats.steps - w.start_steps < self.config.watch_steps:
+            return
+        w.done = True
+        ema = stats.ema or 0.0
+        if w.baseline is not None and ema < self.config.floor_ratio * w.baseline:
+            self._inbox.put(("rollback", (w.version, ema, self.config.floor_ratio * w.baseline)))
+        else:
+            self._inbox.put(("kept", (w.version, ema, w.baseline)))
+
+    def _run(self) -> None:
+        cfg = self.config
+        next_poll = time.monotonic() if cfg.poll_interval_s > 0 else float("inf")
+        next_log = time.monotonic() + cfg.log_interval_s
+        while not self._stop.is_set():
+            timeout = max(0.0, min(next_poll, next_log) - time.monotonic())
+            try:
+                kind, payload = self._inbox.get(timeout=min(timeout, 1.0))
+            except queue.Empty:
+                kind, payload = None, None
+            try:
+                if kind == "stop":
+                    break
+                if kind == "announce":
+                    self._on_announcement(payload)
+                elif kind == "rollback":
+                    version, ema, floor = payload
+                    reason = (f"live accept length {ema:.3f} below floor {floor:.3f} after "
+                              f"{cfg.watch_steps} steps")
+                    try:
+                        self.rollback(reason=reason, live=ema, floor=floor, from_version=version)
+                    except NothingToRollBack:
+                        pass
+                elif kind == "kept":
+                    version, ema, base = payload
+                    self._event("kept", version=version, live=ema, baseline=base)
+                now = time.monotonic()
+                if now >= next_poll:
+                    next_poll = now + cfg.poll_interval_s
+                    self.poll_once()
+                if now >= next_log:
+                    next_log = now + cfg.log_interval_s
+                    self._flush_live()
+            except Exception:  # never let the worker die; serving goes on regardless
+                log.exception("drafter swapper step failed")
+
+    def _flush_live(self) -> None:
+        for version, (stats, (drafted, accepted, rows)) in self.live.take_unflushed().items():
+            if self.control is not None:
+                self.control.record_acceptance(version, drafted, accepted, rows)
+            if version in self._registry_versions and stats.ema is not None:
+                self._mlflow("log_live_acceptance", version, stats.ema, stats.steps)
+
+    def _mlflow(self, method: str, version: str, *args) -> None:
+        if self.registry is None:
+            return
+        try:
+            getattr(self.registry, method)(self.config.tenant, version, *args)
+            self._warned.discard("mlflow")
+        except Exception as e:  # noqa: BLE001
+            self._warn_once("mlflow", f"MLflow {method} failed: {e}")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("%s (serving continues with drafter %s)", message, self._current.version)
+
+    def _event(self, kind: str, **data) -> None:
+        self.events.append({"event": kind, "at": time.time(), **data})
+        del self.events[:-200]

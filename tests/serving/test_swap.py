@@ -1,0 +1,352 @@
+"""Drafter hot swap: announced versions go live mid-request (still lossless), bad drafters roll back
+by themselves, refused artifacts never serve, admin routes, and serving survives Redis/MLflow down.
+
+Real Redis (``redis_server``) and MLflow (``mlflow_server`` where the server matters, else a sqlite
+registry in tmp_path). Target: a tiny random Llama on token ids; the "good" drafter is a
+standalone copy of the whole target (accepts everything), the "bad" one has random weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from feedback.artifact import save_drafter
+from feedback.control import ControlPlane, ControlSettings, SwapAnnouncement
+from feedback.drafter_models import StandaloneConfig, standalone_from_target
+from feedback.fingerprint import TargetFingerprint
+from feedback.registry import DrafterRegistry
+from serving.drafters.factory import build_drafter
+from serving.engine.base import GenerationRequest, SamplingParams
+from serving.engine.config import EngineConfig
+from serving.engine.reference import target_greedy_reference
+from serving.engine.torch_engine import TorchEngine
+from serving.observers import BaseObserver
+from serving.swap import (
+    ArtifactDrafterLoader,
+    LiveAcceptance,
+    RefusedArtifact,
+    SwapConfig,
+    Swapper,
+    UnknownVersion,
+)
+from serving.target import tiny_target
+
+V, LAYERS, TENANT = 128, 4, "swaptest"
+PROMPTS = [[(7 * i + j) % V for j in range(5 + i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    """Untied random lm_head: tied random tiny models just repeat the last token, which any
+    drafter guesses, so a bad drafter would not look bad."""
+    t = tiny_target(vocab_size=V, hidden_size=64, num_layers=LAYERS, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        t.model.lm_head.weight = torch.nn.Parameter(torch.randn(V, 64, generator=gen) * 0.5)
+    t.model.config.tie_word_embeddings = False
+    return t
+
+
+def _artifact(target, path, *, version, good=True, fingerprint=None):
+    layers = LAYERS if good else 1
+    model = standalone_from_target(
+        target.model, num_layers=layers, init="target-layers" if good else "random", seed=11
+    )
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=layers, vocab_size=V)
+    save_drafter(model, cfg, fingerprint or target.fingerprint, path, version=version)
+    return path
+
+
+def _register(registry, target, path):
+    return registry.register(TENANT, registry.log_candidate(target.fingerprint, path)).version
+
+
+@pytest.fixture
+def sqlite_registry(tmp_path):
+    return DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
+
+
+class StepLog(BaseObserver):
+    """drafter version of every step, per request."""
+
+    def __init__(self):
+        self.versions: dict[str, set[str]] = {}
+
+    def on_step(self, batch):
+        for rid in batch.request_ids:
+            self.versions.setdefault(rid, set()).add(batch.drafter_version)
+
+
+def _stack(target, *, registry=None, control=None, watch_steps=16, poll=0.0):
+    day0 = build_drafter("standalone", target, num_layers=1, init="target-layers")
+    metrics = CollectorRegistry()
+    live, steps = LiveAcceptance(registry=metrics), StepLog()
+    engine = TorchEngine(target, day0, config=EngineConfig(max_batch_size=8, k=4),
+                         observers=[live, steps])
+    swapper = Swapper(
+        engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
+        control=control,
+        config=SwapConfig(tenant=TENANT, watch_steps=watch_steps, poll_interval_s=poll,
+                          log_interval_s=0.5),
+        metrics_registry=metrics,
+    )
+    return engine, swapper, steps
+
+
+def _request(i, prompt, max_tokens=40):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return GenerationRequest(request_id=f"r{i}-{time.monotonic_ns()}", prompt_ids=prompt, params=params)
+
+
+async def _serve(engine, requests):
+    async def one(req):
+        return req, [t async for c in engine.generate(req) for t in c.token_ids]
+
+    return await asyncio.gather(*[one(r) for r in requests])
+
+
+def _assert_lossless(target, results):
+    for req, out in results:
+        assert out == target_greedy_reference(target.model, req.prompt_ids, req.params.max_tokens)
+
+
+async def _until(cond, timeout=30.0):
+    """Waits for a background effect (no timing is asserted; the deadline only bounds a hang)."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return cond()
+
+
+def _control(redis_server, ns):
+    return ControlPlane(ControlSettings(url=redis_server.url, namespace=ns))
+
+
+# ---- announced swap, in flight, lossless ---------------------------------------------------------
+
+
+def test_announced_version_swaps_in_while_requests_are_in_flight(
+    target, tmp_path, redis_server, redis_namespace, sqlite_registry
+):
+    good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))
+    control = _control(redis_server, redis_namespace)
+    engine, swapper, steps = _stack(target, registry=sqlite_registry, control=control)
+
+    async def main():
+        await engine.start()
+        swapper.start()
+        assert swapper.wait_subscribed()
+        try:
+            requests = [_request(i, p, max_tokens=60) for i, p in enumerate(PROMPTS)]
+            task = asyncio.ensure_future(_serve(engine, requests))
+            assert await _until(lambda: engine.steps >= 2)
+            control.announce_swap(SwapAnnouncement(tenant=TENANT, version=good))
+            results = await task
+            return requests, results
+        finally:
+            swapper.stop()
+            await engine.stop()
+
+    requests, results = asyncio.run(main())
+    assert swapper.version == good and engine.drafter.version == good
+    # at least one request ran steps under both drafters, and every output is target-greedy
+    assert any(steps.versions[r.request_id] == {"day0", good} for r in requests)
+    _assert_lossless(target, results)
+    assert swapper.swaps == 1 and swapper.events[-1]["event"] == "swap"
+
+
+def test_champion_alias_is_polled_when_no_announcement_arrives(target, tmp_path, sqlite_registry):
+    good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry, control=None, poll=0.2)
+    swapper.start()
+    try:
+        asyncio.run(_until(lambda: swapper.version == good))
+    finally:
+        swapper.stop()
+    assert engine.drafter.version == good
+
+
+# ---- automatic rollback -------------------------------------------------------------------------
+
+
+def test_bad_drafter_is_rolled_back_by_itself(target, tmp_path, redis_server, redis_namespace,
+                                              mlflow_server):
+    registry = DrafterRegistry(mlflow_server.url)
+    good = _register(registry, target, _artifact(target, tmp_path / "good", version="g"))
+    bad = _register(registry, target, _artifact(target, tmp_path / "bad", version="b", good=False))
+    registry.set_champion(TENANT, good)
+    control = _control(redis_server, redis_namespace)
+    listener = _control(redis_server, redis_namespace).subscribe()
+    assert listener.wait_subscribed()
+    engine, swapper, _ = _stack(target, registry=registry, control=control, watch_steps=12)
+
+    async def main():
+        await engine.start()
+        swapper.start()
+        assert swapper.wait_subscribed()
+        try:
+            swapper.swap_to(good)
+            await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])  # good's baseline
+            registry.set_champion(TENANT, bad)
+            control.announce_swap(SwapAnnouncement(tenant=TENANT, version=bad, previous_version=good))
+            assert await _until(lambda: swapper.version == bad)
+            served = []
+            for round_ in range(10):  # keep traffic up until the watch decides
+                served += await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])
+                if await _until(lambda: swapper.rollbacks > 0, timeout=0.5):
+                    break
+            return served
+        finally:
+            swapper.stop()
+            await engine.stop()
+
+    try:
+        served = asyncio.run(main())
+        announcements = [listener.get(timeout=5.0) for _ in range(3)]
+    finally:
+        listener.close()
+    _assert_lossless(target, served[:4])
+    assert swapper.rollbacks == 1
+    assert swapper.version == good and engine.drafter.version == good
+    assert registry.champion(TENANT).version == good  # alias moved back
+    rb = [a for a in announcements if a is not None and a.kind == "rollback"]
+    assert rb and rb[0].from_version == bad and rb[0].to_version == good
+    assert rb[0].live_acceptance < rb[0].floor
+    assert control.get_drafter_version(TENANT) == good
+    tags = registry.client.get_model_version(f"specloop-drafter-{TENANT}", bad).tags
+    assert any("rolled back" in v for v in tags.values())
+    assert swapper._c.rollbacks._value.get() == 1
+    # MLflow has live acceptance for the good version
+    mv = registry.client.get_model_version(f"specloop-drafter-{TENANT}", good)
+    assert registry.client.get_metric_history(mv.run_id, "live_acceptance")
+
+
+def test_a_good_successor_is_kept(target, tmp_path, sqlite_registry):
+    v1 = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
+    v2 = _register(sqlite_registry, target, _artifact(target, tmp_path / "b", version="b"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry, watch_steps=8)
+
+    async def main():
+        await engine.start()
+        swapper.start()
+        try:
+            swapper.swap_to(v1)
+            await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])
+            swapper.swap_to(v2)
+            await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])
+            await _until(lambda: any(e["event"] == "kept" and e["version"] == v2
+                                     for e in swapper.events), timeout=5.0)
+        finally:
+            swapper.stop()
+            await engine.stop()
+
+    asyncio.run(main())
+    assert swapper.rollbacks == 0 and swapper.version == v2
+    assert any(e["event"] == "kept" and e["version"] == v2 for e in swapper.events)
+
+
+# ---- refused artifacts --------------------------------------------------------------------------
+
+
+def test_corrupt_and_foreign_artifacts_are_refused_and_the_old_drafter_stays(
+    target, tmp_path, sqlite_registry
+):
+    corrupt_dir = _artifact(target, tmp_path / "corrupt", version="c")
+    weights = corrupt_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    corrupt = _register(sqlite_registry, target, corrupt_dir)
+    other = TargetFingerprint(model_id="other-model", tokenizer_hash="cd" * 8, vocab_size=V)
+    foreign = _register(
+        sqlite_registry, target, _artifact(target, tmp_path / "foreign", version="f", fingerprint=other)
+    )
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    before = engine.drafter
+    with pytest.raises(RefusedArtifact, match="checksum"):
+        swapper.swap_to(corrupt)
+    with pytest.raises(RefusedArtifact, match="built for target"):
+        swapper.swap_to(foreign)
+    with pytest.raises(UnknownVersion):
+        swapper.swap_to("999")
+    assert engine.drafter is before and swapper.version == "day0"
+    assert swapper.refused == 2 and swapper._c.refused._value.get() == 2
+    tags = sqlite_registry.client.get_model_version(f"specloop-drafter-{TENANT}", corrupt).tags
+    assert any(v.startswith("refused") for v in tags.values())
+    # an announcement of a refused version is not retried and changes nothing
+    swapper._on_announcement(SwapAnnouncement(tenant=TENANT, version=corrupt))
+    assert engine.drafter is before and swapper.refused == 2
+
+
+# ---- admin routes -------------------------------------------------------------------------------
+
+
+def test_admin_drafter_routes(target, tmp_path, sqlite_registry):
+    from fastapi.testclient import TestClient
+
+    from serving.api.app import create_app
+    from serving.config import ServingSettings
+
+    good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))
+    bad_dir = _artifact(target, tmp_path / "nan", version="n")
+    (bad_dir / "model.safetensors").write_bytes(b"garbage")
+    broken = _register(sqlite_registry, target, bad_dir)
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    metrics = CollectorRegistry()
+    settings = ServingSettings(admin_token="tok", model="tiny")
+    app = create_app(engine, settings, registry=metrics, swapper=swapper)
+    auth = {"Authorization": "Bearer tok"}
+    with TestClient(app) as http:
+        assert http.get("/admin/drafter").status_code == 401
+        assert http.post("/admin/drafter/rollback").status_code == 401
+        wrong = http.post("/admin/drafter/swap", json={"version": good},
+                          headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 403
+        info = http.get("/admin/drafter", headers=auth).json()
+        assert info["version"] == "day0" and info["kind"] == "standalone"
+        assert http.post("/admin/drafter/rollback", headers=auth).status_code == 409
+        missing = http.post("/admin/drafter/swap", json={"version": "42"}, headers=auth)
+        assert missing.status_code == 404 and "42" in missing.json()["error"]["message"]
+        refused = http.post("/admin/drafter/swap", json={"version": broken}, headers=auth)
+        assert refused.status_code == 422 and "checksum" in refused.json()["error"]["message"]
+        ok = http.post("/admin/drafter/swap", json={"version": good}, headers=auth)
+        assert ok.status_code == 200 and ok.json()["previous_version"] == "day0"
+        done = http.post("/v1/completions", json={"model": engine.model_name, "prompt": PROMPTS[0],
+                                                  "max_tokens": 8}, headers=auth)
+        info = http.get("/admin/drafter", headers=auth).json()
+        assert info["version"] == good and info["previous_version"] == "day0"
+        back = http.post("/admin/drafter/rollback", headers=auth)
+        assert back.status_code == 200 and back.json() == {"from_version": good, "to_version": "day0"}
+        assert http.get("/admin/drafter", headers=auth).json()["version"] == "day0"
+    assert done.status_code == 200, done.text
+    assert swapper.rollbacks == 1
+
+
+# ---- degraded control plane ---------------------------------------------------------------------
+
+
+def test_redis_and_mlflow_down_serving_keeps_its_drafter(target):
+    dead_redis = ControlPlane(ControlSettings(url="redis://127.0.0.1:1/0", socket_timeout_s=0.2))
+    dead_mlflow = DrafterRegistry("http://127.0.0.1:1")
+    engine, swapper, _ = _stack(target, registry=dead_mlflow, control=dead_redis, poll=0.1)
+    before = engine.drafter
+
+    async def main():
+        await engine.start()
+        swapper.start()
+        try:
+            results = await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])
+            await asyncio.sleep(0.5)  # a few failed polls and flushes
+            return results
+        finally:
+            swapper.stop()
+            await engine.stop()
+
+    results = asyncio.run(main())
+    _assert_lossless(target, results)
+    assert engine.drafter is before and swapper.version == "day0" and swapper.swaps == 0
