@@ -1,0 +1,166 @@
+"""``specloop bench capture``: the serving cost of trace capture and export to Kafka.
+
+It starts a tansu broker of its own (stopped at the end) and serves the same workload (the same
+prompts, greedy, the same concurrency, a fresh suffix drafter and engine per run) in two arms:
+
+- ``capture``: a TraceRecorder -> KafkaTraceSink on the engine (the engine then also computes the
+  target top-k for the traces; with ``features`` it also captures target hidden states);
+- ``none``: no TraceRecorder at all (no observer wants top-k, so the engine skips it).
+
+The arms alternate (none, capture, capture, none, ...) over ``repeats`` pairs, after one untimed
+warm-up of each, so slow drifts and noisy neighbours hit both alike. ``overhead_pct`` is the
+median over pairs of the throughput lost by capture; the totals-based figure is reported too.
+Trace delivery (flush) happens between runs, outside the timed part; whatever the sink could not
+deliver counts in ``shed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+
+import torch
+
+from benchmarks.prompts import PromptItem, default_prompts, interleave_categories, load_jsonl, split_by_domain
+from benchmarks.runner import RunResult, run_prompts
+
+log = logging.getLogger(__name__)
+
+
+def select_prompts(items: list[PromptItem], limit: int) -> list[PromptItem]:
+    """``limit`` prompts, round-robin over domains and, within a domain, over categories."""
+    queues = [interleave_categories(group) for group in split_by_domain(items).values()]
+    out: list[PromptItem] = []
+    while len(out) < limit and any(queues):
+        for q in queues:
+            if q and len(out) < limit:
+                out.append(q.pop(0))
+    return out
+
+
+async def _one_run(target, sink, arm: str, prompts, domains, *, max_tokens: int, k: int,
+                   concurrency: int, features: bool) -> RunResult:
+    from serving.drafters.factory import build_drafter
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.observers import TraceRecorder
+
+    capture = arm == "capture"
+    observers = [TraceRecorder(sink, target.fingerprint, record_features=features)] if capture else []
+    config = EngineConfig(k=k, max_batch_size=concurrency, capture_features=capture and features)
+    engine = TorchEngine(target, build_drafter("suffix", target), config, observers=observers)
+    await engine.start()
+    try:
+        return await run_prompts(engine, prompts, max_tokens, domains=domains,
+                                 concurrency=concurrency)
+    finally:
+        await engine.stop()
+
+
+async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, limit: int = 8,
+                              max_tokens: int = 64, k: int = 4, concurrency: int = 4,
+                              repeats: int = 3, features: bool = False,
+                              dtype: str = "bfloat16") -> dict:
+    from feedback.kafka_sink import KafkaTraceSink
+    from infra.stack import Stack
+    from serving.target import load_target, tiny_target
+
+    target = tiny_target() if tiny else load_target(dtype=getattr(torch, dtype))
+    chosen = select_prompts(items, limit)
+    prompts = [p.token_ids(target.tokenizer) for p in chosen]
+    domains = [p.domain for p in chosen]
+
+    run_dir = tempfile.mkdtemp(prefix="specloop-bench-capture-")
+    stack = Stack(run_dir)
+    try:
+        broker = stack.start_broker(storage="memory")
+        topic = f"specloop.traces.bench-{uuid.uuid4().hex[:8]}"
+        sink = KafkaTraceSink(bootstrap_servers=broker.url, topic=topic)
+        try:
+            run = lambda arm, n_tokens=max_tokens: _one_run(  # noqa: E731
+                target, sink, arm, prompts, domains, max_tokens=n_tokens, k=k,
+                concurrency=concurrency, features=features)
+            # Warm-up (untimed): allocator, kernels, producer connection, topic creation.
+            for arm in ("none", "capture"):
+                await run(arm, min(max_tokens, 16))
+            if not sink.flush(30):
+                log.warning("warm-up traces not delivered within 30 s")
+            sent0, bytes0, shed0, emitted0 = sink.sent, sink.sent_bytes, sink.shed, sink.emitted
+
+            results: dict[str, list[RunResult]] = {"none": [], "capture": []}
+            for r in range(repeats):
+                for arm in ("none", "capture") if r % 2 == 0 else ("capture", "none"):
+                    res = await run(arm)
+                    results[arm].append(res)
+                    log.info("pair %d %-7s %.2f tok/s (%d tokens, %.2f s)", r, arm, res.tok_s,
+                             res.tokens, res.wall_s)
+                    if arm == "capture" and not sink.flush(60):  # outside the timed run
+                        log.warning("traces still pending after 60 s")
+            sink.flush(30)
+        finally:
+            sink.close()
+    finally:
+        stack.down()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    def tok_s(runs: list[RunResult]) -> float:
+        wall = sum(x.wall_s for x in runs)
+        return sum(x.tokens for x in runs) / wall if wall else 0.0
+
+    base, cap = results["none"], results["capture"]
+    pair_overheads = [100.0 * (1.0 - c.tok_s / b.tok_s) for b, c in zip(base, cap)]
+    base_tok_s, cap_tok_s = tok_s(base), tok_s(cap)
+    sent = sink.sent - sent0
+    cap_wall = sum(x.wall_s for x in cap)
+    return {
+        "overhead_pct": round(statistics.median(pair_overheads), 2),
+        "overhead_pct_total": round(100.0 * (1.0 - cap_tok_s / base_tok_s), 2) if base_tok_s else None,
+        "overhead_pct_pairs": [round(x, 2) for x in pair_overheads],
+        "traces_per_s": round(sent / cap_wall, 2) if cap_wall else 0.0,
+        "bytes_per_trace": round((sink.sent_bytes - bytes0) / sent) if sent else 0,
+        "shed": sink.shed - shed0,
+        "emitted": sink.emitted - emitted0,
+        "sent": sent,
+        "capture_tok_s": round(cap_tok_s, 3),
+        "none_tok_s": round(base_tok_s, 3),
+        "capture_tok_s_runs": [round(x.tok_s, 3) for x in cap],
+        "none_tok_s_runs": [round(x.tok_s, 3) for x in base],
+        "outputs_identical": all(c.outputs == b.outputs for b, c in zip(base, cap)),
+        "failed": sum(x.failed for x in base + cap),
+        "model": target.model_id,
+        "features": features,
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "tokens_per_run": cap[0].tokens if cap else 0,
+        "verify_steps_per_run": cap[0].verify_steps if cap else 0,
+        "concurrency": concurrency,
+        "k": k,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+    }
+
+
+def run(prompts: str | None, tiny: bool, limit: int, max_tokens: int, k: int, concurrency: int,
+        repeats: int, features: bool, threads: int | None, dtype: str) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    # SIGTERM unwinds like Ctrl-C, so the broker we started is stopped on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    items = load_jsonl(prompts) if prompts else default_prompts()
+    t0 = time.perf_counter()
+    out = asyncio.run(bench_capture_async(
+        items, tiny=tiny, limit=limit, max_tokens=max_tokens, k=k, concurrency=concurrency,
+        repeats=repeats, features=features, dtype=dtype))
+    out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)

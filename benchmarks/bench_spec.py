@@ -1,0 +1,184 @@
+"""``specloop bench spec``: speculative decoding vs target-only decoding on the same prompts.
+
+For each domain in the prompt set (MT-Bench chat and HumanEval code by default) it takes ``limit``
+evaluation prompts and ``warm`` other prompts of the same domain, then measures in one process:
+
+1. target-only greedy decoding of the evaluation prompts (the baseline and the reference outputs);
+2. speculative decoding at day 0 (a fresh drafter);
+3. speculative decoding after the drafter served the warm-up prompts (the suffix index learns
+   from finished outputs; learned drafters do not change here) — skipped when ``warm`` is 0.
+
+Requests run one at a time (latency-bound decoding). ``lossless`` is true when every speculative
+output equals the target-only output token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from benchmarks.prompts import PromptItem, default_prompts, interleave_categories, load_jsonl, split_by_domain
+from benchmarks.runner import RunResult, StepTimer, run_prompts
+
+log = logging.getLogger(__name__)
+
+
+def select_prompts(items: list[PromptItem], limit: int, warm: int) -> dict[str, tuple[list, list]]:
+    """Per domain: (evaluation prompts, disjoint warm-up prompts)."""
+    out = {}
+    for domain, group in split_by_domain(items).items():
+        group = interleave_categories(group)
+        out[domain] = (group[:limit], group[limit : limit + warm])
+    return out
+
+
+def _figures(spec: RunResult, base: RunResult, timer: StepTimer) -> dict:
+    mismatches = sum(a != b for a, b in zip(spec.outputs, base.outputs))
+    t = timer.summary()
+    return {
+        "spec_tok_s": round(spec.tok_s, 3),
+        "speedup": round(spec.tok_s / base.tok_s, 4) if base.tok_s else 0.0,
+        "mean_accept_len": round(spec.mean_accept_len, 4),
+        "acceptance_rate": round(spec.acceptance_rate, 4),
+        "lossless": mismatches == 0 and spec.failed == 0,
+        "mismatched_outputs": mismatches,
+        "draft_ms_per_token": round(t["draft_ms_per_token"], 4),
+        "draft_ms_per_step": round(t["draft_ms_per_step"], 4),
+        "verify_ms": round(t["verify_ms"], 3),
+        "tokens": spec.tokens,
+        "failed": spec.failed,
+    }
+
+
+async def _measure(engine, timer: StepTimer, prompts, domains, max_tokens) -> RunResult:
+    timer.reset()
+    return await run_prompts(engine, prompts, max_tokens, domains=domains)
+
+
+async def bench_spec_async(
+    items: list[PromptItem],
+    *,
+    drafter_kind: str = "suffix",
+    artifact_dir: str | None = None,
+    limit: int = 8,
+    warm: int = 16,
+    max_tokens: int = 96,
+    k: int = 4,
+    model: str | None = None,
+    threads: int | None = None,
+    dtype: str = "bfloat16",
+) -> dict:
+    from serving.drafters.factory import build_drafter
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.target import load_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    target = load_target(model, dtype=getattr(torch, dtype))
+    tok = target.tokenizer
+    selection = select_prompts(items, limit, warm)
+
+    def ids(group):
+        return [p.token_ids(tok) for p in group]
+
+    base_timer = StepTimer()
+    baseline = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=1), observers=[base_timer])
+    base: dict[str, RunResult] = {}
+    base_steps: dict[str, dict] = {}
+    for domain, (evals, _) in selection.items():
+        log.info("baseline: %s, %d prompts", domain, len(evals))
+        base[domain] = await _measure(baseline, base_timer, ids(evals), [domain] * len(evals), max_tokens)
+        base_steps[domain] = base_timer.summary()
+    await baseline.stop()
+
+    phases = {}
+    for phase in ("day0", "warmed") if warm > 0 else ("day0",):
+        timer = StepTimer()
+        results = {}
+        for domain, (evals, warmups) in selection.items():
+            # A fresh drafter per domain and phase: day 0 knows nothing, warmed knows only the
+            # warm-up prompts of its own domain.
+            drafter = build_drafter(drafter_kind, target, artifact_dir)
+            engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1), observers=[timer])
+            if phase == "warmed":
+                log.info("%s: warming on %d %s prompts", drafter_kind, len(warmups), domain)
+                await run_prompts(engine, ids(warmups), max_tokens, domains=[domain] * len(warmups))
+            log.info("%s %s: %s, %d prompts", drafter_kind, phase, domain, len(evals))
+            spec = await _measure(engine, timer, ids(evals), [domain] * len(evals), max_tokens)
+            results[domain] = _figures(spec, base[domain], timer)
+            results[domain]["_run"] = spec
+            await engine.stop()
+        phases[phase] = results
+
+    def overall(results: dict) -> dict:
+        runs = {d: r.pop("_run") for d, r in results.items()}
+        spec_tokens = sum(r.tokens for r in runs.values())
+        spec_wall = sum(r.wall_s for r in runs.values())
+        base_tokens = sum(b.tokens for b in base.values())
+        base_wall = sum(b.wall_s for b in base.values())
+        steps = sum(r.verify_steps for r in runs.values())
+        drafted = sum(r.drafted for r in runs.values())
+        accepted = sum(r.accepted for r in runs.values())
+        spec_tok_s = spec_tokens / spec_wall if spec_wall else 0.0
+        base_tok_s = base_tokens / base_wall if base_wall else 0.0
+        return {
+            "spec_tok_s": round(spec_tok_s, 3),
+            "speedup": round(spec_tok_s / base_tok_s, 4) if base_tok_s else 0.0,
+            "mean_accept_len": round(spec_tokens / steps, 4) if steps else 0.0,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "lossless": all(r["lossless"] for r in results.values()),
+            "by_domain": results,
+        }
+
+    summaries = {phase: overall(res) for phase, res in phases.items()}
+    head = summaries["warmed" if "warmed" in summaries else "day0"]
+    base_tokens = sum(b.tokens for b in base.values())
+    base_wall = sum(b.wall_s for b in base.values())
+    all_base_steps = [s for s in base_steps.values()]
+    timers = [v for res in phases.values() for v in res.values()]
+    return {
+        "drafter": drafter_kind,
+        "k": k,
+        "max_tokens": max_tokens,
+        "prompts_per_domain": limit,
+        "warm_prompts_per_domain": warm,
+        "dtype": dtype,
+        "threads": torch.get_num_threads(),
+        "baseline_tok_s": round(base_tokens / base_wall, 3) if base_wall else 0.0,
+        "target_ms": round(sum(s["verify_ms"] for s in all_base_steps) / max(len(all_base_steps), 1), 3),
+        "spec_tok_s": head["spec_tok_s"],
+        "speedup": head["speedup"],
+        "mean_accept_len": head["mean_accept_len"],
+        "acceptance_rate": head["acceptance_rate"],
+        "lossless": all(s["lossless"] for s in summaries.values()),
+        "draft_ms_per_token": _mean([d["draft_ms_per_token"] for d in timers]),
+        "verify_ms": _mean([d["verify_ms"] for d in timers]),
+        "phase": "warmed" if "warmed" in summaries else "day0",
+        "day0": summaries["day0"],
+        "warmed": summaries.get("warmed"),
+        "baseline_by_domain": {d: {"tok_s": round(b.tok_s, 3), "tokens": b.tokens} for d, b in base.items()},
+    }
+
+
+def _mean(xs: list[float]) -> float:
+    return round(sum(xs) / len(xs), 4) if xs else 0.0
+
+
+def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, warm: int,
+        artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None) -> dict:
+    items = load_jsonl(prompts) if prompts else default_prompts()
+    if domains:
+        items = [p for p in items if (p.domain or "default") in domains]
+        if not items:
+            raise ValueError(f"no prompts in domains {domains}")
+    t0 = time.perf_counter()
+    out = asyncio.run(bench_spec_async(
+        items, drafter_kind=drafter, artifact_dir=artifact, limit=limit, warm=warm,
+        max_tokens=max_tokens, k=k, threads=threads, dtype=dtype,
+    ))
+    out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
+    return out

@@ -1,0 +1,59 @@
+"""``specloop bench ...`` commands that live in benchmarks/ (each prints one JSON object)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import typer
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def spec(
+    json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
+    prompts: str = typer.Option(None, help="JSONL prompt file (lines with prompt or messages, optional domain)."),
+    limit: int = typer.Option(8, min=1, help="Evaluation prompts per domain."),
+    max_tokens: int = typer.Option(96, min=1, help="New tokens per prompt."),
+    k: int = typer.Option(4, min=1, help="Drafted tokens per step."),
+    drafter: str = typer.Option("suffix", help="suffix | eagle | standalone | hybrid"),
+    warm: int = typer.Option(16, min=0, help="Other prompts of the same domain served before measuring (0 = day 0 only)."),
+    artifact: str = typer.Option(None, help="Drafter artifact directory for learned drafters (default: day-0 init)."),
+    threads: int = typer.Option(2, min=1, help="torch threads."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32"),
+    domain: list[str] = typer.Option(None, help="Only these domains (repeatable)."),
+    verbose: bool = typer.Option(True, help="Progress logs on stderr."),
+) -> None:
+    """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
+    _setup_logging(verbose)
+    from benchmarks.bench_spec import run
+
+    out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain)
+    print(json.dumps(out, indent=None if json_out else 2))
+
+
+def capture(
+    json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
+    tiny: bool = typer.Option(False, "--tiny", help="A tiny random model instead of SmolLM2 (smoke runs)."),
+    prompts: str = typer.Option(None, help="JSONL prompt file (default: MT-Bench + HumanEval)."),
+    limit: int = typer.Option(8, min=1, help="Prompts per run (round-robin over domains)."),
+    max_tokens: int = typer.Option(64, min=1, help="New tokens per prompt."),
+    k: int = typer.Option(4, min=1, help="Drafted tokens per step (suffix drafter)."),
+    concurrency: int = typer.Option(4, min=1, help="Requests in flight (and engine batch size)."),
+    repeats: int = typer.Option(3, min=1, help="Pairs of runs (capture, no capture), order alternating."),
+    features: bool = typer.Option(False, "--features", help="Capture also records target hidden states."),
+    threads: int = typer.Option(2, min=1, help="torch threads."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32"),
+    verbose: bool = typer.Option(True, help="Progress logs on stderr."),
+) -> None:
+    """Serving throughput with trace export to a (self-started) broker vs without capture."""
+    _setup_logging(verbose)
+    logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter at INFO
+    from benchmarks.bench_capture import run
+
+    out = run(prompts, tiny, limit, max_tokens, k, concurrency, repeats, features, threads, dtype)
+    print(json.dumps(out, indent=None if json_out else 2))

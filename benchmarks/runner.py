@@ -1,0 +1,127 @@
+"""Drive a TorchEngine over a list of prompts and collect what benchmarks report.
+
+Requests are sent one after another (latency-bound decoding, where speculative decoding pays) or
+with a fixed concurrency. Step timings come from the engine's VerifyBatch stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from serving.engine.base import GenerationRequest, SamplingParams, VerifyBatch
+from serving.observers import BaseObserver
+
+
+class StepTimer(BaseObserver):
+    """Collects per-step timings and draft counts."""
+
+    def __init__(self):
+        self.draft_ms: list[float] = []
+        self.verify_ms: list[float] = []
+        self.rows: list[int] = []
+        self.drafted: list[int] = []
+        self.accepted: list[int] = []
+
+    def on_step(self, batch: VerifyBatch) -> None:
+        self.draft_ms.append(batch.draft_ms)
+        self.verify_ms.append(batch.verify_ms)
+        self.rows.append(len(batch.request_ids))
+        self.drafted.append(int(np.asarray(batch.num_drafted).sum()))
+        self.accepted.append(int(np.asarray(batch.num_accepted).sum()))
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def summary(self) -> dict:
+        steps = len(self.verify_ms)
+        drafted = sum(self.drafted)
+        return {
+            "steps": steps,
+            "drafted": drafted,
+            "accepted": sum(self.accepted),
+            "verify_ms": float(np.mean(self.verify_ms)) if steps else 0.0,
+            "draft_ms_per_step": float(np.mean(self.draft_ms)) if steps else 0.0,
+            "draft_ms_per_token": float(sum(self.draft_ms) / drafted) if drafted else 0.0,
+        }
+
+
+@dataclass
+class RunResult:
+    outputs: list[list[int]] = field(default_factory=list)
+    wall_s: float = 0.0
+    tokens: int = 0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    failed: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def mean_accept_len(self) -> float:
+        return self.tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+async def _one(engine, prompt_ids: list[int], params: SamplingParams, domain: str | None,
+               tenant: str, train: bool) -> tuple[list[int], object]:
+    request = GenerationRequest(
+        request_id=f"bench-{uuid.uuid4().hex[:12]}", prompt_ids=prompt_ids, params=params,
+        tenant=tenant, domain=domain, train=train,
+    )
+    tokens: list[int] = []
+    last = None
+    async for chunk in engine.generate(request):
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    return tokens, last.stats if last is not None else None
+
+
+async def run_prompts(
+    engine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    domains: list[str | None] | None = None,
+    concurrency: int = 1,
+    temperature: float = 0.0,
+    tenant: str = "default",
+    train: bool = True,
+    on_done=None,
+) -> RunResult:
+    """Generate every prompt (greedy by default) and total up tokens, time and spec stats."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    domains = domains or [None] * len(prompts)
+    result = RunResult(outputs=[[] for _ in prompts])
+    sem = asyncio.Semaphore(concurrency)
+
+    async def task(i: int) -> None:
+        async with sem:
+            try:
+                tokens, stats = await _one(engine, prompts[i], params, domains[i], tenant, train)
+            except Exception:  # noqa: BLE001 - a benchmark counts failures, it does not stop
+                result.failed += 1
+                return
+            result.outputs[i] = tokens
+            result.tokens += len(tokens)
+            if stats is not None:
+                result.verify_steps += stats.verify_steps
+                result.drafted += stats.drafted_tokens
+                result.accepted += stats.accepted_tokens
+            if on_done is not None:
+                on_done(i, tokens)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(task(i) for i in range(len(prompts))))
+    result.wall_s = time.perf_counter() - t0
+    return result
