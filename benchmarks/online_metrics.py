@@ -1,0 +1,73 @@
+"""Figures of an online run (``bench online`` JSON, the demo's summary) from its Points."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def shift_index(domains: list[str]) -> int:
+    """Index of the first request whose domain differs from the first one (len if none)."""
+    for i, d in enumerate(domains):
+        if d != domains[0]:
+            return i
+    return len(domains)
+
+
+def tok_s(points) -> float:
+    ok = [p for p in points if not p.failed]
+    wall = sum(p.wall_s for p in ok)
+    return sum(p.tokens for p in ok) / wall if wall else 0.0
+
+
+def mean_accept(points) -> float:
+    ok = [p for p in points if not p.failed]
+    return statistics.fmean(p.accept_len for p in ok) if ok else 0.0
+
+
+def tail(points, fraction: float = 1 / 3):
+    """The last part of a domain (after adaptation)."""
+    n = max(1, round(len(points) * fraction))
+    return points[-n:]
+
+
+def requests_to_recover(after, target_accept: float, window: int = 3) -> int | None:
+    """Post-shift requests until the rolling mean tokens/verify reaches ``target_accept``."""
+    for i in range(len(after)):
+        recent = after[max(0, i - window + 1): i + 1]
+        if len(recent) == min(window, len(after)) and mean_accept(recent) >= target_accept:
+            return i + 1
+    return None
+
+
+def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollbacks=0,
+              freshness=None) -> dict:
+    """``points``: the adapted run; ``baseline``: target-only Points on the same prompts;
+    ``frozen``: Points of the drafter frozen at the shift on the post-shift prompts."""
+    before, after = points[:shift], points[shift:]
+    out = {
+        "requests": len(points),
+        "shift_at": shift,
+        "tok_s": tok_s(points),
+        "mean_accept_len_before": mean_accept(before),
+        "mean_accept_len_after": mean_accept(after),
+        "swaps": swaps,
+        "rollbacks": rollbacks,
+        "failed_requests": sum(p.failed for p in points),
+    }
+    if baseline is not None:
+        ours_tail = tail(before)
+        base_tail = baseline[shift - len(ours_tail): shift]
+        out["day0_speedup"] = tok_s(ours_tail) / tok_s(base_tail) if tok_s(base_tail) else None
+        out["speedup_overall"] = tok_s(points) / tok_s(baseline) if tok_s(baseline) else None
+        out["lossless"] = all(p.output == b.output for p, b in zip(points, baseline) if not p.failed)
+    if frozen is not None and after:
+        out["static_vs_adapted_after_shift"] = tok_s(after) / tok_s(frozen) if tok_s(frozen) else None
+        out["frozen_mean_accept_len_after"] = mean_accept(frozen)
+        if baseline is not None:
+            out["lossless"] = out["lossless"] and all(
+                p.output == b.output for p, b in zip(frozen, baseline[shift:]) if not p.failed)
+    if before and after:
+        out["requests_to_recover"] = requests_to_recover(after, mean_accept(tail(before)))
+    fresh = list(freshness or [])
+    out["freshness_s_median"] = statistics.median(fresh) if fresh else None
+    return out

@@ -1,0 +1,132 @@
+import numpy as np
+import pytest
+
+from serving.adaptive_k import CostModel
+from serving.engine.goodput_policy import GoodputPolicy
+from serving.engine.policy import BatchState, SpeculationPolicy
+
+
+def _state(k_max=4, batch=1):
+    return BatchState(batch, k_max, np.full(batch, 100))
+
+
+def _feed(policy, k, accepted_per_row, steps=200, draft_ms=0.2, verify=None, batch=1):
+    """Simulate steps that drafted k per row and accepted ``accepted_per_row``."""
+    verify = verify or (lambda width: 40.0 * (1 + 0.02 * width))
+    for _ in range(steps):
+        drafted = np.full(batch, k)
+        accepted = np.full(batch, accepted_per_row)
+        policy.observe(k, drafted, accepted, draft_ms * k, verify(k))
+
+
+def test_is_a_speculation_policy():
+    assert isinstance(GoodputPolicy(4), SpeculationPolicy)
+
+
+def test_high_acceptance_and_cheap_drafts_use_k_max():
+    p = GoodputPolicy(6)
+    _feed(p, 6, 6)  # every draft accepted
+    assert p.acceptance.value > 0.9
+    assert p.choose_k(_state(6)) == 6
+
+
+def test_useless_drafter_turns_speculation_off():
+    p = GoodputPolicy(4)
+    _feed(p, 4, 0, draft_ms=5.0)  # nothing accepted, expensive drafts
+    assert p.acceptance.value < 0.05
+    assert p.choose_k(_state()) == 0
+
+
+def test_expensive_drafts_shorten_k():
+    cheap, costly = GoodputPolicy(8), GoodputPolicy(8)
+    _feed(cheap, 4, 2, draft_ms=0.05)
+    _feed(costly, 4, 2, draft_ms=15.0)
+    assert 0 < costly.choose_k(_state(8)) < cheap.choose_k(_state(8))
+
+
+def test_batch_cap_is_respected():
+    p = GoodputPolicy(8)
+    _feed(p, 8, 8)
+    assert p.choose_k(_state(k_max=3)) == 3
+
+
+def test_off_regime_probes_and_recovers():
+    p = GoodputPolicy(4, probe_every=5, probe_k=2)
+    _feed(p, 4, 0, draft_ms=5.0)
+    ks = [p.choose_k(_state()) for _ in range(20)]
+    assert ks.count(0) == 16 and ks.count(2) == 4 and p.probes == 4
+    # The drafter got good (e.g. a swap): each probe is fully accepted, cheap drafts.
+    for _ in range(200):
+        k = p.choose_k(_state())
+        drafted = np.array([k])
+        p.observe(k, drafted, drafted, 0.05 * k, 40.0)
+    assert p.choose_k(_state()) == 4
+
+
+def test_k0_cost_is_anchored_on_measured_verify_steps():
+    # A machine 3x slower than the prior: before any k = 0 step, the k = 0 cost follows the
+    # measured k = 4 steps instead of the 37.6 ms prior (which would make drafting look bad).
+    p = GoodputPolicy(4, costs=CostModel())
+    _feed(p, 4, 1, steps=100, draft_ms=0.05, verify=lambda w: 120.0 * (1 + 0.022 * w))
+    assert p.costs.verify_ms(0) == pytest.approx(120.0, rel=0.05)
+    assert p.choose_k(_state()) > 0
+
+
+def test_rows_that_drafted_nothing_count_as_plain_steps():
+    p = GoodputPolicy(4)
+    before = p.acceptance.value
+    for _ in range(50):
+        p.observe(4, np.zeros(2, dtype=int), np.zeros(2, dtype=int), 0.1, 38.0)
+    assert p.acceptance.value == before  # no evidence either way
+    assert p.costs.verify_ms(0) == pytest.approx(38.0, rel=0.01)
+
+
+def test_validation():
+    with pytest.raises(ValueError):
+        GoodputPolicy(-1)
+    with pytest.raises(ValueError):
+        GoodputPolicy(4, probe_every=0)
+
+
+def test_builder_wires_adaptive_k():
+    from serving.builder import build_engine
+    from serving.config import ServingSettings
+    from serving.target import tiny_target
+
+    target = tiny_target(vocab_size=64, hidden_size=32)
+    from prometheus_client import CollectorRegistry
+
+    on = build_engine(ServingSettings(adaptive_k=True, k=5), target=target, registry=CollectorRegistry())
+    off = build_engine(ServingSettings(k=5), target=target, registry=CollectorRegistry())
+    assert isinstance(on.policy, GoodputPolicy) and on.policy.k_max == 5
+    assert not isinstance(off.policy, GoodputPolicy)
+
+
+def test_engine_runs_with_policy_and_stays_lossless():
+    import asyncio
+
+    from serving.drafters.factory import build_drafter
+    from serving.engine.base import GenerationRequest, SamplingParams
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.target import tiny_target
+
+    target = tiny_target(vocab_size=64, hidden_size=32)
+    prompt = [1, 2, 3, 4, 5, 6]
+
+    async def run(engine):
+        await engine.start()
+        try:
+            out = []
+            req = GenerationRequest("r", prompt, SamplingParams(max_tokens=48, ignore_eos=True))
+            async for chunk in engine.generate(req):
+                out += chunk.token_ids
+            return out
+        finally:
+            await engine.stop()
+
+    policy = GoodputPolicy(4, probe_every=3)
+    spec = TorchEngine(target, build_drafter("suffix", target), EngineConfig(k=4), policy=policy)
+    plain = TorchEngine(target, None, EngineConfig(k=0))
+    assert asyncio.run(run(spec)) == asyncio.run(run(plain))
+    assert policy.chosen  # the engine asked the policy
