@@ -24,7 +24,7 @@ def spec(
     warm: int = typer.Option(16, min=0, help="Other prompts of the same domain served before measuring (0 = day 0 only)."),
     artifact: str = typer.Option(None, help="Drafter artifact directory for learned drafters (default: day-0 init)."),
     threads: int = typer.Option(2, min=1, help="torch threads."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32"),
+    dtype: str = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
     domain: list[str] = typer.Option(None, help="Only these domains (repeatable)."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
@@ -47,7 +47,7 @@ def capture(
     repeats: int = typer.Option(3, min=1, help="Pairs of runs (capture, no capture), order alternating."),
     features: bool = typer.Option(False, "--features", help="Capture also records target hidden states."),
     threads: int = typer.Option(2, min=1, help="torch threads."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16 | float32"),
+    dtype: str = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
     """Serving throughput with trace export to a (self-started) broker vs without capture."""

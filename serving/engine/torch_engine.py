@@ -453,6 +453,29 @@ class TorchEngine:
         num_accepted[s], next_tokens[s] = res.num_accepted, res.next_tokens
         return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
 
+    def _trace_topk(
+        self, rows: list[Row], plan: DraftPlan, logits: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Target top-k (ids, log-probs) at the verified positions of rows that are traced.
+
+        Only positions j <= num_drafted of rows with ``train`` set are computed (one gather, one
+        top-k, one logsumexp over [N, V]); the rest stay padded (-1 / -inf)."""
+        b, k1, vocab = logits.shape
+        t = min(self.config.trace_topk, vocab)
+        device = logits.device
+        verified = torch.arange(k1, device=device)[None, :] <= plan.lengths.to(device)[:, None]
+        traced = torch.tensor([r.request.train for r in rows], device=device)
+        keep = verified & traced[:, None]  # [B, K+1]
+        sel = logits[keep]  # [N, V]
+        values, ids = sel.topk(t, dim=-1)  # [N, T]
+        lp = values.float() - torch.logsumexp(sel.float(), dim=-1, keepdim=True)  # [N, T]
+        topk_ids = np.full((b, k1, t), -1, dtype=np.int32)
+        topk_lp = np.full((b, k1, t), -np.inf, dtype=np.float16)
+        mask = keep.cpu().numpy()
+        topk_ids[mask] = ids.to(torch.int32).cpu().numpy()
+        topk_lp[mask] = lp.to(torch.float16).cpu().numpy()
+        return topk_ids, topk_lp
+
     def _report(
         self,
         rows: list[Row],
@@ -472,18 +495,7 @@ class TorchEngine:
         if any(getattr(o, "wants_topk", False) for o in self.observers) and any(
             r.request.train for r in rows
         ):
-            t = min(self.config.trace_topk, logits.shape[-1])
-            lf = logits.float()  # [B, K+1, V]
-            values, ids = lf.topk(t, dim=-1)  # [B, K+1, T]
-            lp = values - torch.logsumexp(lf, dim=-1, keepdim=True)  # [B, K+1, T]
-            verified = (
-                torch.arange(k + 1, device=lf.device)[None, :]
-                <= plan.lengths.to(lf.device)[:, None]
-            )
-            topk_ids = ids.masked_fill(~verified[..., None], -1).to(torch.int32).cpu().numpy()
-            topk_lp = (
-                lp.masked_fill(~verified[..., None], -math.inf).to(torch.float16).cpu().numpy()
-            )
+            topk_ids, topk_lp = self._trace_topk(rows, plan, logits)
         features = None
         if feats is not None:
             bits = (
