@@ -45,6 +45,10 @@ class KafkaSourceSettings(BaseSettings):
     request_timeout_ms: int = Field(10_000, description="Must exceed session_timeout_ms.")
     max_partition_fetch_bytes: int = Field(8 << 20, description="Above the largest trace.")
     client_id: str = Field("specloop-trainer", description="Kafka client id.")
+    metadata_max_age_ms: int = Field(
+        5_000, description="Metadata refresh period. A consumer that subscribed before the topic "
+        "existed (the first trace creates it) only sees it at the next refresh; kafka-python's "
+        "default of 5 minutes would leave a fresh trainer idle that long.")
 
 
 class KafkaTraceSource:
@@ -75,6 +79,7 @@ class KafkaTraceSource:
             heartbeat_interval_ms=s.heartbeat_interval_ms,
             request_timeout_ms=max(s.request_timeout_ms, s.session_timeout_ms + 1_000),
             max_partition_fetch_bytes=s.max_partition_fetch_bytes,
+            metadata_max_age_ms=s.metadata_max_age_ms,
         )
         # Not idempotent: a restarted tansu forgets producer ids, which is fatal to kafka-python.
         self._dlq = KafkaProducer(bootstrap_servers=servers, client_id=f"{s.client_id}-dlq",
