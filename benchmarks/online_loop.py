@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from benchmarks.runner import collect
 from serving.engine.base import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -253,11 +254,9 @@ class OnlineLoop:
         req = GenerationRequest(f"r-{uuid.uuid4().hex[:12]}", list(prompt), params,
                                 tenant=self.tenant, domain=domain, train=train)
         version = str(getattr(self.engine.drafter, "version", "none"))
-        tokens, last, t0 = [], None, time.perf_counter()
+        t0 = time.perf_counter()
         try:
-            async for chunk in self.engine.generate(req):
-                tokens += chunk.token_ids
-                last = chunk
+            tokens, last = await collect(self.engine, req)
         except Exception:
             log.exception("request failed")
             return Point(len(self.points), domain, 0, 0.0, 0.0, version, failed=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.base import GenerationRequest, SamplingParams, VerifyBatch
+from serving.engine.base import GenerationChunk, GenerationRequest, SamplingParams, VerifyBatch
 from serving.observers import BaseObserver
 
 
@@ -73,17 +73,23 @@ class RunResult:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+async def collect(engine, request: GenerationRequest) -> tuple[list[int], GenerationChunk | None]:
+    """Stream one request to its end: (every output token, the final chunk with the stats)."""
+    tokens: list[int] = []
+    last = None
+    async for chunk in engine.generate(request):
+        tokens.extend(chunk.token_ids)
+        last = chunk
+    return tokens, last
+
+
 async def _one(engine, prompt_ids: list[int], params: SamplingParams, domain: str | None,
                tenant: str, train: bool) -> tuple[list[int], object]:
     request = GenerationRequest(
         request_id=f"bench-{uuid.uuid4().hex[:12]}", prompt_ids=prompt_ids, params=params,
         tenant=tenant, domain=domain, train=train,
     )
-    tokens: list[int] = []
-    last = None
-    async for chunk in engine.generate(request):
-        tokens.extend(chunk.token_ids)
-        last = chunk
+    tokens, last = await collect(engine, request)
     return tokens, last.stats if last is not None else None
 
 
