@@ -4,9 +4,14 @@ Two measures, both must beat the champion by a margin:
 - expected acceptance ``sum_x min(p(x), q(x))`` over the target's top-k at every accepted-path row
   of the held-out traces (a lower bound: the tail outside the top-k counts as 0);
 - simulated speedup at the serving k: replay the held-out outputs step by step with the draft's
-  greedy chain (optionally inside the hybrid policy: the suffix proposal when it has one, else the
-  learned draft), count tokens per target forward, and charge each step with the verify cost plus
-  the learned drafter's per-token cost (relative to one target step).
+  greedy chain (optionally inside the hybrid policy, as serving/drafters/hybrid.py chooses: the
+  suffix proposal when its confidence-weighted goodput is at least the learned drafter's at its
+  measured per-token acceptance, else the learned draft when it beats plain decoding), count
+  tokens per target forward, and charge each step with the verify cost plus the learned
+  drafter's per-token cost (relative to one target step).
+The suffix proposals and their confidences are serving's own (feedback/suffix_draft.py, the core
+of serving's SuffixDrafter): per-tenant indexes fed with the training traces as serving feeds
+them, prompt lookup in each held-out request, the same match, confidences and cut-off.
 The simulation assumes greedy verification against the recorded tokens (exact for temperature-0
 traces; for sampled traces it measures agreement with the sampled continuation).
 NaN/inf weights or a non-finite/diverged training loss are refused before any measurement.
@@ -20,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from feedback.suffix_draft import SuffixConfig, SuffixProposer
 from feedback.trace import TraceRecord
-from trainer.suffix_sim import SuffixSim, match_len
 
 
 @dataclass
@@ -84,11 +89,38 @@ def loss_healthy(losses: list[float], divergence_factor: float = 3.0) -> bool:
     return float(np.mean(tail)) <= divergence_factor * max(min(losses), 1e-6)
 
 
-def build_suffix_index(records: list[TraceRecord]) -> SuffixSim:
-    sim = SuffixSim()
+def build_suffix_index(records: list[TraceRecord], config: SuffixConfig | None = None) -> SuffixProposer:
+    """Serving's suffix drafter after ``records`` finished: each tenant's index fed in order, as
+    serving's trace consumer feeds it. ``config``: serving's suffix settings (default: read from
+    the same ``SPECLOOP_SUFFIX_*`` environment serving reads)."""
+    proposer = SuffixProposer(config)
     for r in records:
-        sim.add(np.concatenate([r.prompt_ids, r.output_ids]))
-    return sim
+        proposer.observe(r.tenant, r.output_ids.tolist(), prompt_ids=r.prompt_ids.tolist())
+    return proposer
+
+
+def match_len(proposal: list[int], truth: np.ndarray) -> int:
+    """Leading tokens of ``proposal`` equal to ``truth`` (greedy acceptance)."""
+    n = 0
+    for a, b in zip(proposal, truth):
+        if int(a) != int(b):
+            break
+        n += 1
+    return n
+
+
+def learned_acceptance(accept_at: list[np.ndarray], k: int) -> float:
+    """Per-token acceptance of a learned drafter's greedy k-chains, as serving estimates it live
+    (an accept-until-first-reject step with m of n accepted: m successes, 1 failure if m < n)."""
+    acc = np.concatenate(accept_at) if accept_at else np.zeros(0)
+    successes, failures = float(acc.sum()), float((acc < k).sum())
+    return successes / (successes + failures) if successes + failures else 0.0
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify step of k drafts emits at per-token acceptance ``acceptance``."""
+    a = min(max(acceptance, 0.0), 0.999999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 def simulate(
@@ -96,53 +128,77 @@ def simulate(
     prompt: np.ndarray,
     accept_at: np.ndarray | None,
     cfg: GateConfig,
-    suffix: SuffixSim | None,
+    suffix: SuffixProposer | None,
+    tenant: str = "default",
+    acceptance: float | None = None,
 ) -> tuple[int, int, float]:
     """Replay one output: returns (tokens, target forwards, cost in target-step units).
 
     ``accept_at[p]``: leading tokens of the learned draft's greedy chain (length k) from output
-    position p that match the output; None = no learned drafter.
+    position p that match the output; None = no learned drafter. ``suffix`` drafts for the request
+    as serving's suffix drafter would (``tenant``'s index, prompt lookup); nothing is added to its
+    indexes. With both, each step takes what serving's hybrid drafter would (its goodput rule,
+    in these cost units): the suffix draft when its expected tokens per cost, from its own
+    confidences, are at least the learned drafter's at per-token ``acceptance`` (default: its rate
+    on this output); else the learned draft when that beats plain decoding; else the suffix draft.
+    Without ``suffix`` the learned draft runs at every step.
     """
     n = len(output)
     p = steps = 0
     cost = 0.0
-    ctx = [int(t) for t in prompt]
+    req = suffix.start(tenant, prompt, len(prompt)) if suffix is not None else None
+    g_learned = 0.0
+    if accept_at is not None:
+        if acceptance is None:
+            acceptance = learned_acceptance([accept_at], cfg.k)
+        g_learned = expected_tokens(acceptance, cfg.k) / (cfg.verify_cost + cfg.draft_cost * cfg.k)
     while p < n:
         remaining = n - p - 1  # the bonus token is always emitted
-        proposal = suffix.propose(ctx, cfg.k) if suffix is not None else []
-        if proposal:
-            a = match_len(proposal, output[p : p + cfg.k])
+        use = "learned" if accept_at is not None else "none"
+        if req is not None:
+            draft = suffix.draft(req, cfg.k)
+            g_suffix = (1.0 + draft.expected_accepted) / cfg.verify_cost if draft.tokens else 1.0
+            use_suffix = bool(draft.tokens) and g_suffix > 1.0  # beats plain decoding
+            if draft.tokens and g_suffix >= g_learned:
+                use = "suffix" if use_suffix else "none"
+            elif not (accept_at is not None and g_learned > max(g_suffix, 1.0)):
+                use = "suffix" if use_suffix else "none"
+        if use == "suffix":
+            a = match_len(draft.tokens, output[p : p + cfg.k])
             cost += cfg.verify_cost
-        elif accept_at is not None:
+        elif use == "learned":
             a = int(accept_at[p])
             cost += cfg.verify_cost + cfg.draft_cost * cfg.k
         else:
             a = 0
             cost += 1.0
         a = min(a, remaining)
-        ctx.extend(int(t) for t in output[p : p + a + 1])
+        if req is not None:
+            suffix.extend(req, [int(t) for t in output[p : p + a + 1]])
         p += a + 1
         steps += 1
     return n, steps, cost
 
 
-def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixSim | None) -> DrafterScore:
+def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixProposer | None) -> DrafterScore:
     """``student``: a trainer.students.Student, or None for "no learned drafter" (suffix only)."""
     ea_sum, rows = 0.0, 0
     solo = [0, 0]
     pol = [0, 0.0]
-    for rec in heldout:
-        if student is not None:
+    chains: list[np.ndarray | None] = [None] * len(heldout)
+    if student is not None:
+        for i, rec in enumerate(heldout):
             ev = student.evaluate(rec, cfg.k)
             ea_sum += float(ev.overlap.sum())
             rows += int(ev.overlap.shape[0])
             t, s, _ = simulate(rec.output_ids, rec.prompt_ids, ev.accept_at, cfg, None)
             solo[0] += t
             solo[1] += s
-            accept_at = ev.accept_at
-        else:
-            accept_at = None
-        t, _, c = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix if cfg.hybrid else None)
+            chains[i] = ev.accept_at
+    acceptance = learned_acceptance([c for c in chains if c is not None], cfg.k)
+    for rec, accept_at in zip(heldout, chains):
+        t, _, c = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix if cfg.hybrid else None,
+                           rec.tenant, acceptance)
         pol[0] += t
         pol[1] += c
     return DrafterScore(
@@ -159,7 +215,7 @@ def judge(
     heldout: list[TraceRecord],
     cfg: GateConfig,
     *,
-    suffix: SuffixSim | None = None,
+    suffix: SuffixProposer | None = None,
     losses: list[float] | None = None,
 ) -> GateDecision:
     """Promote ``candidate`` over ``champion`` (None: suffix-only / no learned drafter)?"""

@@ -7,7 +7,6 @@ import torch
 from feedback.trace import DrafterKind
 from serving.drafters.base import Drafter, DraftRequestView
 from serving.drafters.suffix import SuffixConfig, SuffixDrafter
-from serving.drafters.suffix_index import SuffixAutomaton, SuffixIndex, walk
 
 
 def view(tokens, prompt_len=None, rid="r", tenant="default"):
@@ -47,53 +46,6 @@ def decode(d, prompt, output, k=4, rid="r", tenant="default"):
         steps += 1
     d.remove_request(rid, output)
     return (len(output) - 1) / steps
-
-
-# -- the automaton -------------------------------------------------------------------------
-
-
-def test_automaton_counts_and_matches_agree_with_brute_force():
-    rng = random.Random(0)
-    for _ in range(100):
-        seqs = [[rng.randrange(3) for _ in range(rng.randrange(1, 15))] for _ in range(rng.randrange(1, 4))]
-        sam = SuffixAutomaton()
-        for s in seqs:
-            sam.add_sequence(s)
-        occ: dict[tuple, int] = {}
-        for s in seqs:
-            for i in range(len(s)):
-                for j in range(i + 1, len(s) + 1):
-                    occ[tuple(s[i:j])] = occ.get(tuple(s[i:j]), 0) + 1
-        for sub, n in occ.items():
-            assert sam.count[sam.match(sub)[0]] == n
-        for _ in range(10):
-            q = [rng.randrange(4) for _ in range(rng.randrange(1, 10))]
-            longest = max(n for n in range(len(q) + 1) if n == 0 or tuple(q[len(q) - n :]) in occ)
-            assert sam.match(q)[1] == longest
-
-
-def test_walk_follows_the_most_frequent_continuation_with_counts():
-    sam = SuffixAutomaton()
-    for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7], [9, 2, 3, 4, 5]):
-        sam.add_sequence(seq)
-    state, matched = sam.match([8, 1, 2, 3])
-    assert matched == 3
-    steps = walk([(sam, state)], k=2, matched=3)
-    assert [s.token for s in steps] == [4, 5] or [s.token for s in steps] == [4, 6]
-    assert [(s.count, s.total, s.matched) for s in steps] == [(2, 3, 3), (1, 2, 4)]
-    # the shorter suffix "2 3" has more evidence: 4 follows 3 of its 4 occurrences, then 5 twice
-    steps = walk([(sam, sam.shorten(state, 2))], k=2, matched=2)
-    assert [(s.token, s.count, s.total) for s in steps] == [(4, 3, 4), (5, 2, 3)]
-
-
-def test_walk_backs_off_to_a_shorter_suffix_where_nothing_follows():
-    sam = SuffixAutomaton()
-    sam.add_sequence([1, 2, 3])  # "1 2 3" ends a sequence: nothing follows it here...
-    sam.add_sequence([9, 2, 3, 4, 5])  # ...but "2 3" goes on
-    state, matched = sam.match([1, 2, 3])
-    steps = walk([(sam, state)], k=3, matched=matched)
-    assert [(s.token, s.matched) for s in steps] == [(4, 2), (5, 3)]
-    assert walk([(sam, state)], k=3, matched=matched, min_match=3) == []
 
 
 # -- prompt lookup ---------------------------------------------------------------------------
@@ -156,7 +108,7 @@ def test_aborted_requests_do_not_feed_the_index():
     d = drafter()
     d.add_request(view(prompt + output, len(prompt), "a"))
     d.remove_request("a", None)
-    assert "default" not in d._indexes or d.index("default").num_tokens == 0
+    assert "default" not in d.proposer.indexes or d.index("default").num_tokens == 0
     assert propose_one(d, view(prompt + output[:5], len(prompt), "b"))[0] == []
 
 
@@ -216,14 +168,7 @@ def test_index_tenants_are_bounded_lru():
     d = drafter(max_tenants=2)
     for t in ("a", "b", "a", "c"):
         d.observe(t, [1, 2, 3])
-    assert set(d._indexes) == {"a", "c"}
-
-
-def test_suffix_index_generation_sizes():
-    idx = SuffixIndex(max_tokens=100, generations=2)
-    for _ in range(10):
-        idx.add(range(30))
-    assert len(idx.gens) == 2 and all(sam.num_tokens <= 50 for _, sam in idx.gens)
+    assert set(d.proposer.indexes) == {"a", "c"}
 
 
 # -- the batch contract -----------------------------------------------------------------------

@@ -26,7 +26,8 @@ def test_ray_actor_trains_and_promotes(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", __file__.rsplit("/", 1)[0])
     s = TrainerSettings(source="inprocess", tracking_uri=f"sqlite:///{tmp_path}/m.db",
                         checkpoint_dir=str(tmp_path / "ckpt"), min_train_traces=8, steps_per_round=20,
-                        rounds_per_gate=1, poll_records=60, k=3, lr=3e-3)
+                        rounds_per_gate=1, poll_records=60, k=3, lr=3e-3,
+                        hybrid=False)  # learned alone: see trainer_tracegen.NOT_SUFFIX_TEXT
     try:
         actor = start_actor(s, _student, FP, _source, registry=None)
         stats = ray.get(actor.run.remote(max_rounds=2), timeout=300)

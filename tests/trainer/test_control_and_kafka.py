@@ -30,7 +30,7 @@ def test_redis_heartbeats_pause_training_and_promotions_are_announced(redis_serv
     control = ControlPlane(url=redis_server.url)
     s = TrainerSettings(source="inprocess", redis_url=redis_server.url, tracking_uri="", checkpoint_dir=str(tmp_path),
                         min_train_traces=8, poll_records=60, steps_per_round=20, rounds_per_gate=1, k=3, lr=3e-3,
-                        max_queue_depth=4)
+                        max_queue_depth=4, hybrid=False)  # learned alone: see trainer_tracegen.NOT_SUFFIX_TEXT
     loop = build_loop(s, _student(), FP, ListTraceSource([make_trace("a", seed=i) for i in range(60)]))
     loop.saturated.cache_s = 0.0  # re-read the heartbeats on every call
     sub = control.subscribe()

@@ -8,7 +8,7 @@ from trainer.gate import GateConfig, build_suffix_index, judge, loss_healthy, sc
 from trainer.students import StandaloneStudent
 from trainer_tracegen import make_trace, tiny_lm
 
-CFG = GateConfig(k=3)
+CFG = GateConfig(k=3, hybrid=False)  # learned alone: see trainer_tracegen.NOT_SUFFIX_TEXT
 
 
 def test_distillation_raises_heldout_acceptance(trained_student):

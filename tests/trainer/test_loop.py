@@ -16,7 +16,7 @@ def _loop(source, tmp_path, **kw):
         source, StandaloneStudent(tiny_lm(seed=0)), FP,
         loop=LoopConfig(poll_records=20, min_train_traces=8, steps_per_round=5, rounds_per_gate=2,
                         checkpoint_dir=str(tmp_path / "ckpt")),
-        distill=DistillConfig(lr=3e-3, eval_every=5), gate=GateConfig(k=3), **kw)
+        distill=DistillConfig(lr=3e-3, eval_every=5), gate=GateConfig(k=3, hybrid=False), **kw)
 
 
 def test_offsets_are_committed_only_after_training_and_pauses_when_saturated(tmp_path):
@@ -76,7 +76,7 @@ def test_loop_promotes_registers_and_announces(tmp_path):
     loop = TrainerLoop(src, StandaloneStudent(tiny_lm(seed=0)), FP,
                        loop=LoopConfig(tenant="acme", poll_records=80, min_train_traces=8, steps_per_round=30,
                                        rounds_per_gate=1, lineage={"topic": "inproc"}),
-                       distill=DistillConfig(lr=3e-3, eval_every=10), gate=GateConfig(k=3),
+                       distill=DistillConfig(lr=3e-3, eval_every=10), gate=GateConfig(k=3, hybrid=False),
                        registry=reg, announcer=ann, exporter=_exporter)
     loop.run_round()
     assert loop.stats.promotions == 1, loop.stats.last_decision

@@ -16,6 +16,10 @@ import torch
 from feedback.fingerprint import TargetFingerprint
 from feedback.trace import DrafterKind, StepArrays, TraceRecord
 
+NOT_SUFFIX_TEXT = """Tests that check the learned drafter's promotion gate it alone (hybrid=False):
+serving's hybrid rule weighs the suffix drafter's confidences, which are calibrated on SmolLM2 text
+and do not describe these synthetic traces, so inside the hybrid the outcome would test that
+calibration rather than the trainer."""
 VOCAB = 48
 TOPK = 8
 FP = TargetFingerprint(model_id="bigram-test", tokenizer_hash="0" * 16, vocab_size=VOCAB)

@@ -1,5 +1,9 @@
 """Suffix automata with occurrence counts: the data structure behind the suffix drafter.
 
+Pure Python (no torch), in feedback/ because both sides run it: serving's suffix drafter
+(serving/drafters/suffix.py, through feedback/suffix_draft.py) and the trainer's promotion gate,
+which replays held-out traces through the very drafter serving runs.
+
 A suffix automaton (SAM) over a set of token sequences has one state per class of substrings that
 end at the same set of positions; it has at most 2N states and 3N transitions for N tokens, grows
 online in amortised O(1) per token, and:
