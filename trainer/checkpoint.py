@@ -35,7 +35,8 @@ def save(path: str | Path, distiller, replay: ReplayBuffer, extra: dict | None =
             blob = codec.encode(e.record)
             f.write(struct.pack("<I", len(blob)))
             f.write(blob)
-    meta = {"tokens_seen": replay.tokens_seen, "seen_ids": list(replay._seen_order), **(extra or {})}
+    meta = {"tokens_seen": replay.tokens_seen, "seen_ids": list(replay._seen_order),
+            "heldout_ids": [e.record.request_id for e in replay._heldout], **(extra or {})}
     (tmp / "meta.json").write_text(json.dumps(meta))
     old = path.with_name(path.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
@@ -53,13 +54,16 @@ def load(path: str | Path, distiller, replay: ReplayBuffer) -> dict:
     """Restore into a fresh distiller and an empty replay buffer; returns the extra metadata."""
     path = Path(path)
     distiller.load_state_dict(torch.load(path / "distiller.pt", weights_only=True))
+    meta = json.loads((path / "meta.json").read_text())
+    kept = "heldout_ids" in meta  # the split as it was, not re-derived (see ReplayBuffer.min_heldout)
+    heldout = set(meta.pop("heldout_ids", []))
     data = (path / "replay.bin").read_bytes()
     i = 0
     while i < len(data):
         (n,) = struct.unpack_from("<I", data, i)
-        replay.add(codec.decode(data[i + 4 : i + 4 + n]))
+        record = codec.decode(data[i + 4 : i + 4 + n])
+        replay.add(record, heldout=(record.request_id in heldout) if kept else None)
         i += 4 + n
-    meta = json.loads((path / "meta.json").read_text())
     replay.tokens_seen = meta.pop("tokens_seen")
     for rid in meta.pop("seen_ids"):
         replay.remember(rid)

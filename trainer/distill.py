@@ -88,7 +88,7 @@ class Distiller:
         self.student = student
         self.cfg = cfg or DistillConfig()
         self.optimizer = torch.optim.AdamW(
-            student.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
+            [p for p in student.model.parameters() if p.requires_grad], lr=self.cfg.lr, weight_decay=self.cfg.weight_decay
         )
         self.global_step = 0
         self.rng = np.random.default_rng(self.cfg.seed)

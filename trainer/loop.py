@@ -79,7 +79,7 @@ class TrainerLoop:
         self.fingerprint = fingerprint
         self.cfg = loop or LoopConfig()
         self.gate_cfg = gate or GateConfig()
-        self.replay = replay or ReplayBuffer(fingerprint=fingerprint, tenant=self.cfg.tenant)
+        self.replay = replay if replay is not None else ReplayBuffer(fingerprint=fingerprint, tenant=self.cfg.tenant)
         self.distiller = Distiller(student, distill)
         self.registry = registry
         self.announcer = announcer

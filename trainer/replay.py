@@ -41,6 +41,7 @@ class ReplayBuffer:
         fingerprint: TargetFingerprint | None = None,
         tenant: str | None = None,
         max_seen: int | None = None,
+        min_heldout: int = 8,
     ):
         """``max_seen``: request ids / content keys remembered for dedup (default 4 x capacity; older
         ones are forgotten, so memory stays bounded; redelivery happens within a commit window)."""
@@ -56,6 +57,8 @@ class ReplayBuffer:
         self._seen_order: collections.deque[str] = collections.deque()
         self._key_order: collections.deque[bytes] = collections.deque()
         self.max_seen = max_seen or 4 * capacity
+        self.min_heldout = min_heldout
+        """Until the held-out set has this many traces it keeps at least its fraction of arrivals."""
         self._seq = 0
         self.rejected = collections.Counter()
         """Why records were not added: duplicate | fingerprint | tenant."""
@@ -81,7 +84,7 @@ class ReplayBuffer:
         self._seq += 1
         entry = _Entry(record, self._seq)
         if heldout is None:
-            heldout = is_heldout(record.request_id, self.heldout_fraction)
+            heldout = is_heldout(record.request_id, self.heldout_fraction) or self._heldout_starved()
         if heldout:
             self._heldout.append(entry)
         else:
@@ -90,6 +93,13 @@ class ReplayBuffer:
             while len(self._train) > self.capacity:
                 self._train.popleft()
         return True
+
+    def _heldout_starved(self) -> bool:
+        """The hash split left the held-out set below its share of the first ``min_heldout`` traces
+        (a small stream can draw none at all, and the gate then never runs): take this one."""
+        if len(self._heldout) >= min(self.min_heldout, self._heldout.maxlen or 0):
+            return False
+        return len(self._heldout) < int(self.heldout_fraction * self._seq)
 
     def remember(self, request_id: str, key: bytes | None = None) -> None:
         """Mark a request (and its content key) seen, forgetting the oldest beyond ``max_seen``."""

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from feedback.trace import TraceRecord
 from trainer.examples import SequenceExample, build_examples
+from trainer.packing import batch_tensors, pack_examples
 
 
 @dataclass
@@ -115,12 +117,51 @@ class StandaloneStudent(Student):
 
     kind = "standalone"
 
-    def __init__(self, model: torch.nn.Module, max_len: int = 512, draft_to_target: torch.Tensor | None = None):
+    def __init__(self, model: torch.nn.Module, max_len: int = 512, draft_to_target: torch.Tensor | None = None,
+                 *, head_vocab: torch.Tensor | None = None, train_embeddings: bool = True):
+        """``draft_to_target``: the model's own output ids are a draft vocabulary with this mapping.
+        ``head_vocab``: [Vd] target ids; a full-vocabulary Hugging Face model is read only at these
+        lm_head rows (what serving's StandaloneDrafter does with ``draft_vocab``), which also makes
+        the vocabulary projection, the step's dominant cost, Vd/V as expensive.
+        ``train_embeddings=False`` freezes the (tied) embeddings and lm_head: a day-0 drafter copies
+        them from the target, and their gradient is most of a step's time and optimizer memory."""
         self.model = model
         self.max_len = max_len
+        self.head_vocab = None if head_vocab is None else torch.as_tensor(head_vocab, dtype=torch.long)
+        if self.head_vocab is not None:
+            if draft_to_target is not None:
+                raise ValueError("give draft_to_target or head_vocab, not both")
+            draft_to_target = self.head_vocab
         self.draft_to_target = draft_to_target
+        if not train_embeddings:
+            for emb in (model.get_input_embeddings(), model.get_output_embeddings()):
+                emb.weight.requires_grad_(False)
+
+    def _hf(self) -> bool:
+        return hasattr(self.model, "model") and hasattr(self.model, "lm_head")
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] final hidden states -> [..., Vd] logits."""
+        w = self.model.lm_head.weight  # [V, H]
+        return F.linear(hidden, w if self.head_vocab is None else w[self.head_vocab])
 
     def row_batch(self, examples: list[SequenceExample]) -> RowBatch:
+        """Logits at every row. Hugging Face causal LMs get the packed path (trainer/packing.py:
+        branches as tails of their main sequence, lm_head only at the rows); other modules run
+        each example as its own right-padded sequence."""
+        if not self._hf():
+            if self.head_vocab is not None:
+                raise ValueError("head_vocab needs a Hugging Face causal LM (.model and .lm_head)")
+            return self._row_batch_unpacked(examples)
+        seqs = pack_examples(examples)
+        ids, pos, mask = batch_tensors(seqs)  # [B, L], [B, L], [B, 1, L, L]
+        b_idx = torch.cat([torch.full((len(r),), b) for b, s in enumerate(seqs) for r in s.rows])  # [N]
+        t_idx = torch.from_numpy(np.concatenate([r for s in seqs for r in s.rows]))  # [N]
+        hidden = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state
+        logits = self._head(hidden[b_idx, t_idx])  # [N, Vd]: the vocab projection only where read
+        return self._row_tensors([ex for s in seqs for ex in s.examples], logits)
+
+    def _row_batch_unpacked(self, examples: list[SequenceExample]) -> RowBatch:
         L = max(len(e.tokens) for e in examples)
         tokens = torch.zeros(len(examples), L, dtype=torch.long)  # [B, L] right-padded
         for b, e in enumerate(examples):
@@ -134,7 +175,11 @@ class StandaloneStudent(Student):
     @torch.no_grad()
     def evaluate(self, record: TraceRecord, k: int) -> RecordEval:
         main = build_examples(record, include_discard=False, max_len=self.max_len)[0]
-        logits = _logits(self.model(torch.from_numpy(main.tokens)[None]))[0].float()  # [L, Vd]
+        ids = torch.from_numpy(main.tokens)[None]  # [1, L]
+        if self._hf():
+            logits = self._head(self.model.model(input_ids=ids).last_hidden_state)[0].float()  # [L, Vd]
+        else:
+            logits = _logits(self.model(ids))[0].float()  # [L, Vd]
         cut = len(record.prompt_ids) + len(record.output_ids) - len(main.tokens)  # left-truncated
         rows = logits[torch.from_numpy(main.ctx_len - 1)]  # [R, Vd]
         q = rows.softmax(-1)

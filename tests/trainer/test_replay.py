@@ -6,7 +6,7 @@ from trainer_tracegen import make_trace
 
 
 def test_heldout_split_is_by_request_and_stable():
-    rb = ReplayBuffer(heldout_fraction=0.3, heldout_size=1000)
+    rb = ReplayBuffer(heldout_fraction=0.3, heldout_size=1000, min_heldout=0)  # the pure hash split
     recs = [make_trace("a", seed=i) for i in range(60)]
     rb.extend(recs)
     held = {r.request_id for r in rb.heldout}
@@ -16,7 +16,7 @@ def test_heldout_split_is_by_request_and_stable():
 
 
 def test_heldout_keeps_only_the_most_recent():
-    rb = ReplayBuffer(heldout_fraction=0.5, heldout_size=3)
+    rb = ReplayBuffer(heldout_fraction=0.5, heldout_size=3, min_heldout=0)
     recs = [make_trace("a", seed=i) for i in range(40)]
     rb.extend(recs)
     expected = [r.request_id for r in recs if is_heldout(r.request_id, 0.5)][-3:]
@@ -57,3 +57,16 @@ def test_dedup_memory_is_bounded_and_forgets_the_oldest():
     assert len(rb._seen_ids) == 10 and len(rb._seen_keys) == 10 and len(rb) == 5
     assert not rb.add(recs[-1])  # recent: still a duplicate
     assert rb.add(recs[0])  # long forgotten: accepted again
+
+
+def test_small_stream_still_gets_its_heldout_share():
+    from trainer.replay import ReplayBuffer, is_heldout
+    from trainer_tracegen import make_trace
+
+    # request ids the hash split would all put in training
+    recs = [r for r in (make_trace("a", seed=i, request_id=f"q-{i}") for i in range(200))
+            if not is_heldout(r.request_id, 0.15)][:20]
+    rb = ReplayBuffer(heldout_fraction=0.15, min_heldout=2)
+    rb.extend(recs)
+    assert len(rb.heldout) == 2 and len(rb) == 18
+    assert set(r.request_id for r in rb.heldout).isdisjoint(r.request_id for r in rb.train_records)
