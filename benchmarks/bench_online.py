@@ -93,7 +93,7 @@ def bench_online(
     k: int = typer.Option(4, min=1, help="Most drafted tokens per step."),
     adaptive_k: bool = typer.Option(False, help="GoodputPolicy instead of fixed k."),
     drafter: list[str] = typer.Option(list(KINDS), help="Drafter kinds to run (repeatable)."),
-    threads: int = typer.Option(2, min=1, help="torch threads."),
+    threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
     """Online adaptation on a domain-shift stream: speedups, recovery, swaps, freshness."""

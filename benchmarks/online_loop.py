@@ -21,6 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+
 from prometheus_client import CollectorRegistry
 
 from benchmarks.runner import collect
@@ -44,6 +46,17 @@ class LoopConfig:
     rounds_per_gate: int = 2
     swap_watch_steps: int = 32
     rollback_floor_ratio: float = 0.8
+    draft_vocab_size: int | None = 8192
+    """The learned drafter reads its lm_head only for the lowest ids (BPE merges, most frequent
+    first): drafting and training cost ~Vd/V of the vocabulary projection. None: full vocabulary."""
+    batch_traces: int = 4
+    """Traces per training step."""
+    day0_init: str = "target-layers"
+    """Day-0 learned drafter and student: the target's first layers, or "random"."""
+    gate_costs: dict | None = None
+    """``{"draft_cost": .., "verify_cost": ..}`` (x one target step) the gate's simulation charges;
+    None: measured here at start (``measure_costs``). Tests with tiny models, whose timings mean
+    nothing, pass their own."""
 
 
 @dataclass
@@ -94,19 +107,76 @@ class FrozenDrafter:
         return getattr(self.inner, name)
 
 
-def day0_drafter(kind: str, target):
+def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: str = "target-layers"):
+    """The drafter serving starts with. ``hybrid`` starts as the suffix drafter alone: an untrained
+    learned drafter only costs draft time (day-0 acceptance ~0.01), so the learned half joins at
+    the first promotion (the Swapper's loader wraps the running suffix drafter into the hybrid)."""
     from serving.drafters.factory import build_drafter
 
     if kind == "hybrid":
-        return build_drafter("hybrid", target, learned="standalone")
+        return build_drafter("suffix", target)
+    if kind == "standalone":
+        return build_drafter("standalone", target, draft_vocab_size=draft_vocab_size, init=init)
     return build_drafter(kind, target)
 
 
-def make_student(target):
-    from feedback.drafter_models import standalone_from_target
+def make_student(target, draft_vocab_size: int | None = None, init: str = "target-layers"):
+    """The trainer's student: serving's day-0 standalone drafter (the target's embeddings, first two
+    layers, norm and lm_head), read at the same draft vocabulary serving uses; embeddings copied
+    from the target stay frozen, random ones train."""
+    from feedback.drafter_models import day0_draft_vocab, special_token_ids, standalone_from_target
     from trainer.students import StandaloneStudent
 
-    return StandaloneStudent(standalone_from_target(target.model).float())
+    model = standalone_from_target(target.model, init=init).float()
+    vocab = None
+    if draft_vocab_size is not None:
+        v = int(model.get_output_embeddings().weight.shape[0])
+        vocab = day0_draft_vocab(v, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config))
+    return StandaloneStudent(model, head_vocab=vocab, train_embeddings=init != "target-layers")
+
+
+def measure_costs(target, student, k: int, context: int = 256) -> dict:
+    """On this machine, relative to one target decode step at ``context``: one draft token of
+    ``student`` (read at its draft vocabulary) and one verify forward of k+1 tokens. The gate's
+    simulation charges these, so it promotes only drafters that pay here."""
+    import copy
+
+    import numpy as np
+    from transformers import DynamicCache
+
+    def median_ms(fn, n=12):
+        fn()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times) * 1e3)
+
+    ids = torch.randint(0, 1000, (1, context))
+    model = copy.deepcopy(student.model).to(target.model.get_output_embeddings().weight.dtype).eval()
+    with torch.inference_mode():
+        cache = DynamicCache()
+        target.model(ids, past_key_values=cache, use_cache=True)
+
+        def target_forward(n):
+            target.model(ids[:, :n], past_key_values=cache, use_cache=True, logits_to_keep=n)
+            cache.crop(-n)
+
+        step_ms = median_ms(lambda: target_forward(1))
+        verify_ms = median_ms(lambda: target_forward(k + 1))
+        dcache = DynamicCache()
+        model.model(ids, past_key_values=dcache, use_cache=True)
+        head = model.lm_head.weight  # [V, H]
+        head = head if student.head_vocab is None else head[student.head_vocab].contiguous()  # [Vd, H]
+
+        def draft_token():
+            h = model.model(ids[:, :1], past_key_values=dcache, use_cache=True).last_hidden_state
+            torch.nn.functional.linear(h, head).argmax(-1)  # [1, 1]
+            dcache.crop(-1)
+
+        draft_ms = median_ms(draft_token)
+    return {"target_step_ms": step_ms, "verify_cost": verify_ms / step_ms, "draft_cost": draft_ms / step_ms}
 
 
 class OnlineLoop:
@@ -122,6 +192,8 @@ class OnlineLoop:
         self.topic = f"specloop.traces.{self.tag}"
         self.metrics = CollectorRegistry()
         self.engine = self.sink = self.swapper = self.trainer = self.polls = None
+        self.costs: dict = {}
+        """Measured draft and verify costs the gate charges (``measure_costs``)."""
         self._trainer_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.points: list[Point] = []
@@ -175,7 +247,7 @@ class OnlineLoop:
         config = EngineConfig(k=self.cfg.k, max_batch_size=self.cfg.max_batch_size)
         drafter = self._drafter
         if drafter is None and self.cfg.k > 0:
-            drafter = day0_drafter(self.cfg.drafter, self.target)
+            drafter = day0_drafter(self.cfg.drafter, self.target, self.cfg.draft_vocab_size, self.cfg.day0_init)
         return TorchEngine(self.target, drafter, config=config, observers=observers, policy=policy)
 
     def _control(self):
@@ -190,9 +262,11 @@ class OnlineLoop:
         live = LiveAcceptance(registry=self.metrics)
         self.engine.observers.append(live)
         kind = "hybrid" if self.cfg.drafter == "hybrid" else "standalone"
+        vocab = {"draft_vocab_size": self.cfg.draft_vocab_size}
+        options = {"learned": "standalone", "learned_options": vocab} if kind == "hybrid" else vocab
         config = SwapConfig(tenant=self.tenant, watch_steps=self.cfg.swap_watch_steps,
                             floor_ratio=self.cfg.rollback_floor_ratio, poll_interval_s=10.0)
-        return Swapper(self.engine, ArtifactDrafterLoader(self.target, kind), live,
+        return Swapper(self.engine, ArtifactDrafterLoader(self.target, kind, options), live,
                        registry=DrafterRegistry(self.stack.mlflow_uri), control=self._control(),
                        config=config, metrics_registry=self.metrics)
 
@@ -214,14 +288,18 @@ class OnlineLoop:
             bootstrap_servers=self.stack.bootstrap_servers, topic=self.topic,
             group_id=f"trainer-{self.tag}", session_timeout_ms=2000, heartbeat_interval_ms=500))
         c = self.cfg
+        student = make_student(self.target, c.draft_vocab_size, c.day0_init)
+        self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(self.target, student, c.k)
+        log.info("gate costs (x one target step): %s", self.costs)
         self.trainer = TrainerLoop(
-            self.polls, make_student(self.target), fp,
+            self.polls, student, fp,
             loop=TrainerLoopConfig(tenant=self.tenant, poll_records=32, poll_timeout_s=0.5,
                                    min_train_traces=c.min_train_traces, steps_per_round=c.steps_per_round,
                                    rounds_per_gate=c.rounds_per_gate,
                                    lineage={"topic": self.topic, "group_id": f"trainer-{self.tag}"}),
-            distill=DistillConfig(lr=3e-3),
-            gate=GateConfig(k=c.k, hybrid=c.drafter == "hybrid"),
+            distill=DistillConfig(lr=3e-3, batch_traces=c.batch_traces),
+            gate=GateConfig(k=c.k, hybrid=c.drafter == "hybrid", draft_cost=self.costs["draft_cost"],
+                            verify_cost=self.costs["verify_cost"]),
             registry=DrafterRegistry(self.stack.mlflow_uri),
             announcer=RedisAnnouncer(self._control(), "standalone", fp.key()),
             exporter=artifact_exporter(StandaloneConfig.for_target(self.target.model.config)),
@@ -315,6 +393,6 @@ class OnlineLoop:
         suffix = build_drafter("suffix", self.target)
         for prompt, output in self.served[: self.snapshot_at]:
             suffix.observe(self.tenant, output, prompt_ids=prompt)
-        if self.cfg.drafter == "hybrid":
+        if self.cfg.drafter == "hybrid" and self._frozen_parts is not None:
             return FrozenDrafter(HybridDrafter(suffix, self._frozen_parts))
         return FrozenDrafter(suffix)

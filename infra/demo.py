@@ -79,6 +79,7 @@ class Progress:
             ("swaps / rollbacks", f"{self.loop.swaps} / {self.loop.rollbacks}"),
             ("trainer", f"rounds {trainer.stats.rounds}, steps {trainer.stats.train_steps}, "
                         f"promotions {trainer.stats.promotions}" if trainer else "-"),
+            ("last gate", (trainer.stats.last_decision or "-") if trainer else "-"),
         ]
         for k, v in rows:
             t.add_row(k, v)
@@ -127,6 +128,8 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
         "final_drafter_version": str(getattr(loop.engine.drafter, "version", "-")),
         "trainer_promotions": loop.trainer.stats.promotions if loop.trainer else 0,
         "trainer_train_steps": loop.trainer.stats.train_steps if loop.trainer else 0,
+        "trainer_last_gate": loop.trainer.stats.last_decision if loop.trainer else "-",
+        "gate_costs": {k: round(v, 3) for k, v in loop.costs.items()},
     })
     summary["plot"] = str(plot(loop.points, loop.events, shift, run_dir / "demo.png", base_tok_s))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -139,11 +142,12 @@ def demo(
     code: int = typer.Option(40, min=1, help="HumanEval code requests after it."),
     max_tokens: int = typer.Option(64, min=1, help="New tokens per request."),
     k: int = typer.Option(4, min=1, help="Most drafted tokens per step."),
-    adaptive_k: bool = typer.Option(False, help="Choose k per step by expected goodput."),
+    adaptive_k: bool = typer.Option(True, help="Choose k per step (0 = off) by expected goodput from "
+                                    "live acceptance and measured costs; --no-adaptive-k: fixed k."),
     baseline: int = typer.Option(4, min=1, help="Requests in the target-only baseline."),
     run_dir: Path = typer.Option(None, help="Where the plot, summary and stack data go "
                                  "(default: ./specloop-demo/<timestamp>)."),
-    threads: int = typer.Option(2, min=1, help="torch threads."),
+    threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),
 ) -> None:
     """Run the closed loop live: serve -> trace -> train -> register -> swap, on a domain shift."""
     import torch

@@ -204,8 +204,10 @@ class LiveAcceptance(BaseObserver):
 class ArtifactDrafterLoader:
     """Builds a validated drafter from an artifact directory for a loaded target.
 
-    ``kind="hybrid"``: a hybrid around the artifact's learned model that keeps the running hybrid's
-    suffix drafter (and so its index); otherwise the artifact's own kind."""
+    ``kind="hybrid"``: a hybrid around the artifact's learned model that keeps the running suffix
+    drafter (and so its index): the running hybrid's, or the running drafter itself when it is a
+    suffix drafter (a suffix-only day 0 that turns hybrid at its first promotion). Otherwise the
+    artifact's own kind. ``options`` go to ``build_drafter``."""
 
     def __init__(self, target, kind: str = "hybrid", options: dict | None = None):
         self.target, self.kind, self.options = target, kind, dict(options or {})
@@ -216,9 +218,9 @@ class ArtifactDrafterLoader:
 
         meta = read_meta(artifact_dir)  # DrafterArtifactError when absent or malformed
         if self.kind == "hybrid":
-            suffix = getattr(current, "suffix", None)
+            suffix = current if getattr(current, "kind", None) == "suffix" else getattr(current, "suffix", None)
             return build_drafter("hybrid", self.target, artifact_dir, suffix=suffix, **self.options)
-        return build_drafter(meta.kind, self.target, artifact_dir)
+        return build_drafter(meta.kind, self.target, artifact_dir, **self.options)
 
 
 # ---- the swapper --------------------------------------------------------------------------------

@@ -15,24 +15,49 @@ from benchmarks.online_loop import LoopConfig, OnlineLoop
 from benchmarks.online_metrics import mean_accept, shift_index, summarise
 
 pytestmark = pytest.mark.integration
+VOCAB = 512
+
+
+def _walk_target():
+    """A tiny target whose greedy next token is a fixed random function of the last token, with
+    confident probabilities: its outputs walk a random functional graph, a pattern a student can
+    learn from a few traces. (A randomly initialised model with tied embeddings mostly repeats its
+    last token, which an untrained student of the same kind already predicts.)"""
+    from serving.target import tiny_target
+
+    target = tiny_target(vocab_size=VOCAB, num_layers=2, seed=5)
+    m = target.model
+    with torch.no_grad():
+        for layer in m.model.layers:  # layers add nothing: the last hidden state is the token's embedding
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.nn.Linear(m.config.hidden_size, VOCAB, bias=False)
+        head.weight.copy_(torch.randn(VOCAB, m.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 3)
+    m.lm_head = head  # untied
+    m.config.tie_word_embeddings = False
+    return target
 
 
 def _stream(n_per_domain: int = 8) -> list[tuple[list[int], str]]:
     g = torch.Generator().manual_seed(3)
-    chat = [(torch.randint(100, 2000, (6,), generator=g).tolist(), "chat") for _ in range(n_per_domain)]
-    code = [(torch.randint(3000, 6000, (6,), generator=g).tolist(), "code") for _ in range(n_per_domain)]
+    chat = [(torch.randint(0, VOCAB // 2, (6,), generator=g).tolist(), "chat") for _ in range(n_per_domain)]
+    code = [(torch.randint(VOCAB // 2, VOCAB, (6,), generator=g).tolist(), "code") for _ in range(n_per_domain)]
     return chat + code
 
 
 async def _loop_run(target, stack, stream):
-    cfg = LoopConfig(k=4, max_tokens=24, min_train_traces=4, steps_per_round=5, rounds_per_gate=1,
-                     swap_watch_steps=8)
+    # The learned drafter alone, from a random init: the tiny target's outputs are so repetitive
+    # that a suffix drafter (or its own first layers) would accept nearly everything by itself and
+    # leave nothing for training to show.
+    cfg = LoopConfig(drafter="standalone", k=4, max_tokens=24, min_train_traces=4, steps_per_round=60,
+                     rounds_per_gate=1, swap_watch_steps=8, gate_costs={"draft_cost": 0.0, "verify_cost": 1.0},
+                     draft_vocab_size=None, day0_init="random")
     loop = OnlineLoop(target, stack, cfg)
     await loop.start()
     try:
         first = await loop.serve(stream)
-        deadline = time.monotonic() + 60  # let the trainer see the traces (not an assertion)
-        while loop.trainer.stats.records_polled < len(stream) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 90  # let the trainer see the traces and swap (not an assertion)
+        while (loop.trainer.stats.records_polled < len(stream) or loop.swaps == 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
         second = await loop.serve(stream, train=False)
     finally:
@@ -45,7 +70,7 @@ def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, m
     from serving.target import tiny_target
 
     torch.set_num_threads(1)
-    target = tiny_target()
+    target = _walk_target()
     stack = SimpleNamespace(bootstrap_servers=kafka_broker.url, redis_url=redis_server.url,
                             mlflow_uri=mlflow_server.url)
     stream = _stream()
@@ -53,6 +78,8 @@ def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, m
 
     assert not any(p.failed for p in loop.points)
     assert loop.trainer.stats.records_polled >= len(stream)  # every trace went through Kafka
+    assert loop.trainer.stats.promotions >= 1 and loop.swaps >= 1  # the loop closed: trained -> live
+    assert loop.engine.drafter.version != "day0"
     assert mean_accept(second) > mean_accept(first)
     # Lossless across the loop (greedy): the same prompts give the same outputs.
     assert [p.output for p in second] == [p.output for p in first]
