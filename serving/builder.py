@@ -3,6 +3,11 @@
 ``specloop serve``, ``specloop generate``, the benchmarks and the demo all build engines here, so
 a deployment is described by its settings alone. Tests and benchmarks may inject a target (e.g.
 ``tiny_target()``), a Prometheus registry or a trace sink instead.
+
+``settings.engine`` picks TorchEngine (``torch``) or SGLangEngine (``sglang``); both get the same
+observers (``build_observers``: metrics, trace recorder) and the same Swapper (``build_swapper``,
+with the drafter loader that fits the engine). ``require_engine`` fails fast, with the install
+command, when the engine's package is missing.
 """
 
 from __future__ import annotations
@@ -16,6 +21,46 @@ from serving.config import ServingSettings
 from serving.target import Target
 
 log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(RuntimeError):
+    """The configured engine cannot run here (e.g. ``engine=sglang`` without sglang installed)."""
+
+
+def require_engine(engine: str) -> None:
+    """Raise EngineUnavailable, saying how to install what is missing, unless ``engine`` can run.
+    For sglang this reads the installed package's source (never imports it: that needs CUDA) and
+    checks every hook point specloop relies on."""
+    if engine != "sglang":
+        return
+    from serving.sglang.contract import SGLangContractError
+    from serving.sglang.source_check import require_sglang
+
+    try:
+        require_sglang()
+    except SGLangContractError as exc:
+        raise EngineUnavailable(f"engine=sglang: {exc}") from exc
+
+
+def build_observers(
+    settings: ServingSettings,
+    fingerprint,
+    *,
+    registry: CollectorRegistry | None = None,
+    sink: TraceSink | None = None,
+) -> list:
+    """Prometheus metrics, plus a TraceRecorder when there is a sink (``sink``, else the one
+    ``settings.trace_sink`` names): what every engine reports its verify steps to."""
+    from serving.metrics import SpecMetrics
+    from serving.observers import TraceRecorder
+
+    observers: list = [SpecMetrics(registry)]
+    sink = sink if sink is not None else build_trace_sink(settings)
+    if sink is not None:
+        observers.append(
+            TraceRecorder(sink, fingerprint, record_features=settings.trace_features)
+        )
+    return observers
 
 
 def build_trace_sink(settings: ServingSettings) -> TraceSink | None:
@@ -38,17 +83,20 @@ def build_engine(
     registry: CollectorRegistry | None = None,
     sink: TraceSink | None = None,
 ):
-    """A TorchEngine (not started) for ``settings``.
+    """The engine ``settings.engine`` names (not started).
 
-    ``target``: use this target instead of loading ``settings.model`` (its dtype/device are kept).
+    ``target``: use this target instead of loading ``settings.model`` (its dtype/device are kept;
+    TorchEngine only).
     ``registry``: Prometheus registry for the engine's metrics (default: the process registry).
     ``sink``: trace sink to use instead of the one ``settings.trace_sink`` names.
     """
+    if settings.engine == "sglang":
+        if target is not None:
+            raise ValueError("target= is for TorchEngine: SGLang loads the model itself")
+        return build_sglang_engine(settings, registry=registry, sink=sink)
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
-    from serving.metrics import SpecMetrics
-    from serving.observers import TraceRecorder
     from serving.target import load_target
 
     if settings.num_threads:
@@ -59,15 +107,12 @@ def build_engine(
         target = load_target(settings.model, dtype=settings.torch_dtype, device=settings.device)
     drafter = build_drafter(settings.drafter, target, settings.drafter_dir)
 
-    observers: list = [SpecMetrics(registry)]
     sink = sink if sink is not None else build_trace_sink(settings)
-    if sink is not None:
-        observers.append(
-            TraceRecorder(sink, target.fingerprint, record_features=settings.trace_features)
-        )
+    observers = build_observers(settings, target.fingerprint, registry=registry, sink=sink)
     config = EngineConfig(
         max_batch_size=settings.max_batch_size,
         k=settings.k,
+        trace_topk=settings.trace_top_k,
         num_threads=settings.num_threads,
         capture_features=settings.trace_features,
     )
@@ -88,14 +133,94 @@ def build_engine(
     return TorchEngine(target, drafter, config=config, observers=observers, policy=policy)
 
 
+def sglang_config(settings: ServingSettings):
+    """SGLangConfig (server arguments included) for ``settings`` (engine=sglang).
+
+    Settings whose defaults are TorchEngine's CPU choices (dtype, max_batch_size, device) reach
+    SGLang only when set explicitly; otherwise SGLang picks (checkpoint dtype, its own batch limit,
+    the first visible GPU). ``sglang_server_args`` override everything derived here."""
+    from serving.sglang.engine import SGLangConfig
+    from serving.target import resolve_model_path
+
+    model_path, model_id = resolve_model_path(settings.model)
+    server_args: dict = {"tp_size": settings.sglang_tp_size}
+    if settings.sglang_mem_fraction_static is not None:
+        server_args["mem_fraction_static"] = settings.sglang_mem_fraction_static
+    if settings.explicitly_set("dtype"):
+        server_args["dtype"] = settings.dtype
+    if settings.explicitly_set("max_batch_size"):
+        server_args["max_running_requests"] = settings.max_batch_size
+    if settings.explicitly_set("device") and ":" in settings.device:
+        server_args["base_gpu_id"] = int(settings.device.split(":", 1)[1])
+    server_args.update(settings.sglang_server_args)
+    return SGLangConfig(
+        model_path=str(model_path),
+        model_id=model_id,
+        draft_path=str(settings.drafter_dir),
+        algorithm=settings.sglang_algorithm,
+        num_steps=settings.k,
+        eagle_topk=settings.sglang_eagle_topk,
+        num_draft_tokens=settings.sglang_num_draft_tokens,
+        trace_sample_rate=settings.trace_sample_rate,
+        trace_top_k=settings.trace_top_k,
+        self_test=settings.sglang_self_test,
+        server_args=server_args,
+    )
+
+
+def build_sglang_engine(
+    settings: ServingSettings,
+    *,
+    registry: CollectorRegistry | None = None,
+    sink: TraceSink | None = None,
+):
+    """An SGLangEngine (not started; starting it launches SGLang on the GPU). Raises
+    EngineUnavailable first thing when sglang is not installed or lacks a hook point."""
+    require_engine("sglang")
+    from serving.sglang.engine import SGLangEngine
+
+    config = sglang_config(settings)
+    engine = SGLangEngine(config)
+    engine.load_metadata()  # tokenizer and fingerprint: the HTTP layer and traces need them
+    sink = sink if sink is not None else build_trace_sink(settings)
+    engine.observers.extend(
+        build_observers(settings, engine.fingerprint, registry=registry, sink=sink)
+    )
+    log.info(
+        "engine: SGLang %s, target %s, draft %s (%s), k=%d, traces -> %s (sample rate %.2f)",
+        config.algorithm,
+        config.model_id,
+        config.draft_path,
+        settings.drafter,
+        settings.k,
+        type(sink).__name__ if sink is not None else "none",
+        settings.trace_sample_rate,
+    )
+    return engine
+
+
+def build_draft_loader(settings: ServingSettings, engine, target: Target | None = None):
+    """What turns a registry artifact into something ``engine.swap_drafter`` installs."""
+    from serving.sglang.engine import SGLangEngine
+
+    if isinstance(engine, SGLangEngine):
+        from serving.sglang.drafts import SGLangDraftLoader
+
+        return SGLangDraftLoader(engine)
+    from serving.swap import ArtifactDrafterLoader
+
+    return ArtifactDrafterLoader(target or engine.target, settings.drafter)
+
+
 def build_swapper(settings: ServingSettings, engine, *, target: Target | None = None,
                   registry: CollectorRegistry | None = None):
-    """The drafter Swapper for ``engine`` when ``redis_url`` or ``mlflow_tracking_uri`` is set,
-    else None. Registers its live-acceptance observer on the engine (``engine.observers``).
-    ``target``: the engine's target (default ``engine.target``), for building drafters."""
+    """The drafter Swapper for ``engine`` (either engine) when ``redis_url`` or
+    ``mlflow_tracking_uri`` is set, else None. Registers its live-acceptance observer on the engine
+    (``engine.observers``). ``target``: TorchEngine's target (default ``engine.target``), for
+    building drafters."""
     if not (settings.redis_url or settings.mlflow_tracking_uri):
         return None
-    from serving.swap import ArtifactDrafterLoader, LiveAcceptance, SwapConfig, Swapper
+    from serving.swap import LiveAcceptance, SwapConfig, Swapper
 
     control = drafters = None
     if settings.redis_url:
@@ -108,7 +233,7 @@ def build_swapper(settings: ServingSettings, engine, *, target: Target | None = 
         drafters = DrafterRegistry(settings.mlflow_tracking_uri)
     live = LiveAcceptance(registry=registry)
     engine.observers.append(live)
-    loader = ArtifactDrafterLoader(target or engine.target, settings.drafter)
+    loader = build_draft_loader(settings, engine, target)
     config = SwapConfig(
         tenant=settings.tenant,
         watch_steps=settings.swap_watch_steps,

@@ -16,9 +16,12 @@ _MODEL = typer.Option(help="Target: SmolLM2-135M-Instruct (default) or a Hugging
 _DRAFTER = typer.Option(help="Drafter kind: suffix (default) | eagle | standalone | hybrid.")
 _DRAFTER_DIR = typer.Option(help="Drafter artifact directory (learned drafters); default: day-0.")
 _K = typer.Option(help="Maximum drafted tokens per verify step (0 = plain decoding).")
-_DTYPE = typer.Option(help="bfloat16 (default) | float16 | float32.")
+_DTYPE = typer.Option(help="float32 (default) | bfloat16 | float16.")
 _DEVICE = typer.Option(help="Torch device (default cpu).")
 _THREADS = typer.Option(help="torch intra-op threads.")
+_ENGINE = typer.Option(
+    help="torch (default) | sglang (CUDA GPU; needs `pip install 'specloop[sglang]'`; its other "
+    "settings are SPECLOOP_SGLANG_* variables, see README).")
 
 
 def _settings(**overrides):
@@ -32,6 +35,25 @@ def _settings(**overrides):
         raise typer.BadParameter(_first_error(exc)) from exc
 
 
+def _require_engine(engine: str | None) -> None:
+    """Before anything else: an engine that cannot run here is the first thing to fix (checked
+    before the settings that depend on it, and before any model is loaded)."""
+    from pydantic import ValidationError
+
+    from serving.builder import EngineUnavailable, require_engine
+    from serving.config import EngineChoice
+
+    try:
+        name = EngineChoice(**({"engine": engine} if engine is not None else {})).engine
+    except ValidationError as exc:
+        raise typer.BadParameter(_first_error(exc)) from exc
+    try:
+        require_engine(name)
+    except EngineUnavailable as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
 def _first_error(exc) -> str:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"])
@@ -39,6 +61,7 @@ def _first_error(exc) -> str:
 
 
 def serve(
+    engine: Annotated[str | None, _ENGINE] = None,
     model: Annotated[str | None, _MODEL] = None,
     served_model_name: Annotated[
         str | None, typer.Option(help="Name clients pass as `model`.")
@@ -57,7 +80,9 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API with speculative decoding.
 
-    The admin token is read from SPECLOOP_ADMIN_TOKEN only (not a flag: argv is visible to all)."""
+    The admin token is read from SPECLOOP_ADMIN_TOKEN only (not a flag: argv is visible to all).
+    SPECLOOP_ENGINE=sglang (or --engine sglang) serves through SGLang on a CUDA GPU."""
+    _require_engine(engine)  # fail fast: before imports, settings checks and model loading
     import logging
 
     import uvicorn
@@ -69,6 +94,7 @@ def serve(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     settings = _settings(
+        engine=engine,
         model=model,
         served_model_name=served_model_name,
         drafter=drafter,
@@ -104,11 +130,14 @@ def generate(
     dtype: Annotated[str | None, _DTYPE] = None,
     device: Annotated[str | None, _DEVICE] = None,
     num_threads: Annotated[int | None, _THREADS] = None,
+    engine: Annotated[str | None, _ENGINE] = None,
 ) -> None:
     """Run one prompt from the shell: the text streams to stdout, speculative stats to stderr."""
     import asyncio
 
+    _require_engine(engine)
     settings = _settings(
+        engine=engine,
         model=model,
         drafter=drafter,
         drafter_dir=drafter_dir,

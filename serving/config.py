@@ -1,10 +1,16 @@
 """Serving settings: one pydantic-settings model, read from ``SPECLOOP_*`` environment variables
-(``SPECLOOP_PORT=9000``, ``SPECLOOP_DRAFTER=eagle``, ...) and overridable from the CLI."""
+(``SPECLOOP_PORT=9000``, ``SPECLOOP_DRAFTER=eagle``, ...) and overridable from the CLI.
+
+``engine`` picks the Engine: ``torch`` (TorchEngine, the default: CPU or GPU) or ``sglang``
+(SGLangEngine on sglang.Engine 0.5.23: CUDA GPU only, ``pip install 'specloop[sglang]'``). Both sit
+behind the same HTTP layer, trace recorder, metrics and drafter swapper; the ``sglang_*`` fields
+only matter to SGLang, and settings that only TorchEngine can honour are refused with it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -13,9 +19,29 @@ from serving.target import DEFAULT_MODEL
 
 DrafterKindName = Literal["suffix", "eagle", "standalone", "hybrid"]
 TraceSinkName = Literal["none", "memory", "kafka"]
+EngineName = Literal["torch", "sglang"]
+
+SGLANG_ALGORITHMS = {"eagle": "EAGLE3", "standalone": "STANDALONE"}
+"""SGLang's speculative algorithm for each drafter kind it can run."""
 
 
-class ServingSettings(BaseSettings):
+class EngineChoice(BaseSettings):
+    """The engine alone (``SPECLOOP_ENGINE``): lets the CLI check that the engine can run at all
+    before it validates the settings that depend on it. ServingSettings extends it."""
+
+    model_config = SettingsConfigDict(env_prefix="SPECLOOP_", extra="ignore")
+
+    engine: EngineName = Field(
+        "torch",
+        description="`torch`: TorchEngine, our speculative loop on Hugging Face models (CPU or GPU). "
+        "`sglang`: SGLangEngine on sglang.Engine 0.5.23 (CUDA GPU only; install with "
+        "`pip install 'specloop[sglang]'`): the speculative algorithm follows `drafter` "
+        "(eagle -> EAGLE3, standalone -> STANDALONE), `drafter_dir` is the draft model in SGLang's "
+        "layout and `k` the draft steps per verify.",
+    )
+
+
+class ServingSettings(EngineChoice):
     model_config = SettingsConfigDict(env_prefix="SPECLOOP_", extra="ignore")
 
     model: str = Field(
@@ -32,7 +58,10 @@ class ServingSettings(BaseSettings):
         "`eagle`/`standalone`/`hybrid` use a learned drafter (see drafter_dir).",
     )
     drafter_dir: Path | None = Field(
-        None, description="Drafter artifact directory (safetensors + config); None = day-0 init."
+        None,
+        description="Drafter artifact directory (safetensors + config); None = day-0 init. "
+        "engine=sglang: required, the day-0 draft in SGLang's layout (an EAGLE3 head exported with "
+        "feedback/eagle3_export.py, or a small Hugging Face LM on the target's vocabulary).",
     )
     k: int = Field(4, ge=0, le=32, description="Maximum drafted tokens per verify step (0 = off).")
     adaptive_k: bool = Field(
@@ -63,7 +92,17 @@ class ServingSettings(BaseSettings):
     trace_features: bool = Field(
         False,
         description="Record the target's hidden states in traces (needed to train EAGLE heads; "
-        "~1.2 KB per token for SmolLM2-135M).",
+        "~1.2 KB per token for SmolLM2-135M). TorchEngine only.",
+    )
+    trace_top_k: int = Field(
+        20, ge=1, le=256,
+        description="Target top-k (ids, logprobs) recorded per verified position in traces.",
+    )
+    trace_sample_rate: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="engine=sglang: fraction of requests traced, picked by a hash of the request "
+        "id inside SGLang's scheduler processes (the capture costs a top-k per verified position). "
+        "TorchEngine traces every request (a request opts out with `\"train\": false`).",
     )
     redis_url: str | None = Field(
         None,
@@ -91,11 +130,45 @@ class ServingSettings(BaseSettings):
         description="Target (and learned drafter) dtype. float32 is the CPU default: measured as fast "
         "as bfloat16 for decoding on this CPU, cheaper to verify, and greedy speculative output is "
         "then token-identical to target-only decoding (bf16 rounding differs between a k+1-token "
-        "verify and a 1-token step, flipping near-ties).",
+        "verify and a 1-token step, flipping near-ties). engine=sglang: passed to SGLang only when "
+        "set explicitly; otherwise SGLang's `auto` (the checkpoint's dtype).",
     )
-    device: str = Field("cpu", description="Torch device, e.g. `cpu` or `cuda:0`.")
+    device: str = Field(
+        "cpu",
+        description="Torch device, e.g. `cpu` or `cuda:0`. engine=sglang: unset = SGLang's first "
+        "visible GPU; `cuda:N` makes GPU N its first GPU (base_gpu_id); `cpu` is refused (SGLang "
+        "has no speculative decoding on CPU).",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads; None keeps torch's default."
+    )
+
+    # ---- engine=sglang only -------------------------------------------------------------------
+    sglang_tp_size: int = Field(1, ge=1, description="SGLang tensor-parallel width (GPUs).")
+    sglang_mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0,
+        description="Fraction of GPU memory SGLang reserves for weights and the KV pool; None = "
+        "SGLang's own choice. Lower it on out-of-memory errors.",
+    )
+    sglang_eagle_topk: int = Field(
+        1, ge=1,
+        description="Draft branching per step. 1 = a chain: the trace records every verify step "
+        "exactly; >1 = a tree (traces keep the accepted path and its first children).",
+    )
+    sglang_num_draft_tokens: int | None = Field(
+        None, ge=2,
+        description="Tree nodes verified per step, root included; None = k + 1 (the chain).",
+    )
+    sglang_self_test: bool = Field(
+        True,
+        description="At start, check that a draft-only weight update changes the draft and not "
+        "the target (weight checksums and a target logprob) before serving.",
+    )
+    sglang_server_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Further sglang ServerArgs as JSON (`SPECLOOP_SGLANG_SERVER_ARGS="
+        "'{\"context_length\": 8192}'`); they override the ones derived from these settings. "
+        "Unchecked: the contract (serving/sglang/contract.py) covers the derived ones only.",
     )
 
     @model_validator(mode="after")
@@ -106,6 +179,38 @@ class ServingSettings(BaseSettings):
                 f"max_tokens_limit ({self.max_tokens_limit})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _sglang_can_run_it(self) -> ServingSettings:
+        if self.engine != "sglang":
+            return self
+        problems = []
+        if self.drafter not in SGLANG_ALGORITHMS:
+            problems.append(
+                f"drafter={self.drafter!r}: SGLang runs a learned draft model, use drafter=eagle "
+                "(EAGLE3) or drafter=standalone (STANDALONE)")
+        if self.drafter_dir is None:
+            problems.append("drafter_dir is required: the draft model in SGLang's layout")
+        if self.k < 1:
+            problems.append("k must be >= 1 (SGLang's draft steps per verify)")
+        if self.adaptive_k:
+            problems.append("adaptive_k is TorchEngine only (SGLang drafts a fixed k)")
+        if self.trace_features:
+            problems.append("trace_features is TorchEngine only")
+        if self.explicitly_set("device") and not self.device.startswith("cuda"):
+            problems.append(f"device={self.device!r}: SGLang serves on a CUDA GPU, e.g. cuda:0")
+        if problems:
+            raise ValueError("engine=sglang: " + "; ".join(problems))
+        return self
+
+    @property
+    def sglang_algorithm(self) -> str:
+        """EAGLE3 or STANDALONE, from the drafter kind."""
+        return SGLANG_ALGORITHMS[self.drafter]
+
+    def explicitly_set(self, name: str) -> bool:
+        """True when ``name`` came from the environment or the caller, not from its default."""
+        return name in self.model_fields_set
 
     @property
     def torch_dtype(self):

@@ -55,6 +55,19 @@ class StepObserver(Protocol):
         ...
 
 
+def notify(observers, method: str, *args) -> None:
+    """Call ``method`` on every observer that has it; an observer that raises is logged, never
+    propagated (serving must not fail because a trace or a metric could not be recorded)."""
+    for obs in list(observers):
+        fn = getattr(obs, method, None)
+        if fn is None:
+            continue
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("observer %s.%s failed", type(obs).__name__, method)
+
+
 class BaseObserver:
     """No-op defaults, for observers that only care about some events."""
 

@@ -10,10 +10,16 @@ pushed tokens were needed to produce it; the caller drops the rest.
 Decoding uses the usual prefix/read-offset scheme: decode a short window of already-read tokens
 and the new ones, and emit the difference, so tokenizers whose pieces depend on their left
 neighbour (leading spaces, byte fallback) come out right without re-decoding the whole output.
+
+``apply_stops`` is the per-step stop rule every engine applies to the tokens a step produced:
+stop token ids (EOS included unless ``ignore_eos``) end the request *with* the stop token in the
+token ids and *without* its text; a stop string ends it just before the string, dropping the tokens
+after the one that completed it. Length limits stay with the engine (they depend on its context).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded as left context for the first output tokens
@@ -137,3 +143,53 @@ class OutputText:
     def _restore(self, state) -> None:
         n, self._prefix, self._read, self._text, self._sent = state
         del self._ids[n:]
+
+
+# ---- stop rules shared by every engine ------------------------------------------------------------
+
+
+def eos_token_ids(*sources) -> frozenset[int]:
+    """Every ``eos_token_id`` (an int or a list of ints) of ``sources``, e.g. a model's generation
+    config, its config and its tokenizer; None sources are skipped."""
+    ids: set[int] = set()
+    for src in sources:
+        value = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def stop_token_set(
+    stop_token_ids: Iterable[int], eos_ids: frozenset[int], ignore_eos: bool = False
+) -> frozenset[int]:
+    """Token ids that end a request: its own stop ids, plus EOS unless ``ignore_eos``."""
+    return frozenset(int(t) for t in stop_token_ids) | (frozenset() if ignore_eos else eos_ids)
+
+
+@dataclass
+class StepOutput:
+    tokens: list[int]
+    """The step's tokens the request keeps (through a stop token; none after a stop string)."""
+    text: str
+    """Text to stream now (possibly empty; never part of a stop string or of a stop token)."""
+    stopped: bool = False
+    """A stop token or stop string ended the request: finish_reason "stop"."""
+
+
+def apply_stops(text: OutputText, stop_ids: frozenset[int], emitted: list[int]) -> StepOutput:
+    """Apply the stop rules to the tokens one step produced for a request, in order.
+
+    ``text``: the request's OutputText (stop strings, held-back text); ``stop_ids``: from
+    ``stop_token_set``. The first stop token keeps its id but not its text; a stop string found in
+    the text (of the tokens before any stop token) cuts the step at the token that completed it.
+    """
+    stop_at = next((i for i, t in enumerate(emitted) if t in stop_ids), None)
+    tokens, text_tokens = list(emitted), list(emitted)
+    if stop_at is not None:
+        tokens, text_tokens = tokens[: stop_at + 1], tokens[:stop_at]
+    pushed = text.push(text_tokens)
+    if pushed.stopped:
+        tokens = tokens[: pushed.stop_index]
+    return StepOutput(tokens, pushed.text, stopped=stop_at is not None or pushed.stopped)

@@ -10,7 +10,7 @@ import torch
 
 from serving.drafters.base import DraftRequestView
 from serving.engine.base import GenerationChunk, GenerationRequest, SpecStats
-from serving.output import OutputText
+from serving.output import OutputText, stop_token_set
 
 _seed_source = random.SystemRandom()
 
@@ -55,7 +55,7 @@ class Row:
         self.token_ids: list[int] = [int(t) for t in req.prompt_ids]
         """Prompt + committed output; the last one is not in the KV cache yet."""
         self.max_total = min(self.prompt_len + p.max_tokens, max_context)
-        self.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else eos_ids)
+        self.stop_ids = stop_token_set(p.stop_token_ids, eos_ids, p.ignore_eos)
         self.seed = p.seed if p.seed is not None else _seed_source.getrandbits(63)
         self.generator = torch.Generator().manual_seed(self.seed & ((1 << 63) - 1))
         self.text = OutputText(tokenizer, req.prompt_ids, p.stop)

@@ -23,11 +23,13 @@ log = logging.getLogger(__name__)
 
 def to_verify_batch(message: StepMessage, source: DrafterKind,
                     drafter_version: str) -> VerifyBatch:
+    """``positions`` index the *traced* output, ``output[1:]``: SGLang samples the first output
+    token in the prefill, so observers see it as the last prompt token (see SGLangEngine)."""
     rows = message.rows
     prompt_lens = np.asarray(message.prompt_lens, dtype=np.int64)
     # The root is the last committed token, so the step's first emitted token sits right after
-    # it: output index = root position + 1 - prompt length.
-    positions = (rows.root_pos + 1 - prompt_lens).astype(np.int32)
+    # it: output index = root position + 1 - prompt length; traced index = that - 1.
+    positions = (rows.root_pos - prompt_lens).astype(np.int32)
     return VerifyBatch(
         request_ids=list(message.request_ids),
         positions=positions,

@@ -149,6 +149,10 @@ ENGINE_SYMBOLS: tuple[Symbol, ...] = (
     Symbol(f"{_FIELDS}.serving", "Serving.incremental_streaming_output"),
     Symbol(f"{_FIELDS}.observability", "Observability.enable_metrics"),
     Symbol(f"{_FIELDS}.parallel", "Parallel.tp_size"),
+    Symbol(f"{_FIELDS}.schedule", "Schedule.mem_fraction_static"),
+    Symbol(f"{_FIELDS}.schedule", "Schedule.max_running_requests"),
+    Symbol(f"{_FIELDS}.model", "Model.dtype"),
+    Symbol(f"{_FIELDS}.device", "Device.base_gpu_id"),
 )
 
 SYMBOLS: tuple[Symbol, ...] = PLUGIN_SYMBOLS + ENGINE_SYMBOLS

@@ -1,40 +1,65 @@
 """SGLangEngine: the Engine protocol (serving/engine/base.py) on ``sglang.Engine`` 0.5.23.
 
 SGLang runs the model and the speculative loop (EAGLE3 or STANDALONE); everything else is shared
-with TorchEngine: verify steps come back as VerifyBatch events (captured by the plugin in the
-scheduler processes, received by a TraceCollector here) for the same observers, and drafter swaps
-go through ``load_draft`` (draft-only weight session). sglang is imported inside methods only.
+with TorchEngine:
+  - observers (serving/observers.py: trace recorder, metrics, live acceptance) get the same events:
+    ``on_request_start``/``on_request_finish`` from here, ``on_step`` from the VerifyBatch events the
+    plugin captures in SGLang's scheduler processes (received by a TraceCollector);
+  - stop tokens, EOS and stop strings go through ``serving.output.apply_stops`` like TorchEngine's
+    steps: SGLang gets the stop token ids (it stops on them itself), not the stop strings; when the
+    shared rule ends a request that SGLang would continue, the engine aborts it in SGLang;
+  - drafter swaps come from the shared Swapper through ``swap_drafter`` (draft-only weight session,
+    draft_weights.py; drafters are SGLangDraft, drafts.py).
+
+SGLang samples a request's first output token in the prefill, not in a verify step, so the verify
+steps cover ``output[1:]``. Observers therefore see each request with that first token appended to
+its prompt (``on_request_finish`` gets ``output_ids[1:]``), which keeps every trace exact: each
+traced output token comes from a verify step with the target's top-k.
+
+sglang is imported inside methods only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import os
-from collections.abc import AsyncIterator, Callable
+import threading
+import time
+from collections.abc import AsyncIterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from feedback.fingerprint import TargetFingerprint, tokenizer_hash
+from feedback.fingerprint import TargetFingerprint
 from feedback.trace import DrafterKind
-from serving.drafters.base import DrafterInfo
 from serving.engine.base import (
     GenerationChunk,
     GenerationRequest,
+    RequestError,
     SamplingParams,
     SpecStats,
-    VerifyBatch,
 )
+from serving.observers import notify
+from serving.output import OutputText, apply_stops, eos_token_ids, stop_token_set
 from serving.sglang.collector import TraceCollector, to_verify_batch
-from serving.sglang.draft_weights import (
-    read_draft_tensors,
-    update_draft_weights,
-    verify_draft_only_update,
-)
+from serving.sglang.draft_weights import update_draft_weights, verify_draft_only_update
+from serving.sglang.drafts import SGLangDraft
 from serving.sglang.exporter import ENV_SAMPLE_RATE, ENV_TOP_K
+from serving.sglang.plugin import request_sampled
 
 SELF_TEST_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+TRACE_WAIT_S = 5.0
+"""How long a finished request waits for its last verify steps (they arrive over a separate
+channel) before observers are told it finished; late steps would be missing from its trace."""
+ABORT_DRAIN_S = 1.0
+"""After aborting a request the shared stop rules ended, how long to wait for SGLang's final
+output (it carries the request's speculative stats)."""
+ALGORITHM_KIND = {"EAGLE3": "eagle", "STANDALONE": "standalone"}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +67,8 @@ class SGLangConfig:
     model_path: str
     draft_path: str
     """EAGLE3: our eagle head exported to SGLang's EAGLE3 layout; STANDALONE: a small LM dir."""
+    model_id: str | None = None
+    """Target name in fingerprints and /v1/models; default: the model directory's name."""
     algorithm: Literal["EAGLE3", "STANDALONE"] = "STANDALONE"
     num_steps: int = 4
     """Draft depth per verify step (k)."""
@@ -57,6 +84,11 @@ class SGLangConfig:
     server_args: dict = field(default_factory=dict)
     """Further sglang ServerArgs, e.g. mem_fraction_static, tp_size, dtype."""
 
+    @property
+    def drafter_kind(self) -> str:
+        """Our drafter kind for the algorithm: eagle (EAGLE3) or standalone (STANDALONE)."""
+        return ALGORITHM_KIND[self.algorithm]
+
     def sglang_kwargs(self) -> dict:
         return {
             "model_path": self.model_path,
@@ -71,7 +103,8 @@ class SGLangConfig:
 
 
 def sglang_sampling_params(p: SamplingParams) -> dict:
-    """Stop strings are not sent: the shared output layer applies them (and aborts)."""
+    """Stop strings are not sent: the shared stop rules (serving.output.apply_stops) apply them
+    and the engine aborts the request in SGLang."""
     params = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
               "ignore_eos": p.ignore_eos}
     if p.top_k:
@@ -100,29 +133,50 @@ def finish_reason(meta_info: dict) -> str | None:
     return kind if kind in ("stop", "length", "abort") else "stop"
 
 
+def refused(meta_info: dict) -> RequestError | None:
+    """SGLang ends a request it refuses (too long, bad parameters) with an abort carrying an HTTP
+    status: 4xx is the request's fault (HTTP 400 for us), 5xx the server's."""
+    reason = meta_info.get("finish_reason")
+    if not isinstance(reason, dict) or reason.get("type") != "abort":
+        return None
+    status = reason.get("status_code")
+    if not isinstance(status, int) or status < 400:
+        return None
+    return RequestError(str(reason.get("message") or "refused by SGLang"), invalid=status < 500)
+
+
 class SGLangEngine:
-    def __init__(self, config: SGLangConfig, on_verify: Callable[[VerifyBatch], None] | None = None,
-                 tokenizer=None, fingerprint: TargetFingerprint | None = None):
+    def __init__(self, config: SGLangConfig, observers: list | tuple = (), tokenizer=None,
+                 fingerprint: TargetFingerprint | None = None):
         self.config = config
-        self.model_name = Path(config.model_path).name
+        self.model_name = config.model_id or Path(config.model_path).name
         self.tokenizer = tokenizer
         self.fingerprint = fingerprint
         self.max_context = 0
-        self._on_verify = on_verify
-        self._info = DrafterInfo(kind=config.algorithm.lower(), version=config.drafter_version)
+        self.eos_ids: frozenset[int] = frozenset()
+        self.observers = list(observers)
+        self._drafter = SGLangDraft(kind=config.drafter_kind, version=config.drafter_version,
+                                    path=Path(config.draft_path))
         self._source = DrafterKind.EAGLE if config.algorithm == "EAGLE3" else DrafterKind.STANDALONE
         self._engine = None
         self._collector: TraceCollector | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._swap_lock = asyncio.Lock()
+        self._metadata_loaded = False
+        self._covered: dict[str, int] = {}
+        """Traced request id -> output tokens its verify steps received so far cover."""
+        self._covered_lock = threading.Lock()
+        self._finishing: set[asyncio.Task] = set()
+
+    # ---- Engine protocol ---------------------------------------------------------------------
 
     async def start(self) -> None:
         from serving.sglang.source_check import require_sglang
 
         require_sglang()  # names any missing hook point before a GPU is touched
         self._loop = asyncio.get_running_loop()
-        self._load_target_metadata()
-        if self._on_verify is not None:
+        self.load_metadata()
+        if self.observers:  # verify steps feed traces, metrics and live acceptance
             self._collector = TraceCollector(self._on_step)
         from sglang.srt.entrypoints.engine import Engine
 
@@ -135,8 +189,11 @@ class SGLangEngine:
             except Exception:
                 await self.stop()
                 raise
+        notify(self.observers, "on_drafter_change", self._drafter.kind, self._drafter.version)
 
     async def stop(self) -> None:
+        if self._finishing:
+            await asyncio.gather(*list(self._finishing), return_exceptions=True)
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -145,63 +202,194 @@ class SGLangEngine:
             self._collector = None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        stream = await self._engine.async_generate(
-            input_ids=request.prompt_ids, sampling_params=sglang_sampling_params(request.params),
-            stream=True, rid=request.request_id)
-        sent = 0
-        async for out in stream:
-            ids, meta = out["output_ids"], out["meta_info"]
-            reason = finish_reason(meta)
-            yield GenerationChunk(
-                request_id=request.request_id,
-                token_ids=list(ids[sent:]),
-                text="",  # detokenisation is the shared output layer's
-                finished=reason is not None,
-                finish_reason=reason,
-                prompt_tokens=int(meta.get("prompt_tokens", len(request.prompt_ids))),
-                completion_tokens=int(meta.get("completion_tokens", len(ids))),
-                stats=spec_stats(meta),
-            )
-            sent = len(ids)
+        if self._engine is None:
+            raise RequestError("the SGLang engine is not running")
+        p = request.params
+        text = OutputText(self.tokenizer, request.prompt_ids, p.stop)
+        stop_ids = stop_token_set(p.stop_token_ids, self.eos_ids, p.ignore_eos)
+        observed = self._open(request)
+        kept: list[int] = []
+        stats = SpecStats()
+        reason = None
+        try:
+            stream = await self._engine.async_generate(
+                input_ids=request.prompt_ids, sampling_params=sglang_sampling_params(p),
+                stream=True, rid=request.request_id)
+            seen = 0
+            async for out in stream:
+                ids, meta = out["output_ids"], out["meta_info"]
+                error = refused(meta)
+                if error is not None:
+                    raise error
+                new = [int(t) for t in ids[seen:]]  # ids may grow in place: read it before awaiting
+                seen += len(new)
+                step = apply_stops(text, stop_ids, new)
+                kept.extend(step.tokens)
+                done = finish_reason(meta)
+                if done is not None:
+                    stats = spec_stats(meta)
+                if step.stopped:
+                    reason = "stop"
+                    if done is None:  # a stop string (or an EOS id SGLang does not know) ended it
+                        stats = await self._abort_and_drain(request.request_id, stream, stats)
+                else:
+                    reason = done
+                if reason is None:
+                    yield self._chunk(request, step.tokens, step.text, None, kept, stats)
+                    continue
+                final_text = step.text + ("" if step.stopped else text.flush())
+                self._close(observed, kept, reason, stats)  # before the last yield: the consumer
+                yield self._chunk(request, step.tokens, final_text, reason, kept, stats)  # stops
+                return
+            reason = "abort"  # the stream ended without a finish reason
+            self._close(observed, kept, reason, stats)
+            yield self._chunk(request, [], text.flush(), reason, kept, stats)
+        except Exception as exc:
+            reason = "error"
+            self._close(observed, kept, reason, stats)
+            if isinstance(exc, RequestError):
+                raise
+            raise RequestError(f"SGLang failed: {exc}", invalid=isinstance(exc, ValueError)) from exc
+        finally:
+            if reason is None:  # the consumer went away (client disconnect, cancellation)
+                self._close(observed, kept, "abort", stats)
 
     async def abort(self, request_id: str) -> None:
-        self._engine.tokenizer_manager.abort_request(rid=request_id)
+        if self._engine is not None:
+            self._engine.tokenizer_manager.abort_request(rid=request_id)
 
     @property
-    def drafter(self) -> DrafterInfo:
-        return self._info
+    def drafter(self) -> SGLangDraft:
+        return self._drafter
 
-    def swap_drafter(self, drafter) -> None:
-        """Install ``drafter`` (``.path``: SGLang-layout directory, ``.version``) from a thread other
-        than the engine's event loop; blocks until the weights are in. In the loop: ``load_draft``."""
-        if self._loop is None:
+    def swap_drafter(self, drafter: SGLangDraft) -> None:
+        """Install ``drafter`` from a thread other than the engine's event loop (the Swapper's, an
+        admin worker); blocks until the weights are in. On the loop: ``await install_draft``."""
+        if self._loop is None or self._engine is None:
             raise RuntimeError("SGLangEngine is not started")
-        future = asyncio.run_coroutine_threadsafe(
-            self.load_draft(drafter.path, drafter.version), self._loop)
-        future.result()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            raise RuntimeError("swap_drafter would block the engine's event loop: await "
+                               "install_draft instead")
+        tensors = drafter.named_tensors()  # disk reads stay off the event loop
+        asyncio.run_coroutine_threadsafe(self.install_draft(drafter, tensors), self._loop).result()
 
-    async def load_draft(self, path: str | Path, version: str) -> None:
+    async def install_draft(self, drafter: SGLangDraft, tensors=None) -> None:
         """Draft-only hot swap: in-flight requests keep going with the new draft."""
-        tensors = read_draft_tensors(path)
+        if tensors is None:
+            tensors = await asyncio.to_thread(drafter.named_tensors)
         async with self._swap_lock:
             await update_draft_weights(self._engine, tensors)
-            self._info = DrafterInfo(kind=self._info.kind, version=version)
+            self._drafter = drafter
+        notify(self.observers, "on_drafter_change", drafter.kind, drafter.version)
+
+    def load_metadata(self) -> None:
+        """Tokenizer, fingerprint, context length and EOS ids from the model directory (CPU only,
+        no sglang): the HTTP layer and the trace recorder need them before the engine starts."""
+        if self._metadata_loaded:
+            return
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from serving.target import fingerprint_for
+
+        path = self.config.model_path
+        hf_config = AutoConfig.from_pretrained(path)
+        if self.tokenizer is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json
+            generation = None
+        if self.fingerprint is None:
+            self.fingerprint = fingerprint_for(self.model_name, self.tokenizer,
+                                               int(hf_config.vocab_size))
+        self.max_context = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        self.eos_ids = eos_token_ids(generation, hf_config, self.tokenizer)
+        self._metadata_loaded = True
+
+    # ---- observers -------------------------------------------------------------------------
+
+    def _open(self, request: GenerationRequest) -> GenerationRequest:
+        """The request as observers see it (see the module docstring): a copy whose prompt gets
+        the first output token appended at finish. Requests the plugin does not sample are
+        observed with ``train=False`` (no trace)."""
+        sampled = self._collector is not None and request_sampled(
+            request.request_id, self.config.trace_sample_rate)
+        observed = dataclasses.replace(request, prompt_ids=list(request.prompt_ids),
+                                       train=request.train and sampled)
+        if observed.train:
+            with self._covered_lock:
+                self._covered[request.request_id] = 0
+        notify(self.observers, "on_request_start", observed)
+        return observed
+
+    def _close(self, observed: GenerationRequest, kept: list[int], reason: str,
+               stats: SpecStats) -> None:
+        if kept:
+            observed.prompt_ids.append(kept[0])  # sampled in the prefill, not by a verify step
+        output = kept[1:]
+        with self._covered_lock:
+            waiting = observed.request_id in self._covered
+        if waiting and self._loop is not None and self._loop.is_running():
+            task = self._loop.create_task(self._finish_when_covered(observed, output, reason, stats))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+        else:
+            self._finish(observed, output, reason, stats)
+
+    async def _finish_when_covered(self, observed, output, reason, stats) -> None:
+        deadline = time.monotonic() + TRACE_WAIT_S
+        while time.monotonic() < deadline:
+            with self._covered_lock:
+                covered = self._covered.get(observed.request_id, 0)
+            if covered >= len(output):
+                break
+            await asyncio.sleep(0.005)
+        self._finish(observed, output, reason, stats)
+
+    def _finish(self, observed, output, reason, stats) -> None:
+        with self._covered_lock:
+            self._covered.pop(observed.request_id, None)
+        notify(self.observers, "on_request_finish", observed, output, reason, stats)
 
     def _on_step(self, message) -> None:
-        batch = to_verify_batch(message, self._source, self._info.version)
-        self._on_verify(batch)
+        """Collector thread: one verify step of SGLang's batch."""
+        batch = to_verify_batch(message, self._source, self._drafter.version)
+        notify(self.observers, "on_step", batch)
+        with self._covered_lock:  # after the observers saw it: a finish may follow right away
+            for rid, accepted in zip(batch.request_ids, batch.num_accepted.tolist()):
+                if rid in self._covered:
+                    self._covered[rid] += int(accepted) + 1
 
-    def _load_target_metadata(self) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+    # ---- internals -------------------------------------------------------------------------
 
-        hf_config = AutoConfig.from_pretrained(self.config.model_path)
-        if self.tokenizer is None:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_path)
-        if self.fingerprint is None:
-            self.fingerprint = TargetFingerprint(
-                model_id=self.model_name, tokenizer_hash=tokenizer_hash(self.tokenizer),
-                vocab_size=hf_config.vocab_size)
-        self.max_context = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    def _chunk(self, request: GenerationRequest, tokens: list[int], text: str,
+               reason: str | None, kept: list[int], stats: SpecStats) -> GenerationChunk:
+        return GenerationChunk(
+            request_id=request.request_id,
+            token_ids=list(tokens),
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(kept),
+            stats=stats,
+        )
+
+    async def _abort_and_drain(self, request_id: str, stream, stats: SpecStats) -> SpecStats:
+        """Abort a request in SGLang and wait (briefly) for its final output, for its stats."""
+        self._engine.tokenizer_manager.abort_request(rid=request_id)
+        try:
+            async with asyncio.timeout(ABORT_DRAIN_S):
+                async for out in stream:
+                    if finish_reason(out["meta_info"]) is not None:
+                        return spec_stats(out["meta_info"])
+        except Exception as exc:  # noqa: BLE001  (timeout, an abort raised as an error)
+            log.debug("no final output for aborted %s (%s): stats unknown", request_id, exc)
+        return stats
 
     @contextmanager
     def _trace_env(self):

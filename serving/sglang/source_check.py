@@ -144,7 +144,8 @@ def installed_sglang_root() -> Path:
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         raise SGLangContractError(
-            "sglang is not installed: install the production extra, `pip install specloop[sglang]`")
+            "sglang is not installed: install the production extra on a CUDA machine, "
+            "`pip install 'specloop[sglang]'`")
     return Path(next(iter(spec.submodule_search_locations))).parent
 
 

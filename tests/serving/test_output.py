@@ -1,11 +1,14 @@
-"""OutputText: incremental detokenisation and stop strings."""
+"""OutputText (incremental detokenisation, stop strings) and apply_stops, the per-step stop rule
+every engine (TorchEngine, SGLangEngine) applies."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from serving.output import OutputText
+from serving.output import OutputText, apply_stops, eos_token_ids, stop_token_set
 from serving.target import load_default_tokenizer
 
 TEXTS = [
@@ -84,3 +87,57 @@ def test_earliest_stop_string_wins_and_spans_tokens(tok):
 def test_id_only_models_produce_no_text():
     out = OutputText(None, [1, 2], ["x"])
     assert out.push([5, 6]).text == "" and out.flush() == ""
+
+
+# ---- apply_stops: the shared per-step stop rule ---------------------------------------------------
+
+
+def test_no_stop_keeps_every_token_and_holds_back_a_possible_stop_prefix(tok):
+    ids = tok.encode("over the lazy dog")
+    out = OutputText(tok, [], ["lazy cat"])
+    step = apply_stops(out, frozenset(), ids[:3])  # "over the lazy"
+    assert step.tokens == ids[:3] and not step.stopped
+    assert step.text == "over the "  # "lazy" could start "lazy cat": held back
+    step = apply_stops(out, frozenset(), ids[3:])
+    assert step.text + out.flush() == "lazy dog"
+
+
+def test_a_stop_token_keeps_its_id_but_not_its_text(tok):
+    ids = tok.encode("alpha beta gamma delta")
+    stop = ids[2]
+    step = apply_stops(OutputText(tok, [], []), frozenset({stop}), ids)
+    assert step.stopped and step.tokens == ids[:3]  # through the stop token, not after it
+    assert step.text == tok.decode(ids[:2])
+
+
+def test_a_stop_string_cuts_the_step_at_the_completing_token(tok):
+    ids = tok.encode("alpha beta gamma delta")
+    step = apply_stops(OutputText(tok, [], ["gamma"]), frozenset(), ids)
+    assert step.stopped and step.text == "alpha beta "
+    kept = step.tokens
+    assert "gamma" in tok.decode(kept) and "gamma" not in tok.decode(kept[:-1])
+
+
+def test_a_stop_string_before_a_stop_token_wins(tok):
+    ids = tok.encode("alpha beta gamma delta")
+    step = apply_stops(OutputText(tok, [], ["beta"]), frozenset({ids[-1]}), ids)
+    assert step.stopped and step.text == "alpha "
+    assert ids[-1] not in step.tokens and len(step.tokens) < len(ids)
+
+
+def test_a_stop_token_first_emits_nothing(tok):
+    ids = tok.encode("alpha beta")
+    step = apply_stops(OutputText(tok, [], ["x"]), frozenset({ids[0]}), ids)
+    assert step.stopped and step.tokens == ids[:1] and step.text == ""
+
+
+def test_stop_token_set_adds_eos_unless_ignored():
+    assert stop_token_set([5, 7], frozenset({2})) == {2, 5, 7}
+    assert stop_token_set([5], frozenset({2}), ignore_eos=True) == {5}
+
+
+def test_eos_ids_come_from_every_source():
+    gen = SimpleNamespace(eos_token_id=[2, 3])
+    cfg = SimpleNamespace(eos_token_id=4)
+    tokenizer = SimpleNamespace(eos_token_id=None)
+    assert eos_token_ids(gen, None, cfg, tokenizer, SimpleNamespace()) == {2, 3, 4}

@@ -9,11 +9,12 @@ import pickle
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from serving.engine.base import GenerationRequest, SamplingParams
+from serving.engine.base import GenerationRequest, RequestError, SamplingParams
 from serving.sglang import contract
 from serving.sglang.draft_weights import (
     DraftUpdateError,
@@ -212,3 +213,257 @@ def test_generate_streams_deltas_with_final_stats():
     assert chunks[-1].finish_reason == "stop" and chunks[-1].completion_tokens == 5
     assert chunks[-1].stats.accepted_tokens == 3 and chunks[-1].stats.verify_steps == 2
     assert engine.model_name == "tgt" and engine.drafter.kind == "standalone"
+
+
+# ---- generate: the shared stop rules, observers, traces -------------------------------------------
+# The stand-ins below play sglang.Engine's side (a stream of cumulative outputs, abort_request) so
+# that our adapter logic can be tested on CPU; the real engine needs a GPU.
+
+
+class FakeStream:
+    """sglang.Engine.async_generate(stream=True) with non-incremental output: each output carries
+    every output id so far. ``abort_request`` makes the next output the final "abort" one."""
+
+    def __init__(self, outputs, final_meta=None):
+        self.outputs = outputs
+        self.final_meta = final_meta or {}
+        self.aborted: list[str] = []
+        self.tokenizer_manager = self
+        self.sent = 0
+        self.shut = False
+
+    def abort_request(self, rid):
+        self.aborted.append(rid)
+
+    def shutdown(self):
+        self.shut = True
+
+    async def async_generate(self, **kwargs):
+        self.kwargs = kwargs
+
+        async def stream():
+            ids = []
+            for out in self.outputs:
+                if self.aborted:
+                    yield {"output_ids": list(ids), "meta_info": {
+                        "finish_reason": {"type": "abort"}, **self.final_meta}}
+                    return
+                ids = out["output_ids"]
+                self.sent += 1
+                yield out
+        return stream()
+
+
+def outputs_of(ids: list[int], cuts: list[int], reason=None, **final_meta):
+    """Cumulative outputs ending at each cut; the last one finished with ``reason``."""
+    outs = [{"output_ids": ids[:c], "meta_info": {"finish_reason": None}} for c in cuts]
+    if reason is not None:
+        outs[-1]["meta_info"] = {"finish_reason": {"type": reason}, **final_meta}
+    return outs
+
+
+STATS = {"spec_verify_ct": 3, "spec_num_proposed_drafts": 12, "spec_num_correct_drafts": 5}
+
+
+class Recording:
+    def __init__(self):
+        self.events = []
+
+    def on_request_start(self, request, prefill_features=None):
+        self.events.append(("start", request.request_id, list(request.prompt_ids), request.train))
+
+    def on_request_finish(self, request, output_ids, finish_reason, stats):
+        self.events.append(("finish", request.request_id, list(request.prompt_ids),
+                            list(output_ids), finish_reason))
+
+    def on_drafter_change(self, kind, version):
+        self.events.append(("drafter", kind, version))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from serving.target import load_default_tokenizer
+
+    return load_default_tokenizer()
+
+
+def text_engine(tok, fake, observers=(), **config):
+    engine = SGLangEngine(SGLangConfig(model_path="/models/tgt", draft_path="/d", **config),
+                          observers=list(observers), tokenizer=tok)
+    engine._engine = fake
+    return engine
+
+
+def run_request(engine, params: SamplingParams, prompt=(1, 2, 3), rid="r1"):
+    async def main():
+        chunks = [c async for c in engine.generate(GenerationRequest(rid, list(prompt), params))]
+        await engine.stop()
+        return chunks
+    return asyncio.run(main())
+
+
+def test_a_stop_string_ends_the_request_and_aborts_it_in_sglang(tok):
+    ids = tok.encode("alpha beta gamma delta epsilon zeta")
+    fake = FakeStream(outputs_of(ids, [2, 4, 6]), final_meta=STATS)
+    chunks = run_request(text_engine(tok, fake), SamplingParams(max_tokens=32, stop=["gamma"]))
+
+    assert "".join(c.text for c in chunks) == "alpha beta "
+    assert chunks[-1].finished and chunks[-1].finish_reason == "stop"
+    kept = [t for c in chunks for t in c.token_ids]
+    assert "gamma" in tok.decode(kept) and "gamma" not in tok.decode(kept[:-1])
+    assert chunks[-1].completion_tokens == len(kept)
+    assert fake.aborted == ["r1"] and fake.sent == 2  # aborted before more output was read
+    assert chunks[-1].stats.verify_steps == 3  # from SGLang's final (abort) output
+    assert "stop" not in fake.kwargs["sampling_params"]  # stop strings are ours, not SGLang's
+
+
+def test_a_stop_token_sglang_stopped_on_keeps_its_id_not_its_text(tok):
+    ids = tok.encode("alpha beta gamma delta")
+    fake = FakeStream(outputs_of(ids, [2, 3], reason="stop", **STATS))  # SGLang includes it
+    chunks = run_request(text_engine(tok, fake),
+                         SamplingParams(max_tokens=32, stop_token_ids=[ids[2]]))
+    assert [t for c in chunks for t in c.token_ids] == ids[:3]
+    assert "".join(c.text for c in chunks) == tok.decode(ids[:2])
+    assert chunks[-1].finish_reason == "stop" and fake.aborted == []
+    assert fake.kwargs["sampling_params"]["stop_token_ids"] == [ids[2]]
+
+
+def test_an_eos_id_sglang_does_not_know_still_stops_and_aborts(tok):
+    ids = tok.encode("alpha beta gamma delta epsilon")
+    fake = FakeStream(outputs_of(ids, [1, 3, 5]))
+    engine = text_engine(tok, fake)
+    engine.eos_ids = frozenset({ids[2]})  # e.g. from generation_config.json only
+    chunks = run_request(engine, SamplingParams(max_tokens=32))
+    assert [t for c in chunks for t in c.token_ids] == ids[:3]
+    assert chunks[-1].finish_reason == "stop" and fake.aborted == ["r1"]
+    fake = FakeStream(outputs_of(ids, [1, 3, 5], reason="length"))
+    engine = text_engine(tok, fake)
+    engine.eos_ids = frozenset({ids[2]})
+    chunks = run_request(engine, SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == ids[:5]
+    assert chunks[-1].finish_reason == "length" and fake.aborted == []
+
+
+def test_length_releases_text_held_back_for_a_stop_string(tok):
+    ids = tok.encode("over the lazy")
+    fake = FakeStream(outputs_of(ids, [len(ids)], reason="length", **STATS))
+    chunks = run_request(text_engine(tok, fake), SamplingParams(max_tokens=len(ids),
+                                                                stop=["lazy cat"]))
+    assert "".join(c.text for c in chunks) == "over the lazy"
+    assert chunks[-1].finish_reason == "length" and fake.aborted == []
+
+
+def test_a_request_sglang_refuses_is_invalid():
+    fake = FakeStream([{"output_ids": [], "meta_info": {"finish_reason": {
+        "type": "abort", "status_code": 400, "message": "input is longer than the context"}}}])
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path="/d"))
+    engine._engine = fake
+    with pytest.raises(RequestError, match="longer than the context") as err:
+        run_request(engine, SamplingParams(max_tokens=4))
+    assert err.value.invalid
+
+
+def test_observers_see_the_prefill_token_as_prompt_and_aborts_on_disconnect():
+    rec = Recording()
+    fake = FakeStream(outputs_of([10, 11, 12, 13], [1, 3, 4]))
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path="/d"), observers=[rec])
+    engine._engine = fake
+
+    async def leave_after_two():
+        gen = engine.generate(GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=9)))
+        first = await gen.__anext__()
+        second = await gen.__anext__()
+        await gen.aclose()  # the client went away
+        return first, second
+
+    asyncio.run(leave_after_two())
+    assert rec.events == [("start", "r1", [1, 2, 3], False),  # no collector: no trace
+                          ("finish", "r1", [1, 2, 3, 10], [11, 12], "abort")]
+
+
+def step_message(rid, prompt_len, root_pos, drafts, accepted, emitted, top_k=2):
+    from serving.sglang.exporter import StepMessage
+    from serving.sglang.reduction import StepRows
+
+    d = len(drafts)
+    rows = StepRows(
+        num_drafted=np.array([d], np.int16), num_accepted=np.array([accepted], np.int16),
+        root_pos=np.array([root_pos], np.int64), draft_ids=np.array([drafts], np.int32),
+        draft_probs=np.full((1, d), np.nan, np.float32), emitted=[emitted],
+        target_topk_ids=np.zeros((1, d + 1, top_k), np.int32),
+        target_topk_logprobs=np.full((1, d + 1, top_k), -1.0, np.float16))
+    return StepMessage([rid], [prompt_len], rows)
+
+
+@pytest.mark.parametrize("sample_rate, traced", [(1.0, True), (0.0, False)])
+def test_traces_are_complete_even_when_steps_arrive_after_the_finish(sample_rate, traced):
+    from feedback.fingerprint import TargetFingerprint
+    from feedback.sink import InProcessTraceSink
+    from serving.observers import TraceRecorder
+
+    fp = TargetFingerprint(model_id="m", tokenizer_hash="ids", vocab_size=100)
+    sink = InProcessTraceSink()
+    recorder = TraceRecorder(sink, fp)
+    output = [10, 11, 12, 13, 14]
+    fake = FakeStream(outputs_of(output, [1, 3, 5], reason="stop", **STATS))
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path="/d",
+                                       trace_sample_rate=sample_rate),
+                          observers=[recorder], fingerprint=fp)
+    engine._engine = fake
+    engine._collector = types.SimpleNamespace(close=lambda: None)  # capture on
+    # root = last committed token: output[0] (the prefill's) at absolute position 3, then output[2]
+    steps = [step_message("r1", 3, 3, [11, 50], 1, [11, 12]),
+             step_message("r1", 3, 5, [13, 51, 52], 1, [13, 14])]
+
+    async def main():
+        engine._loop = asyncio.get_running_loop()
+        chunks = [c async for c in engine.generate(
+            GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=9)))]
+        # the verify steps come over their own channel, after the final output
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(lambda: [engine._on_step(m) for m in steps])
+        await engine.stop()
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert [t for c in chunks for t in c.token_ids] == output
+    records = sink.drain()
+    assert recorder.failed == 0 and len(records) == (1 if traced else 0)
+    if traced:
+        r = records[0]
+        assert r.prompt_ids.tolist() == [1, 2, 3, 10] and r.output_ids.tolist() == output[1:]
+        assert r.steps.positions.tolist() == [0, 2]
+        assert r.steps.num_accepted.tolist() == [1, 1]
+    assert engine._covered == {}
+
+
+# ---- drafter swaps through the shared Swapper ------------------------------------------------------
+
+
+def test_swap_drafter_installs_the_draft_and_announces_it(fake_sglang, draft_dir):
+    from serving.sglang.drafts import SGLangDraft
+
+    path, tensors = draft_dir
+    rec = Recording()
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path=str(path)), observers=[rec])
+    fake = FakeSGLang(tensors)
+    new = {"fc.weight": torch.zeros(2, 2)}
+
+    async def main():
+        engine._loop = asyncio.get_running_loop()
+        engine._engine = fake
+        await asyncio.to_thread(engine.swap_drafter,
+                                SGLangDraft("standalone", "v2", tensors=list(new.items())))
+        with pytest.raises(RuntimeError, match="install_draft"):
+            engine.swap_drafter(SGLangDraft("standalone", "v3", tensors=[]))
+        # a rollback reinstalls the day-0 draft from its directory
+        await asyncio.to_thread(engine.swap_drafter,
+                                SGLangDraft("standalone", "day0", path=path))
+
+    day0 = engine.drafter
+    asyncio.run(main())
+    assert day0.path == path and day0.kind == "standalone"
+    assert fake.calls[:3] == [("begin", "draft"), ("tensor", "draft", False, 2), ("end",)]
+    assert torch.equal(fake.weights["draft"]["fc.weight"], tensors["fc.weight"])
+    assert rec.events == [("drafter", "standalone", "v2"), ("drafter", "standalone", "day0")]
+    assert engine.drafter.version == "day0"

@@ -48,7 +48,8 @@ def test_steps_arrive_as_verify_batches():
 
     batch = to_verify_batch(received[0], DrafterKind.STANDALONE, "v3")
     assert batch.request_ids == ["req-0", "req-1"]
-    assert batch.positions.tolist() == [10 + 1 - 9, 20 + 1 - 15]
+    # output index root + 1 - prompt_len, minus the prefill-sampled first token
+    assert batch.positions.tolist() == [10 - 9, 20 - 15]
     assert batch.num_drafted.dtype == np.int16 and batch.num_accepted.tolist() == [1, 3]
     assert batch.source.tolist() == [DrafterKind.STANDALONE] * 2
     assert batch.emitted == [[11, 30], [21, 22, 23, 40]]

@@ -1,0 +1,60 @@
+"""``specloop serve`` / ``specloop generate``: the engine is checked before anything else.
+
+sglang is not installed in CI (it needs a CUDA GPU): these tests check that asking for it fails at
+once, with the install command and no traceback, before settings that depend on the engine are
+validated and before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from typer.testing import CliRunner
+
+from infra.cli import app
+from serving.config import ServingSettings
+
+SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
+INSTALL = "pip install 'specloop[sglang]'"
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    for field in ServingSettings.model_fields:
+        monkeypatch.delenv(f"SPECLOOP_{field.upper()}", raising=False)
+
+
+def run(args, env=None):
+    """(result, all output with rich's panel borders and line wraps flattened)."""
+    result = CliRunner().invoke(app, args, env=env)
+    out = result.output + (result.stderr or "")
+    return result, " ".join(out.replace("│", " ").split())
+
+
+@pytest.mark.skipif(SGLANG_INSTALLED, reason="sglang is installed")
+@pytest.mark.parametrize("args, env", [
+    (["serve", "--engine", "sglang"], None),
+    (["serve", "--port", "0"], {"SPECLOOP_ENGINE": "sglang"}),
+    (["generate", "hello", "--engine", "sglang"], None),
+])
+def test_sglang_without_sglang_fails_fast_naming_the_extra(args, env):
+    result, out = run(args, env)
+    assert result.exit_code == 1, out
+    assert INSTALL in out and "Traceback" not in out
+    assert isinstance(result.exception, SystemExit)  # a clean exit, not an escaped error
+
+
+def test_an_unknown_engine_is_a_usage_error():
+    result, out = run(["serve", "--engine", "vllm"])
+    assert result.exit_code == 2 and "'torch' or 'sglang'" in out
+
+
+def test_with_sglang_present_its_settings_are_checked_next(monkeypatch):
+    """Wiring only: the sglang check is stubbed to pass (no sglang here)."""
+    from serving.sglang import source_check
+
+    monkeypatch.setattr(source_check, "require_sglang", lambda *a, **k: None)
+    result, out = run(["serve", "--engine", "sglang", "--drafter", "suffix"])
+    assert result.exit_code == 2
+    assert "drafter=eagle" in out and "drafter_dir is required" in out
