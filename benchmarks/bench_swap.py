@@ -7,9 +7,21 @@ MLflow registry and validated on every swap). Prints one JSON object:
 
     swaps            swaps that took effect in the engine
     failed_requests  requests that raised or finished with an error
-    stall_p99_ms     p99 over swap steps of (wall-clock gap before the first step of a new drafter
-                     minus the median gap between ordinary consecutive steps), i.e. the decode stall
-                     a swap adds (re-adding every in-flight row to the new drafter)
+    stall_p99_ms     p99 over swaps of the decode time a swap adds: from ``engine.swap_drafter``
+                     being called to the end of the first step of the new drafter, the sum over
+                     steps of (gap since the previous step - the median gap between ordinary
+                     consecutive steps), floored at 0 (the step in progress at the call counts with
+                     the fraction of it after the call; the bench hands the drafter over just after
+                     a step ends, so that step did not overlap the artifact load). Work the engine
+                     moves off the step thread (preparing the new drafter's per-request state on
+                     the swapping thread) competes for the same cores, so it shows up here; work
+                     left lazy shows up in the first step of the new drafter.
+    install_stall_p99_ms  the first step of the new drafter alone (gap - median gap): the install
+    handover_median_ms  how long ``engine.swap_drafter`` took (the swap's latency in the engine)
+    load_stall_p99_ms  the same sum from the start of ``Swapper.swap_to`` to the swap_drafter call,
+                     while the Swapper downloads and validates the artifact (and the first step
+                     that ends after it): also caused by a swap, reported apart (the artifact load
+                     is the Swapper's, not the engine's)
     lossless         every output equals target-only greedy decoding of its prompt
 """
 
@@ -61,6 +73,27 @@ def _stall_ms(steps: list[tuple[float, str, int]]) -> tuple[list[float], float]:
         (swap_gaps if v1 != v0 else gaps).append((t1 - t0) * 1000.0)
     base = float(np.median(gaps)) if gaps else 0.0
     return [max(0.0, g - base) for g in swap_gaps], base
+
+
+def _window_stalls(
+    steps: list[tuple[float, str, int]], base: float, starts: list[float], ends: list[float] | None
+) -> list[float]:
+    """Per swap (in order): the extra time (ms, floored at 0) over ``base`` per step of the steps
+    within (``starts[i]``, ``ends[i]``] (None: up to and including the first step of the new
+    drafter); a step that straddles a bound counts with the fraction of it inside."""
+    times = [t for t, _, _ in steps]
+    firsts = [i for i in range(1, len(steps)) if steps[i][1] != steps[i - 1][1]]
+    out = []
+    for n, (start, first) in enumerate(zip(starts, firsts)):
+        end = times[first] if ends is None else ends[n]
+        extra = 0.0
+        for i in range(1, first + 1):
+            t0, t1 = times[i - 1], times[i]
+            inside = min(t1, end) - max(t0, start)
+            if inside > 0:
+                extra += inside / (t1 - t0) * ((t1 - t0) * 1000.0 - base)
+        out.append(max(0.0, extra))
+    return out
 
 
 def _tiny_target():
@@ -127,6 +160,22 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
     swapper = Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
                       config=SwapConfig(tenant="bench", floor_ratio=0.0, poll_interval_s=0,
                                         log_interval_s=3600))
+    swap_called: list[float] = []  # when the Swapper handed each drafter to the engine
+    load_started: list[float] = []
+    handover_ms: list[float] = []  # how long swap_drafter took (preparing the drafter, if it does)
+    engine_swap = engine.swap_drafter
+
+    def timed_swap(drafter):
+        # Let the step in progress (slowed by the artifact load on the same cores) end first, so
+        # that the load's cost is not counted as the engine's: no effect on the engine's work.
+        seen, t0 = len(clock.steps), time.perf_counter()
+        while len(clock.steps) == seen and time.perf_counter() - t0 < 5.0:
+            time.sleep(0.001)
+        swap_called.append(time.perf_counter())
+        engine_swap(drafter)
+        handover_ms.append((time.perf_counter() - swap_called[-1]) * 1000.0)
+
+    engine.swap_drafter = timed_swap
     outputs: dict[int, set[tuple[int, ...]]] = {}
     failed = completed = 0
     errors: list[str] = []
@@ -136,6 +185,7 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
         for i in range(swaps):
             if done.wait(swap_every_s):
                 return
+            load_started.append(time.perf_counter())
             swapper.swap_to(versions[i % 2], reason="bench")
         done.set()
 
@@ -170,8 +220,13 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
     t0 = time.perf_counter()
     asyncio.run(main())
     wall = time.perf_counter() - t0
-    stalls, base = _stall_ms(clock.steps)
+    installs, base = _stall_ms(clock.steps)
+    stalls = _window_stalls(clock.steps, base, swap_called, None)
+    loads = _window_stalls(clock.steps, base, load_started, swap_called)
     import numpy as np
+
+    def pct(xs, q):
+        return round(float(np.percentile(xs, q)), 2) if xs else None
 
     lossless = all(
         outs == {tuple(target_greedy_reference(target.model, prompts[p], max_tokens))}
@@ -182,8 +237,13 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
         "swaps": len(stalls),
         "swaps_requested": swaps,
         "failed_requests": failed,
-        "stall_p99_ms": round(float(np.percentile(stalls, 99)), 2) if stalls else None,
-        "stall_median_ms": round(float(np.median(stalls)), 2) if stalls else None,
+        "stall_p99_ms": pct(stalls, 99),
+        "stall_median_ms": pct(stalls, 50),
+        "install_stall_p99_ms": pct(installs, 99),
+        "install_stall_median_ms": pct(installs, 50),
+        "load_stall_p99_ms": pct(loads, 99),
+        "load_stall_median_ms": pct(loads, 50),
+        "handover_median_ms": pct(handover_ms, 50),
         "step_median_ms": round(base, 2),
         "lossless": lossless,
         "requests": completed,

@@ -10,6 +10,10 @@ state (suffix matches, a draft KV cache) keyed by request id. The engine calls, 
     on_verified(request_id, accepted, feats) after every verify step with the tokens it committed
     remove_request(request_id, output_ids)  when the request finishes or is aborted (output_ids is
                                             None on abort); model-free drafters learn here
+
+A drafter may also offer ``prepare_request`` (``PreparableDrafter``): a hot swap then builds the
+incoming drafter's per-request state on the swapping thread, before it is installed, instead of
+between two decode steps (see TorchEngine.swap_drafter).
 """
 
 from __future__ import annotations
@@ -109,3 +113,20 @@ class DrafterInfo:
     kind: str
     version: str
     extra: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class PreparableDrafter(Drafter, Protocol):
+    """Optional capability: per-request state built off the engine's step thread.
+
+    A hot swap calls ``prepare_request`` on the incoming drafter, from the swapping thread and
+    before the drafter is installed, once per running request with a frozen snapshot of its history
+    (``view.generator`` is None: the request's RNG belongs to the step thread). The drafter must do
+    the costly work there (a learned drafter prefills its draft KV cache) and must not touch state it
+    shares with another drafter (the installed one is in use meanwhile). Once installed, the engine
+    catches each prepared request up with ``on_verified(request_id, tokens committed since the
+    snapshot, their features)`` and ``remove_request(request_id, None)`` for prepared requests that
+    ended in between; requests that joined in between get a plain ``add_request``."""
+
+    def prepare_request(self, view: DraftRequestView, features: torch.Tensor | None = None) -> None:
+        ...

@@ -155,6 +155,17 @@ class LearnedDrafter:
         self._append(state, tokens, feats)
         self._states[view.request_id] = state
 
+    @torch.no_grad()
+    def prepare_request(self, view: DraftRequestView, features: torch.Tensor | None = None) -> None:
+        """add_request, then commit the history now (one extend of this row alone) rather than at
+        the next propose: a hot swap calls this off the step thread (PreparableDrafter)."""
+        state = self._new_state()
+        tokens, feats = self._initial_inputs(view, features)
+        self._append(state, tokens, feats)
+        if state.num_pending:
+            self._extend([state], extra=0)
+        self._states[view.request_id] = state
+
     def on_verified(
         self, request_id: str, accepted_ids: list[int], features: torch.Tensor | None
     ) -> None:

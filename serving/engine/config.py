@@ -58,3 +58,17 @@ class EngineConfig(BaseModel):
     idle_poll_s: float = Field(
         0.5, gt=0, description="How often an idle step thread re-checks for shutdown (seconds)."
     )
+    swap_prepare_nice: int = Field(
+        10,
+        ge=0,
+        le=39,
+        description="A hot swap prepares the incoming drafter's per-request state (e.g. prefills "
+        "its draft KV cache) on a helper thread this much nicer than the process (Linux), so that "
+        "it mostly runs on CPU the decode steps leave idle; 0 = same priority.",
+    )
+    swap_prepare_timeout_s: float = Field(
+        5.0,
+        ge=0,
+        description="Longest a hot swap spends preparing requests off the step thread; requests "
+        "not prepared by then are rebuilt between two steps when the drafter is installed.",
+    )

@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import dataclasses
 import logging
 import math
+import os
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -35,7 +39,7 @@ import torch
 
 from kernels.sampling import probs_from_logits
 from kernels.verify import VerifyResult, greedy_verify, rejection_verify
-from serving.drafters.base import Drafter
+from serving.drafters.base import Drafter, DraftRequestView
 from serving.engine.base import GenerationChunk, GenerationRequest, RequestError, VerifyBatch
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.config import EngineConfig
@@ -43,11 +47,38 @@ from serving.engine.drafting import DraftPlan, plan_from_proposal
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
 from serving.engine.seeded import match_verify
+from serving.output import apply_stops, eos_token_ids
 from serving.target import Target
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+_PREPARE_ROUNDS = 3
+"""Snapshots a prepared swap takes: each one prepares the requests that joined during the last."""
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """A running request as the step thread saw it between two steps (for a prepared swap)."""
+
+    row: Row  # identity only: the swapping thread reads nothing else of it
+    view: DraftRequestView  # frozen copy, no RNG
+    features: torch.Tensor | None  # [len - 1, F] history features, when the drafter needs them
+
+
+@dataclasses.dataclass
+class _SnapshotRequest:
+    layers: tuple[int, ...]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    rows: list[_Snapshot] | None = None
+
+
+@dataclasses.dataclass
+class _PendingSwap:
+    drafter: Drafter | None
+    prepared: dict[str, tuple[Row, int]] = dataclasses.field(default_factory=dict)
+    """request id -> (its row, history length the drafter was prepared with)"""
 
 
 class TorchEngine:
@@ -81,8 +112,11 @@ class TorchEngine:
 
         self._drafter: Drafter | None = drafter
         self._feature_layers = self._layers_for(drafter)
-        self._pending_swap: tuple[Drafter | None] | None = None
-        self._swap_lock = threading.Lock()
+        self._pending_swap: _PendingSwap | None = None
+        self._swap_lock = threading.Lock()  # _pending_swap, _swap_seq
+        self._swap_seq = 0  # swap_drafter calls so far: only the latest one is installed
+        self._preparer: concurrent.futures.ThreadPoolExecutor | None = None  # under _swap_lock
+        self._snapshot_wanted: list[_SnapshotRequest] = []  # under _cv
 
         self._cv = threading.Condition()
         self._inbox: list[Submission] = []
@@ -115,6 +149,10 @@ class TorchEngine:
             self._stopping = True
             self._cv.notify_all()
         await asyncio.to_thread(thread.join)
+        with self._swap_lock:
+            preparer, self._preparer = self._preparer, None
+        if preparer is not None:
+            preparer.shutdown(wait=False)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._validate(request)
@@ -149,14 +187,167 @@ class TorchEngine:
         self._request_abort(request_id)
 
     def swap_drafter(self, drafter: Drafter | None) -> None:
-        """Install ``drafter`` between two steps; running requests are re-added to it with their
-        full history (and target features when it wants them) and removed from the old one."""
+        """Install ``drafter`` between two steps; running requests move to it (removed from the old
+        one) and keep going. The latest call wins.
+
+        A drafter with ``prepare_request`` (PreparableDrafter) is prepared off the step thread: the
+        step thread hands over a snapshot of the running requests between two steps, the drafter
+        builds their state (e.g. prefills its draft KV cache) on a low-priority helper thread
+        (``EngineConfig.swap_prepare_nice``; this call waits for it unless it is made from an event
+        loop), and the step thread then only installs it, catching each request up with the
+        tokens committed since the snapshot. Other drafters, and requests not prepared within
+        ``swap_prepare_timeout_s``, get their full history at install (``add_request``), with
+        target features rebuilt when the drafter wants them."""
         with self._swap_lock:
-            self._pending_swap = (drafter,)
+            self._swap_seq += 1
+            seq = self._swap_seq
+        if not self._preparable(drafter):
+            self._set_pending(seq, _PendingSwap(drafter))
+            return
+        done = self._preparer_pool().submit(self._prepare_swap, seq, drafter)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            done.result()  # never raises: a failed preparation installs unprepared
+
+    def _preparable(self, drafter: Drafter | None) -> bool:
+        thread = self._thread
+        return (
+            drafter is not None
+            and callable(getattr(drafter, "prepare_request", None))
+            and thread is not None
+            and thread.is_alive()
+            and thread is not threading.current_thread()
+            and drafter is not self._drafter  # in use by the step thread: rebuild it there
+        )
+
+    def _preparer_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._swap_lock:
+            if self._preparer is None:
+                self._preparer = concurrent.futures.ThreadPoolExecutor(
+                    1, "specloop-swap-prepare", initializer=self._lower_priority
+                )
+            return self._preparer
+
+    def _lower_priority(self) -> None:
+        """Preparer thread: nicer by ``swap_prepare_nice`` (Linux: per thread; threads it starts,
+        such as its OpenMP team, inherit it). Irreversible without privileges, hence its own
+        thread."""
+        nice = self.config.swap_prepare_nice
+        if not nice or not sys.platform.startswith("linux"):
+            return
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except OSError as e:
+            log.warning("could not lower the swap preparer's priority: %s", e)
+
+    def _set_pending(self, seq: int, pending: _PendingSwap) -> None:
+        with self._swap_lock:
+            if seq != self._swap_seq:  # a later swap_drafter call superseded this one
+                return
+            self._pending_swap = pending
         with self._cv:
             self._cv.notify_all()
         if self._thread is None:  # not running: nothing in flight, apply now
             self._apply_swap()
+
+    def _prepare_swap(self, seq: int, drafter: Drafter) -> None:
+        """Preparer thread: build ``drafter``'s state for the running requests, then hand it to the
+        step thread. ``drafter`` is not shared with the step thread until it is installed."""
+        pending = _PendingSwap(drafter)
+        t0 = time.perf_counter()
+        try:
+            with self._swap_lock:
+                live = self._drafter, self._pending_swap and self._pending_swap.drafter
+            if any(d is drafter for d in live):  # the step thread has it: rebuild it there
+                self._set_pending(seq, pending)
+                return
+            with torch.no_grad():
+                self._prepare_rows(seq, drafter, pending, t0 + self.config.swap_prepare_timeout_s)
+        except Exception:
+            log.exception("preparing drafter %s failed; rows are rebuilt at install", drafter.kind)
+        log.info(
+            "drafter %s %s prepared for %d requests in %.1f ms",
+            drafter.kind,
+            drafter.version,
+            len(pending.prepared),
+            (time.perf_counter() - t0) * 1e3,
+        )
+        self._set_pending(seq, pending)
+
+    def _prepare_rows(
+        self, seq: int, drafter: Drafter, pending: _PendingSwap, deadline: float
+    ) -> None:
+        layers = tuple(drafter.feature_layers or ())
+        for _ in range(_PREPARE_ROUNDS):
+            with self._swap_lock:
+                if seq != self._swap_seq:  # superseded: whatever follows replaces it
+                    return
+            snap = self._snapshot(layers)
+            if not snap:  # nothing running, or the engine stopped
+                return
+            todo = [
+                s for s in snap if pending.prepared.get(s.view.request_id, (None,))[0] is not s.row
+            ]
+            if not todo:
+                return
+            for s in todo:
+                if time.perf_counter() > deadline:
+                    log.warning(
+                        "drafter %s: preparation timed out; remaining requests are rebuilt at "
+                        "install",
+                        drafter.kind,
+                    )
+                    return
+                rid = s.view.request_id
+                pending.prepared.pop(rid, None)
+                if layers and s.features is None:
+                    continue  # no history features to hand over: added at install
+                try:
+                    drafter.prepare_request(s.view, s.features)
+                except Exception:
+                    log.exception(
+                        "drafter %s failed to prepare %s; it is added at install", drafter.kind, rid
+                    )
+                    continue
+                pending.prepared[rid] = (s.row, len(s.view.token_ids))
+
+    def _snapshot(self, layers: tuple[int, ...]) -> list[_Snapshot] | None:
+        """The running requests, handed over by the step thread between two steps."""
+        req = _SnapshotRequest(layers)
+        with self._cv:
+            if self._stopping or self._thread is None:
+                return None
+            self._snapshot_wanted.append(req)
+            self._cv.notify_all()
+        while not req.done.wait(0.5):
+            thread = self._thread
+            if thread is None or not thread.is_alive():
+                return None
+        return req.rows
+
+    def _serve_snapshots(self, wanted: list[_SnapshotRequest]) -> None:
+        """Step thread, between two steps: copy what a prepared swap needs of each row."""
+        for req in wanted:
+            try:
+                rows = []
+                for row in self._rows:
+                    view = dataclasses.replace(
+                        row.view, token_ids=list(row.token_ids), generator=None
+                    )
+                    rows.append(_Snapshot(row, view, self._known_features(row, req.layers)))
+                req.rows = rows
+            finally:
+                req.done.set()
+
+    @staticmethod
+    def _known_features(row: Row, layers: tuple[int, ...]) -> torch.Tensor | None:
+        """[len - 1, F] features of the row's history for ``layers`` if it kept them, else None."""
+        if not layers or row.features_layers != layers or not row.features:
+            return None
+        feats = row.features[0] if len(row.features) == 1 else torch.cat(row.features, dim=0)
+        return feats if feats.shape[0] == len(row.token_ids) - 1 else None
 
     # ---- thread plumbing ---------------------------------------------------------------------
 
@@ -213,6 +404,7 @@ class TorchEngine:
                         or self._rows
                         or self._waiting
                         or self._pending_swap is not None
+                        or self._snapshot_wanted
                     ):
                         self._cv.wait(self.config.idle_poll_s)
                     if self._stopping:
@@ -220,10 +412,12 @@ class TorchEngine:
                     self._waiting.extend(self._inbox)
                     self._inbox.clear()
                     aborts, self._abort_ids = self._abort_ids, set()
+                    wanted, self._snapshot_wanted = self._snapshot_wanted, []
                 try:
                     self._apply_swap()
                     self._apply_aborts(aborts)
                     self._admit()
+                    self._serve_snapshots(wanted)
                     if self._rows:
                         self._step_or_fail()
                 except Exception:  # never let the loop die
@@ -234,6 +428,9 @@ class TorchEngine:
         with self._cv:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
+            wanted, self._snapshot_wanted = self._snapshot_wanted, []
+        for req in wanted:  # a swap being prepared installs with no prepared requests
+            req.done.set()
         for row in list(self._rows):
             self._finish(row, "abort", [], "")
         self._rows = []
@@ -523,14 +720,8 @@ class TorchEngine:
 
     def _commit(self, row: Row, emitted: list[int], feats: torch.Tensor | None) -> bool:
         """Apply one step's tokens to a row: stop tokens, stop strings, length. True if finished."""
-        reason = None
-        stop_at = next((i for i, t in enumerate(emitted) if t in row.stop_ids), None)
-        text_tokens = emitted
-        if stop_at is not None:
-            emitted, text_tokens, reason = emitted[: stop_at + 1], emitted[:stop_at], "stop"
-        pushed = row.text.push(text_tokens)
-        if pushed.stopped:
-            emitted, reason = emitted[: pushed.stop_index], "stop"
+        pushed = apply_stops(row.text, row.stop_ids, emitted)  # shared with SGLangEngine
+        emitted, reason = pushed.tokens, ("stop" if pushed.stopped else None)
         row.token_ids.extend(emitted)
         if reason is None and row.room <= 0:
             reason = "length"
@@ -601,29 +792,61 @@ class TorchEngine:
             pending, self._pending_swap = self._pending_swap, None
         if pending is None:
             return
-        new, old = pending[0], self._drafter
+        new, old = pending.drafter, self._drafter
         for row in self._rows:
             if old is not None and row.draft_ok:
                 try:
                     old.remove_request(row.request_id, None)
                 except Exception:
                     log.exception("old drafter failed to drop %s", row.request_id)
+        prepared = dict(pending.prepared)
+        running = {row.request_id: row for row in self._rows}
+        for rid, (row, _) in list(prepared.items()):
+            if running.get(rid) is not row:  # ended (or its id was reused) since the snapshot
+                del prepared[rid]
+                try:
+                    new.remove_request(rid, None)
+                except Exception:
+                    log.exception("new drafter failed to drop %s", rid)
         self._drafter = new
         self._feature_layers = self._layers_for(new)
+        wants = new is not None and bool(new.feature_layers)
+        caught_up = 0
         for row in self._rows:
-            feats = None
-            if new is not None and new.feature_layers:
-                feats = self._history_features(row)
-            else:  # nobody needs the history any more
+            if not wants:  # nobody needs the history any more
                 row.features, row.features_layers = [], ()
-            self._add_to_drafter(row, feats)
+            done = prepared.get(row.request_id, (None, 0))[1]
+            if done and self._catch_up(row, done, self._feature_layers if wants else ()):
+                caught_up += 1
+                continue
+            self._add_to_drafter(row, self._history_features(row) if wants else None)
         log.info(
-            "drafter swapped to %s %s (%d requests in flight)",
+            "drafter swapped to %s %s (%d requests in flight, %d prepared off the step thread)",
             new.kind if new else "none",
             new.version if new else "-",
             len(self._rows),
+            caught_up,
         )
         self._announce_drafter()
+
+    def _catch_up(self, row: Row, done: int, layers: tuple[int, ...]) -> bool:
+        """Feed a prepared row's tokens committed since its snapshot to the new drafter (True), or
+        give up (False: the row is then re-added with its full history)."""
+        tail = row.token_ids[done:]
+        feats = None
+        if layers:
+            history = self._known_features(row, layers)
+            if history is None:
+                return False
+            feats = history[done - 1 :]  # inputs of the steps since the snapshot: [len(tail), F]
+        try:
+            if tail:
+                self._drafter.on_verified(row.request_id, tail, feats)
+        except Exception:
+            log.exception("drafter %s failed to catch %s up", self._drafter.kind, row.request_id)
+            return False
+        row.draft_ok = True
+        return True
 
     def _history_features(self, row: Row) -> torch.Tensor:
         """Features of every token in the row's KV cache, for the current feature layers;
@@ -676,15 +899,5 @@ def _is_int(x) -> bool:
 
 
 def _eos_ids(target: Target) -> frozenset[int]:
-    ids: set[int] = set()
-    for src in (
-        getattr(target.model, "generation_config", None),
-        target.model.config,
-        target.tokenizer,
-    ):
-        value = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
+    model = target.model
+    return eos_token_ids(getattr(model, "generation_config", None), model.config, target.tokenizer)
