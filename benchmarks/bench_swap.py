@@ -10,18 +10,19 @@ MLflow registry and validated on every swap). Prints one JSON object:
     stall_p99_ms     p99 over swaps of the decode time a swap adds: from ``engine.swap_drafter``
                      being called to the end of the first step of the new drafter, the sum over
                      steps of (gap since the previous step - the median gap between ordinary
-                     consecutive steps), floored at 0 (the step in progress at the call counts with
-                     the fraction of it after the call; the bench hands the drafter over just after
+                     consecutive steps), floored at 0. The step in progress at the call counts with
+                     the fraction of it after the call (the bench hands the drafter over just after
                      a step ends, so that step did not overlap the artifact load). Work the engine
                      moves off the step thread (preparing the new drafter's per-request state on
-                     the swapping thread) competes for the same cores, so it shows up here; work
-                     left lazy shows up in the first step of the new drafter.
+                     another thread) competes for the same cores, so it shows up here; work left
+                     lazy shows up in the first step of the new drafter. Gaps exclude the target
+                     prefill of requests admitted in between (no swap causes it, and it would
+                     otherwise be the p99 of a few swaps).
     install_stall_p99_ms  the first step of the new drafter alone (gap - median gap): the install
     handover_median_ms  how long ``engine.swap_drafter`` took (the swap's latency in the engine)
     load_stall_p99_ms  the same sum from the start of ``Swapper.swap_to`` to the swap_drafter call,
-                     while the Swapper downloads and validates the artifact (and the first step
-                     that ends after it): also caused by a swap, reported apart (the artifact load
-                     is the Swapper's, not the engine's)
+                     while the Swapper downloads and validates the artifact: also caused by a swap,
+                     reported apart (the artifact load is the Swapper's, not the engine's)
     lossless         every output equals target-only greedy decoding of its prompt
 """
 
@@ -64,19 +65,34 @@ class _StepClock:
     def on_request_finish(self, *a, **k) -> None: ...
 
 
-def _stall_ms(steps: list[tuple[float, str, int]]) -> tuple[list[float], float]:
-    """Extra gap of steps that follow a swap over the median ordinary gap (ms)."""
+def _gaps_ms(steps: list[tuple[float, str, int]], prefills: list[tuple[float, float]]) -> list[float]:
+    """Per step, ms since the previous step (0 for the first) less the admission prefills (target
+    forward of a new prompt, ``prefills``: (start, end)) that ended in between: ordinary work that no
+    swap causes, and that would otherwise be the p99 of a few swaps."""
+    times = [t for t, _, _ in steps]
+    out = [0.0]
+    for t0, t1 in zip(times, times[1:]):
+        admission = sum(e - s for s, e in prefills if t0 < e <= t1)
+        out.append((t1 - t0 - admission) * 1000.0)
+    return out
+
+
+def _stall_ms(steps: list[tuple[float, str, int]], gaps: list[float]) -> tuple[list[float], float]:
+    """Extra gap of the first step of each new drafter over the median ordinary gap (ms)."""
     import numpy as np
 
-    gaps, swap_gaps = [], []
-    for (t0, v0, _), (t1, v1, _) in zip(steps, steps[1:]):
-        (swap_gaps if v1 != v0 else gaps).append((t1 - t0) * 1000.0)
-    base = float(np.median(gaps)) if gaps else 0.0
-    return [max(0.0, g - base) for g in swap_gaps], base
+    ordinary = [g for i, g in enumerate(gaps) if i and steps[i][1] == steps[i - 1][1]]
+    base = float(np.median(ordinary)) if ordinary else 0.0
+    swap = [g for i, g in enumerate(gaps) if i and steps[i][1] != steps[i - 1][1]]
+    return [max(0.0, g - base) for g in swap], base
 
 
 def _window_stalls(
-    steps: list[tuple[float, str, int]], base: float, starts: list[float], ends: list[float] | None
+    steps: list[tuple[float, str, int]],
+    gaps: list[float],
+    base: float,
+    starts: list[float],
+    ends: list[float] | None,
 ) -> list[float]:
     """Per swap (in order): the extra time (ms, floored at 0) over ``base`` per step of the steps
     within (``starts[i]``, ``ends[i]``] (None: up to and including the first step of the new
@@ -91,7 +107,7 @@ def _window_stalls(
             t0, t1 = times[i - 1], times[i]
             inside = min(t1, end) - max(t0, start)
             if inside > 0:
-                extra += inside / (t1 - t0) * ((t1 - t0) * 1000.0 - base)
+                extra += inside / (t1 - t0) * (gaps[i] - base)
         out.append(max(0.0, extra))
     return out
 
@@ -176,6 +192,17 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
         handover_ms.append((time.perf_counter() - swap_called[-1]) * 1000.0)
 
     engine.swap_drafter = timed_swap
+    prefills: list[tuple[float, float]] = []  # admissions, taken out of the step gaps
+    engine_prefill = engine._prefill
+
+    def timed_prefill(prompt_ids):
+        t0 = time.perf_counter()
+        try:
+            return engine_prefill(prompt_ids)
+        finally:
+            prefills.append((t0, time.perf_counter()))
+
+    engine._prefill = timed_prefill
     outputs: dict[int, set[tuple[int, ...]]] = {}
     failed = completed = 0
     errors: list[str] = []
@@ -220,9 +247,10 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
     t0 = time.perf_counter()
     asyncio.run(main())
     wall = time.perf_counter() - t0
-    installs, base = _stall_ms(clock.steps)
-    stalls = _window_stalls(clock.steps, base, swap_called, None)
-    loads = _window_stalls(clock.steps, base, load_started, swap_called)
+    gaps = _gaps_ms(clock.steps, prefills)
+    installs, base = _stall_ms(clock.steps, gaps)
+    stalls = _window_stalls(clock.steps, gaps, base, swap_called, None)
+    loads = _window_stalls(clock.steps, gaps, base, load_started, swap_called)
     import numpy as np
 
     def pct(xs, q):

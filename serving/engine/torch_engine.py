@@ -62,9 +62,16 @@ _PREPARE_ROUNDS = 3
 class _Snapshot:
     """A running request as the step thread saw it between two steps (for a prepared swap)."""
 
-    row: Row  # identity only: the swapping thread reads nothing else of it
+    row: Row  # identity only: the preparing thread reads nothing else of it
     view: DraftRequestView  # frozen copy, no RNG
-    features: torch.Tensor | None  # [len - 1, F] history features, when the drafter needs them
+    feature_chunks: list[torch.Tensor] | None
+    """The row's history features for the drafter's layers (chunks, never written to once made;
+    [len - 1, F] together), when it wants them and the row kept them."""
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        c = self.feature_chunks
+        return None if c is None else c[0] if len(c) == 1 else torch.cat(c, dim=0)
 
 
 @dataclasses.dataclass
@@ -302,7 +309,7 @@ class TorchEngine:
                     return
                 rid = s.view.request_id
                 pending.prepared.pop(rid, None)
-                if layers and s.features is None:
+                if layers and s.feature_chunks is None:
                     continue  # no history features to hand over: added at install
                 try:
                     drafter.prepare_request(s.view, s.features)
@@ -336,18 +343,22 @@ class TorchEngine:
                     view = dataclasses.replace(
                         row.view, token_ids=list(row.token_ids), generator=None
                     )
-                    rows.append(_Snapshot(row, view, self._known_features(row, req.layers)))
+                    chunks = None
+                    if self._has_features(row, req.layers):
+                        chunks = list(row.features)  # the preparing thread concatenates them
+                    rows.append(_Snapshot(row, view, chunks))
                 req.rows = rows
             finally:
                 req.done.set()
 
     @staticmethod
-    def _known_features(row: Row, layers: tuple[int, ...]) -> torch.Tensor | None:
-        """[len - 1, F] features of the row's history for ``layers`` if it kept them, else None."""
-        if not layers or row.features_layers != layers or not row.features:
-            return None
-        feats = row.features[0] if len(row.features) == 1 else torch.cat(row.features, dim=0)
-        return feats if feats.shape[0] == len(row.token_ids) - 1 else None
+    def _has_features(row: Row, layers: tuple[int, ...]) -> bool:
+        """The row kept features for ``layers`` for its whole history (every token in the KV)."""
+        return (
+            bool(layers)
+            and row.features_layers == layers
+            and sum(int(f.shape[0]) for f in row.features) == len(row.token_ids) - 1
+        )
 
     # ---- thread plumbing ---------------------------------------------------------------------
 
@@ -834,11 +845,16 @@ class TorchEngine:
         give up (False: the row is then re-added with its full history)."""
         tail = row.token_ids[done:]
         feats = None
-        if layers:
-            history = self._known_features(row, layers)
-            if history is None:
+        if layers and tail:
+            if not self._has_features(row, layers):
                 return False
-            feats = history[done - 1 :]  # inputs of the steps since the snapshot: [len(tail), F]
+            need, parts = len(tail), []  # the inputs of the steps since the snapshot: the last
+            for chunk in reversed(row.features):  # len(tail) feature rows
+                parts.append(chunk[max(0, int(chunk.shape[0]) - need) :])
+                need -= parts[-1].shape[0]
+                if need == 0:
+                    break
+            feats = parts[0] if len(parts) == 1 else torch.cat(parts[::-1], dim=0)  # [len(tail), F]
         try:
             if tail:
                 self._drafter.on_verified(row.request_id, tail, feats)
