@@ -29,6 +29,7 @@ MLflow registry and validated on every swap). Prints one JSON object:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import tempfile
 import threading
@@ -71,7 +72,7 @@ def _gaps_ms(steps: list[tuple[float, str, int]], prefills: list[tuple[float, fl
     swap causes, and that would otherwise be the p99 of a few swaps."""
     times = [t for t, _, _ in steps]
     out = [0.0]
-    for t0, t1 in zip(times, times[1:]):
+    for t0, t1 in itertools.pairwise(times):
         admission = sum(e - s for s, e in prefills if t0 < e <= t1)
         out.append((t1 - t0 - admission) * 1000.0)
     return out
@@ -142,6 +143,12 @@ def _register_versions(target, tmp: Path, registry, tenant: str) -> list[str]:
 
 def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
               swap_every_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="specloop-bench-swap-") as tmp:  # registry + artifacts
+        return _run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s, Path(tmp))
+
+
+def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
+               swap_every_s: float, tmp: Path) -> dict:
     import logging
 
     import torch
@@ -166,7 +173,6 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
                                          add_generation_prompt=True) for p in _TEXT_PROMPTS]
         prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
-    tmp = Path(tempfile.mkdtemp(prefix="specloop-bench-swap-"))
     registry = DrafterRegistry(f"sqlite:///{tmp}/mlflow.db")
     versions = _register_versions(target, tmp, registry, "bench")
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -207,7 +209,10 @@ class ArtifactDrafterLoader:
     ``kind="hybrid"``: a hybrid around the artifact's learned model that keeps the running suffix
     drafter (and so its index): the running hybrid's, or the running drafter itself when it is a
     suffix drafter (a suffix-only day 0 that turns hybrid at its first promotion). Otherwise the
-    artifact's own kind. ``options`` go to ``build_drafter``."""
+    artifact's own kind. ``options`` go to ``build_drafter``.
+
+    A loader's ``load(artifact_dir, current)`` must read what it needs into memory: the Swapper
+    deletes ``artifact_dir`` (its download) once ``load`` returns."""
 
     def __init__(self, target, kind: str = "hybrid", options: dict | None = None):
         self.target, self.kind, self.options = target, kind, dict(options or {})
@@ -404,12 +409,21 @@ class Swapper:
     def _load(self, version: str):
         if self.registry is None:
             raise RegistryUnavailable("no drafter registry configured")
+        # the download only lives until the loader has read it into memory (a swap would otherwise
+        # leave a copy of the artifact on disk: ~130 MB for a SmolLM2 standalone drafter)
+        tmp = tempfile.mkdtemp(prefix=f"specloop-{self.config.tenant}-v{version}-")
+        try:
+            return self._load_from(version, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _load_from(self, version: str, tmp: str):
         from mlflow.exceptions import MlflowException
 
         from feedback.artifact import DrafterArtifactError
 
         try:
-            path, _ = self.registry.download(self.config.tenant, version)
+            path, _ = self.registry.download(self.config.tenant, version, tmp)
         except MlflowException as e:
             if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(e).lower():
                 raise UnknownVersion(f"tenant {self.config.tenant!r} has no drafter version {version!r}") from e

@@ -128,5 +128,6 @@ class PreparableDrafter(Drafter, Protocol):
     snapshot, their features)`` and ``remove_request(request_id, None)`` for prepared requests that
     ended in between; requests that joined in between get a plain ``add_request``."""
 
-    def prepare_request(self, view: DraftRequestView, features: torch.Tensor | None = None) -> None:
-        ...
+    def prepare_request(
+        self, view: DraftRequestView, features: torch.Tensor | None = None
+    ) -> None: ...

@@ -245,7 +245,9 @@ class TorchEngine:
             return
         try:
             tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+            os.setpriority(
+                os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+            )
         except OSError as e:
             log.warning("could not lower the swap preparer's priority: %s", e)
 

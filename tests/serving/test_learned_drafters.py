@@ -204,6 +204,37 @@ def test_state_after_on_verified_matches_a_fresh_drafter_with_the_full_history(
 
 
 @pytest.mark.parametrize("kind", ["eagle", "standalone"])
+def test_prepared_request_caught_up_matches_a_fresh_drafter_with_the_full_history(
+    kind, target, eagle_head, small_lm
+):
+    """What a hot swap does (TorchEngine.swap_drafter): prepare_request from a snapshot of the
+    history (its draft KV computed at once, not at the next propose), then on_verified with what
+    was committed since; proposals equal those of a drafter given the whole history."""
+    drafter = make(kind, target, eagle_head, small_lm)
+    seqs = {"a": history(7, 40), "b": history(8, 6)}
+    done = {"a": 33, "b": 6}  # b: nothing committed between snapshot and install
+    for rid, seq in seqs.items():
+        snap = DraftRequestView(rid, seq[: done[rid]], 2)
+        feats = features(target, snap.token_ids)[:-1] if drafter.feature_layers else None
+        drafter.prepare_request(snap, feats)
+        state = drafter._states[rid]
+        assert state.num_pending == 0 and state.length > 0  # the history is in the draft KV now
+    eng = Engine(target, drafter)
+    for rid, seq in seqs.items():
+        eng.views[rid] = DraftRequestView(rid, seq[: done[rid]], 2)
+        if done[rid] < len(seq):
+            eng.verified(rid, seq[done[rid] :])
+    got = eng.propose(["a", "b"])
+
+    fresh = Engine(target, make(kind, target, eagle_head, small_lm))
+    for rid, seq in seqs.items():
+        fresh.add(rid, seq)
+    expect = fresh.propose(["a", "b"])
+    assert torch.equal(got.tokens, expect.tokens)
+    assert torch.allclose(got.probs, expect.probs, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "standalone"])
 def test_long_pending_rows_are_flushed_without_changing_proposals(
     kind, target, eagle_head, small_lm
 ):

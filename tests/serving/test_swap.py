@@ -283,6 +283,29 @@ def test_corrupt_and_foreign_artifacts_are_refused_and_the_old_drafter_stays(
     assert engine.drafter is before and swapper.refused == 2
 
 
+def test_downloads_are_deleted_once_loaded_or_refused(target, tmp_path, sqlite_registry):
+    """A swap keeps no copy of the artifact on disk (the drafter is in memory)."""
+    good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))
+    corrupt_dir = _artifact(target, tmp_path / "corrupt", version="c")
+    (corrupt_dir / "model.safetensors").write_bytes(b"not safetensors")
+    corrupt = _register(sqlite_registry, target, corrupt_dir)
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    downloads = []
+    download = sqlite_registry.download
+
+    def recording(tenant, version=None, dst=None):
+        path, reg = download(tenant, version, dst)
+        downloads.append(path)
+        return path, reg
+
+    sqlite_registry.download = recording
+    with pytest.raises(RefusedArtifact):
+        swapper.swap_to(corrupt)
+    swapper.swap_to(good)
+    assert engine.drafter.version == good
+    assert len(downloads) == 2 and not any(p.exists() for p in downloads)
+
+
 # ---- admin routes -------------------------------------------------------------------------------
 
 

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-import serving.engine.torch_engine as torch_engine
 from feedback.drafter_models import standalone_from_target
 from serving.drafters.standalone import StandaloneDrafter
+from serving.engine import torch_engine
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig
 from serving.engine.reference import target_greedy_reference
@@ -78,8 +78,12 @@ class StepLog(BaseObserver):
 
     def on_step(self, batch):
         self.steps.append(
-            (batch.drafter_version, list(batch.request_ids), batch.num_drafted.tolist(),
-             batch.num_accepted.tolist())
+            (
+                batch.drafter_version,
+                list(batch.request_ids),
+                batch.num_drafted.tolist(),
+                batch.num_accepted.tolist(),
+            )
         )
 
 
@@ -93,6 +97,7 @@ def test_requests_joining_and_finishing_during_preparation_stay_lossless(
     model = ids_target.model
     gate = threading.Event()
     new = GatedStandalone(standalone_from_target(model, num_layers=2), gate)
+
     class Old(drafters.Recording):
         """Proposes nothing (one token per step, predictable); once ``slow`` is set, each step
         takes 20 ms, so the requests are still running when the preparation ends."""
