@@ -70,6 +70,15 @@ async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=No
     return loop, frozen_points
 
 
+def trainer_figures(loop: OnlineLoop) -> dict:
+    """What the loop's trainer did (nothing for the suffix drafter, which has none)."""
+    if loop.trainer is None:
+        return {}
+    st = loop.trainer.stats
+    return {"trainer_rounds": st.rounds, "trainer_train_steps": st.train_steps, "trainer_promotions": st.promotions,
+            "trainer_last_gate": st.last_decision, "gate_costs": {k: round(v, 4) for k, v in loop.costs.items()}}
+
+
 async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS) -> dict:
     shift = shift_index([d for _, d in stream])
     baseline = await target_only(target, stream, cfg.max_tokens)
@@ -79,6 +88,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS) -> dict:
         loop, frozen = await adapted_and_frozen(target, stack, stream, LoopConfig(**{**cfg.__dict__, "drafter": kind}))
         by_drafter[kind] = summarise(loop.points, shift, baseline=baseline, frozen=frozen, swaps=loop.swaps,
                                      rollbacks=loop.rollbacks, freshness=loop.freshness_s())
+        by_drafter[kind].update(trainer_figures(loop))
     head = dict(by_drafter.get("hybrid") or next(iter(by_drafter.values())))
     head["target_only_tok_s"] = sum(p.tokens for p in baseline) / max(1e-9, sum(p.wall_s for p in baseline))
     return {**head, "by_drafter": by_drafter}

@@ -1,13 +1,13 @@
-"""The closed loop in one process, shared by ``specloop demo`` and ``specloop bench online``.
+"""The closed loop, shared by ``specloop demo`` and ``specloop bench online``.
 
-    TorchEngine (day-0 drafter) --traces--> Kafka --> TrainerLoop (thread) --> MLflow registry
-         ^                                                                        | Redis announce
-         +------------------------------ Swapper (validate, swap, watch, roll back) <-+
+    TorchEngine (day-0 drafter) --traces--> Kafka --> TrainerLoop (Ray actor) --> MLflow registry
+         ^                                                                          | Redis announce
+         +------------------------------ Swapper (validate, swap, watch, roll back) <---+
 
-The trainer runs as a ``TrainerLoop`` in a thread of this process, not a Ray actor: on 2 cores a
-Ray runtime (~1 GB, a second torch process) competes with serving for the same CPUs and adds
-seconds of start-up; the loop, the Kafka source and the registry are the same objects the actor
-runs (trainer/actor.py ``build_loop``).
+Serving runs in this process; the trainer runs in a local Ray actor (trainer/actor.py), a process
+of its own at lower priority, so its Python never holds serving's GIL. It builds its loop inside
+the worker (``build_trainer_loop``): its own Kafka consumer, registry client and Redis announcer,
+the same objects ``specloop train`` runs.
 
 Requests are served one after another (latency-bound decoding, where speculation pays), each one a
 ``Point`` (tokens, wall time, tokens per verify step, live drafter version).
@@ -16,13 +16,11 @@ Requests are served one after another (latency-bound decoding, where speculation
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import torch
-
 from prometheus_client import CollectorRegistry
 
 from benchmarks.runner import collect
@@ -53,6 +51,8 @@ class LoopConfig:
     """Traces per training step."""
     day0_init: str = "target-layers"
     """Day-0 learned drafter and student: the target's first layers, or "random"."""
+    trainer_nice: int = 10
+    """The trainer process runs this much nicer than serving: it trains on capacity serving leaves."""
     gate_costs: dict | None = None
     """``{"draft_cost": .., "verify_cost": ..}`` (x one target step) the gate's simulation charges;
     None: measured here at start (``measure_costs``). Tests with tiny models, whose timings mean
@@ -74,24 +74,6 @@ class Point:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
-
-
-class PollTimes:
-    """Wraps the trainer's trace source: when each request's trace reached the trainer."""
-
-    def __init__(self, source):
-        self.source = source
-        self.polled_at: dict[str, float] = {}
-
-    def poll(self, max_records=64, timeout=1.0):
-        recs = self.source.poll(max_records, timeout)
-        now = time.time()
-        for r in recs:
-            self.polled_at.setdefault(r.request_id, now)
-        return recs
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
 
 
 class FrozenDrafter:
@@ -179,8 +161,61 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
     return {"target_step_ms": step_ms, "verify_cost": verify_ms / step_ms, "draft_cost": draft_ms / step_ms}
 
 
+@dataclass
+class TrainerWiring:
+    """What the trainer's process needs to build its loop; crosses into the Ray worker pickled."""
+
+    tenant: str
+    topic: str
+    group_id: str
+    bootstrap_servers: str
+    redis_url: str
+    redis_namespace: str
+    mlflow_uri: str
+    fingerprint: object
+    export_config: object
+    k: int
+    hybrid: bool
+    costs: dict
+    min_train_traces: int
+    steps_per_round: int
+    rounds_per_gate: int
+    batch_traces: int
+
+
+def build_trainer_loop(w: TrainerWiring, student):
+    """The demo's TrainerLoop, built inside the trainer's worker: Kafka source (poll times kept for
+    freshness), MLflow registry, Redis announcer, and a gate charging the measured costs."""
+    from feedback.control import ControlPlane
+    from feedback.kafka_source import KafkaTraceSource
+    from feedback.registry import DrafterRegistry
+    from trainer.control import RedisAnnouncer
+    from trainer.distill import DistillConfig
+    from trainer.export import artifact_exporter
+    from trainer.gate import GateConfig
+    from trainer.loop import LoopConfig as TrainerLoopConfig
+    from trainer.loop import TrainerLoop
+    from trainer.sources import TimedSource
+
+    source = TimedSource(KafkaTraceSource(bootstrap_servers=w.bootstrap_servers, topic=w.topic, group_id=w.group_id,
+                                          session_timeout_ms=2000, heartbeat_interval_ms=500))
+    return TrainerLoop(
+        source, student, w.fingerprint,
+        loop=TrainerLoopConfig(tenant=w.tenant, poll_records=32, poll_timeout_s=0.5,
+                               min_train_traces=w.min_train_traces, steps_per_round=w.steps_per_round,
+                               rounds_per_gate=w.rounds_per_gate,
+                               lineage={"topic": w.topic, "group_id": w.group_id}),
+        distill=DistillConfig(lr=3e-3, batch_traces=w.batch_traces),
+        gate=GateConfig(k=w.k, hybrid=w.hybrid, draft_cost=w.costs["draft_cost"], verify_cost=w.costs["verify_cost"]),
+        registry=DrafterRegistry(w.mlflow_uri),
+        announcer=RedisAnnouncer(ControlPlane(url=w.redis_url, namespace=w.redis_namespace), "standalone",
+                                 w.fingerprint.key()),
+        exporter=artifact_exporter(w.export_config),
+    )
+
+
 class OnlineLoop:
-    """Engine + trace sink + Swapper + trainer thread against a running stack (infra.stack.StackInfo)."""
+    """Engine + trace sink + Swapper + trainer actor against a running stack (infra.stack.StackInfo)."""
 
     def __init__(self, target, stack, cfg: LoopConfig, run_dir=None, tag: str | None = None,
                  drafter=None):
@@ -191,11 +226,9 @@ class OnlineLoop:
         self.tenant = f"demo-{self.tag}"
         self.topic = f"specloop.traces.{self.tag}"
         self.metrics = CollectorRegistry()
-        self.engine = self.sink = self.swapper = self.trainer = self.polls = None
+        self.engine = self.sink = self.swapper = self.trainer = None
         self.costs: dict = {}
         """Measured draft and verify costs the gate charges (``measure_costs``)."""
-        self._trainer_thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self.points: list[Point] = []
         self.events: list[dict] = []
         """Swaps and rollbacks with the request index they happened at."""
@@ -218,17 +251,14 @@ class OnlineLoop:
             self._start_trainer()
 
     async def stop(self) -> None:
-        self._stop.set()
-        if self._trainer_thread is not None:
-            self._trainer_thread.join(timeout=120)
+        if self.trainer is not None:
+            self.trainer.stop()  # keeps its last stats and poll times for the figures
         if self.swapper is not None:
             self.swapper.stop()
         if self.engine is not None:
             await self.engine.stop()
         if self.sink is not None:
             self.sink.close()
-        if self.polls is not None:
-            self.polls.close()
 
     def _build_engine(self):
         from serving.engine.config import EngineConfig
@@ -273,45 +303,25 @@ class OnlineLoop:
     def _start_trainer(self) -> None:
         if self.cfg.drafter == "suffix":
             return  # nothing to train: the suffix index learns in the engine
-        from feedback.drafter_models import StandaloneConfig
-        from feedback.kafka_source import KafkaTraceSource
-        from feedback.registry import DrafterRegistry
-        from trainer.control import RedisAnnouncer
-        from trainer.distill import DistillConfig
-        from trainer.export import artifact_exporter
-        from trainer.gate import GateConfig
-        from trainer.loop import LoopConfig as TrainerLoopConfig
-        from trainer.loop import TrainerLoop
+        import functools
 
-        fp = self.target.fingerprint
-        self.polls = PollTimes(KafkaTraceSource(
-            bootstrap_servers=self.stack.bootstrap_servers, topic=self.topic,
-            group_id=f"trainer-{self.tag}", session_timeout_ms=2000, heartbeat_interval_ms=500))
+        from feedback.drafter_models import StandaloneConfig
+        from trainer.actor import RemoteTrainer
+
         c = self.cfg
         student = make_student(self.target, c.draft_vocab_size, c.day0_init)
         self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(self.target, student, c.k)
         log.info("gate costs (x one target step): %s", self.costs)
-        self.trainer = TrainerLoop(
-            self.polls, student, fp,
-            loop=TrainerLoopConfig(tenant=self.tenant, poll_records=32, poll_timeout_s=0.5,
-                                   min_train_traces=c.min_train_traces, steps_per_round=c.steps_per_round,
-                                   rounds_per_gate=c.rounds_per_gate,
-                                   lineage={"topic": self.topic, "group_id": f"trainer-{self.tag}"}),
-            distill=DistillConfig(lr=3e-3, batch_traces=c.batch_traces),
-            gate=GateConfig(k=c.k, hybrid=c.drafter == "hybrid", draft_cost=self.costs["draft_cost"],
-                            verify_cost=self.costs["verify_cost"]),
-            registry=DrafterRegistry(self.stack.mlflow_uri),
-            announcer=RedisAnnouncer(self._control(), "standalone", fp.key()),
-            exporter=artifact_exporter(StandaloneConfig.for_target(self.target.model.config)),
-        )
-        self._trainer_thread = threading.Thread(target=self._train, name="demo-trainer", daemon=True)
-        self._trainer_thread.start()
-
-    def _train(self) -> None:
-        try:
-            self.trainer.run(stop=self._stop.is_set)
-        except Exception:
-            log.exception("trainer thread failed")
+        wiring = TrainerWiring(
+            tenant=self.tenant, topic=self.topic, group_id=f"trainer-{self.tag}",
+            bootstrap_servers=self.stack.bootstrap_servers, redis_url=self.stack.redis_url,
+            redis_namespace=f"specloop-{self.tag}", mlflow_uri=self.stack.mlflow_uri,
+            fingerprint=self.target.fingerprint, export_config=StandaloneConfig.for_target(self.target.model.config),
+            k=c.k, hybrid=c.drafter == "hybrid", costs=self.costs, min_train_traces=c.min_train_traces,
+            steps_per_round=c.steps_per_round, rounds_per_gate=c.rounds_per_gate, batch_traces=c.batch_traces)
+        # The student travels to the worker pickled (tens of MB with frozen target embeddings).
+        factory = functools.partial(build_trainer_loop, wiring, student)
+        self.trainer = RemoteTrainer(factory, threads=torch.get_num_threads(), nice=c.trainer_nice).start()
 
     # ---- serving --------------------------------------------------------------------------
 
@@ -364,12 +374,13 @@ class OnlineLoop:
     def freshness_s(self) -> list[float]:
         """Per trace: seconds from its request finishing to the first swap after the trainer
         polled it (a drafter trained on it is live). Traces never followed by a swap are left out."""
-        if self.polls is None:
+        if self.trainer is None:
             return []
+        polled_at = self.trainer.polled_at()
         swaps = sorted(e["at"] for e in self.events if e.get("kind") == "swap")
         out = []
         for rid, point in zip(self._request_ids, [p for p in self.points if not p.failed]):
-            polled = self.polls.polled_at.get(rid)
+            polled = polled_at.get(rid)
             later = [s for s in swaps if polled is not None and s >= polled]
             if later:
                 out.append(later[0] - point.done_at)

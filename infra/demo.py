@@ -101,7 +101,7 @@ def summary_table(summary: dict):
 
 
 async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: int, console) -> dict:
-    from benchmarks.bench_online import target_only
+    from benchmarks.bench_online import target_only, trainer_figures
     from benchmarks.online_loop import OnlineLoop
     from benchmarks.online_metrics import shift_index, summarise, tok_s
 
@@ -126,10 +126,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
         "speedup_before_shift": tok_s(before) / base_tok_s if base_tok_s else None,
         "speedup_after_shift": tok_s(after) / base_tok_s if base_tok_s and after else None,
         "final_drafter_version": str(getattr(loop.engine.drafter, "version", "-")),
-        "trainer_promotions": loop.trainer.stats.promotions if loop.trainer else 0,
-        "trainer_train_steps": loop.trainer.stats.train_steps if loop.trainer else 0,
-        "trainer_last_gate": loop.trainer.stats.last_decision if loop.trainer else "-",
-        "gate_costs": {k: round(v, 3) for k, v in loop.costs.items()},
+        **trainer_figures(loop),
     })
     summary["plot"] = str(plot(loop.points, loop.events, shift, run_dir / "demo.png", base_tok_s))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

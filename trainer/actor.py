@@ -6,9 +6,17 @@ training runs beside serving on a cluster or, by default, on a local ``ray.init(
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import os
+import threading
+import time
 
 from trainer.config import TrainerSettings
+from trainer.loop import LoopStats
+
+log = logging.getLogger(__name__)
 
 
 def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **kw):
@@ -53,25 +61,29 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
 
 
 class TrainerActor:
-    """Ray actor body: ``ray.remote(TrainerActor).remote(settings, student_factory, fingerprint)``.
+    """Ray actor body: owns a TrainerLoop that ``loop_factory()`` builds inside the worker (so
+    models, Kafka consumers and Redis connections are created where they are used, not pickled).
 
-    ``student_factory()`` builds the student inside the worker.
-    """
+    Spawned with ``max_concurrency=2`` (``spawn_actor``): ``stats()`` and ``stop()`` are answered
+    while ``run()`` trains. ``nice`` lowers the priority of the worker's training thread, so the
+    trainer takes only capacity serving leaves spare."""
 
-    def __init__(self, settings: TrainerSettings, student_factory, fingerprint, source_factory=None, **kw):
+    def __init__(self, loop_factory, threads: int = 1, nice: int = 0):
         import torch
 
-        torch.set_num_threads(1)
-        source = source_factory() if source_factory is not None else None
-        self.loop = build_loop(settings, student_factory(), fingerprint, source, **kw)
-        self._stop = False
+        torch.set_num_threads(threads)
+        self.nice = nice
+        _lower_priority(nice)
+        self.loop = loop_factory()
+        self._stop = threading.Event()
 
     def run(self, max_rounds: int | None = None) -> dict:
-        self.loop.run(max_rounds, stop=lambda: self._stop)
+        _lower_priority(self.nice)  # run() executes on one of the actor's own threads
+        self.loop.run(max_rounds, stop=self._stop.is_set)
         return self.stats()
 
     def stop(self) -> None:
-        self._stop = True
+        self._stop.set()
 
     def stats(self) -> dict:
         s = self.loop.stats
@@ -79,6 +91,94 @@ class TrainerActor:
                 "records_polled": s.records_polled, "promotions": s.promotions,
                 "last_decision": s.last_decision, "champion_version": self.loop.champion_version,
                 "trace_tokens_seen": self.loop.replay.tokens_seen}
+
+    def polled_at(self) -> dict[str, float]:
+        """Request id -> wall time its trace reached the trainer (a ``TimedSource``; else empty)."""
+        return dict(getattr(self.loop.source, "polled_at", {}))
+
+
+def _lower_priority(nice: int) -> None:
+    if nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()  # Linux: a thread's own niceness
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:
+        log.warning("could not lower the trainer's priority: %s", e)
+
+
+def spawn_actor(loop_factory, threads: int = 1, nice: int = 0, num_cpus: float = 1):
+    """A TrainerActor on the current Ray (``init_ray`` first); returns its handle."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_concurrency=2)(TrainerActor).remote(loop_factory, threads, nice)
+
+
+class RemoteTrainer:
+    """The driver's handle on a trainer running in a Ray actor: ``start()``, ``stats`` (the loop's
+    counters, re-read at most every ``refresh_s``), ``polled_at()``, ``stop()``."""
+
+    def __init__(self, loop_factory, threads: int = 1, nice: int = 0, refresh_s: float = 0.5):
+        self.loop_factory, self.threads, self.nice, self.refresh_s = loop_factory, threads, nice, refresh_s
+        self.actor = self._run = None
+        self._stats, self._read_at = LoopStats(), -float("inf")
+        self._polled: dict[str, float] = {}
+        self._owns_ray = False
+
+    def start(self) -> RemoteTrainer:
+        import ray
+
+        self._owns_ray = not ray.is_initialized()  # then stop() shuts down the Ray it started
+        init_ray()
+        self.actor = spawn_actor(self.loop_factory, self.threads, self.nice)
+        self._run = self.actor.run.remote()
+        return self
+
+    @property
+    def stats(self) -> LoopStats:
+        now = time.monotonic()
+        if self.actor is not None and now - self._read_at >= self.refresh_s:
+            import ray
+
+            try:
+                self._stats = _loop_stats(ray.get(self.actor.stats.remote(), timeout=30))
+            except (ray.exceptions.RayError, TimeoutError) as e:  # worker died: keep the last figures
+                log.warning("trainer actor unreachable: %s", e)
+            self._read_at = now
+        return self._stats
+
+    def polled_at(self) -> dict[str, float]:
+        if self.actor is not None:
+            import ray
+
+            try:
+                self._polled = ray.get(self.actor.polled_at.remote(), timeout=30)
+            except (ray.exceptions.RayError, TimeoutError) as e:
+                log.warning("trainer actor unreachable: %s", e)
+        return self._polled
+
+    def stop(self, timeout_s: float = 120.0) -> LoopStats:
+        """Ask the loop to stop after its current round, wait for it, then end the actor."""
+        if self.actor is None:
+            return self._stats
+        import ray
+
+        self.polled_at()
+        self.actor.stop.remote()
+        try:
+            self._stats = _loop_stats(ray.get(self._run, timeout=timeout_s))
+        except (ray.exceptions.RayError, TimeoutError) as e:  # a crashed loop, or one stuck past the timeout
+            log.warning("trainer did not stop cleanly: %s", e)
+        ray.kill(self.actor)
+        self.actor = self._run = None
+        if self._owns_ray:
+            ray.shutdown()
+        return self._stats
+
+
+def _loop_stats(d: dict) -> LoopStats:
+    names = {f.name for f in dataclasses.fields(LoopStats)}
+    return LoopStats(**{k: v for k, v in d.items() if k in names})
 
 
 def init_ray(address: str | None = None, num_cpus: int = 2):
@@ -95,5 +195,11 @@ def init_ray(address: str | None = None, num_cpus: int = 2):
 
 def start_actor(settings: TrainerSettings, student_factory, fingerprint, source_factory=None, **kw):
     """Start the actor (local Ray unless ``settings.ray_address``); returns its handle."""
-    ray = init_ray(settings.ray_address, settings.num_cpus)
-    return ray.remote(num_cpus=1)(TrainerActor).remote(settings, student_factory, fingerprint, source_factory, **kw)
+    init_ray(settings.ray_address, settings.num_cpus)
+    factory = functools.partial(_loop_from_settings, settings, student_factory, fingerprint, source_factory, kw)
+    return spawn_actor(factory)
+
+
+def _loop_from_settings(settings, student_factory, fingerprint, source_factory, kw):
+    source = source_factory() if source_factory is not None else None
+    return build_loop(settings, student_factory(), fingerprint, source, **kw)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import time
 
 from feedback.trace import TraceRecord
 
@@ -41,3 +42,22 @@ class ListTraceSource:
 
     def close(self) -> None:
         pass
+
+
+class TimedSource:
+    """Wraps a source and remembers when each request's trace first reached the trainer (the start
+    of its freshness: trace polled -> a drafter trained on it is live)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.polled_at: dict[str, float] = {}
+
+    def poll(self, max_records: int = 64, timeout: float = 1.0) -> list[TraceRecord]:
+        recs = self.source.poll(max_records, timeout)
+        now = time.time()
+        for r in recs:
+            self.polled_at.setdefault(r.request_id, now)
+        return recs
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
