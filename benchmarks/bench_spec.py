@@ -10,6 +10,10 @@ evaluation prompts and ``warm`` other prompts of the same domain, then measures 
 
 Requests run one at a time (latency-bound decoding). ``lossless`` is true when every speculative
 output equals the target-only output token for token.
+
+``policy``: ``fixed`` drafts k tokens every step; ``adaptive`` lets GoodputPolicy choose k in 0..k
+per step; ``both`` runs the two on the same prompts in one process and adds ``adaptive_vs_fixed``
+(tokens/s ratio per phase).
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ import time
 
 import torch
 
-from benchmarks.prompts import PromptItem, default_prompts, interleave_categories, load_jsonl, split_by_domain
+from benchmarks.prompts import (
+    PromptItem,
+    default_prompts,
+    interleave_categories,
+    load_jsonl,
+    split_by_domain,
+)
 from benchmarks.runner import RunResult, StepTimer, run_prompts
 
 log = logging.getLogger(__name__)
@@ -70,15 +80,24 @@ async def bench_spec_async(
     model: str | None = None,
     threads: int | None = None,
     dtype: str = "bfloat16",
+    policy: str = "fixed",
+    target=None,
 ) -> dict:
+    """``target``: an already loaded Target (tests); else ``model`` is loaded at ``dtype``."""
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
+    from serving.engine.goodput_policy import GoodputPolicy
     from serving.engine.torch_engine import TorchEngine
     from serving.target import load_target
 
+    if policy not in ("fixed", "adaptive", "both"):
+        raise ValueError(f"policy must be fixed, adaptive or both, got {policy!r}")
+    policies = ("fixed", "adaptive") if policy == "both" else (policy,)
+
     if threads:
         torch.set_num_threads(threads)
-    target = load_target(model, dtype=getattr(torch, dtype))
+    if target is None:
+        target = load_target(model, dtype=getattr(torch, dtype))
     tok = target.tokenizer
     selection = select_prompts(items, limit, warm)
 
@@ -95,24 +114,29 @@ async def bench_spec_async(
         base_steps[domain] = base_timer.summary()
     await baseline.stop()
 
-    phases = {}
-    for phase in ("day0", "warmed") if warm > 0 else ("day0",):
-        timer = StepTimer()
-        results = {}
-        for domain, (evals, warmups) in selection.items():
-            # A fresh drafter per domain and phase: day 0 knows nothing, warmed knows only the
-            # warm-up prompts of its own domain.
-            drafter = build_drafter(drafter_kind, target, artifact_dir)
-            engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1), observers=[timer])
-            if phase == "warmed":
-                log.info("%s: warming on %d %s prompts", drafter_kind, len(warmups), domain)
-                await run_prompts(engine, ids(warmups), max_tokens, domains=[domain] * len(warmups))
-            log.info("%s %s: %s, %d prompts", drafter_kind, phase, domain, len(evals))
-            spec = await _measure(engine, timer, ids(evals), [domain] * len(evals), max_tokens)
-            results[domain] = _figures(spec, base[domain], timer)
-            results[domain]["_run"] = spec
-            await engine.stop()
-        phases[phase] = results
+    runs: dict[str, dict] = {}
+    for pol in policies:
+        phases = {}
+        for phase in ("day0", "warmed") if warm > 0 else ("day0",):
+            timer = StepTimer()
+            results = {}
+            for domain, (evals, warmups) in selection.items():
+                # A fresh drafter per domain and phase: day 0 knows nothing, warmed knows only the
+                # warm-up prompts of its own domain.
+                drafter = build_drafter(drafter_kind, target, artifact_dir)
+                choose = GoodputPolicy(k) if pol == "adaptive" else None
+                engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1), observers=[timer],
+                                     policy=choose)
+                if phase == "warmed":
+                    log.info("%s: warming on %d %s prompts", drafter_kind, len(warmups), domain)
+                    await run_prompts(engine, ids(warmups), max_tokens, domains=[domain] * len(warmups))
+                log.info("%s %s (%s k): %s, %d prompts", drafter_kind, phase, pol, domain, len(evals))
+                spec = await _measure(engine, timer, ids(evals), [domain] * len(evals), max_tokens)
+                results[domain] = _figures(spec, base[domain], timer)
+                results[domain]["_run"] = spec
+                await engine.stop()
+            phases[phase] = results
+        runs[pol] = phases
 
     def overall(results: dict) -> dict:
         runs = {d: r.pop("_run") for d, r in results.items()}
@@ -134,15 +158,17 @@ async def bench_spec_async(
             "by_domain": results,
         }
 
-    summaries = {phase: overall(res) for phase, res in phases.items()}
+    by_policy = {pol: {phase: overall(res) for phase, res in phases.items()} for pol, phases in runs.items()}
+    summaries = by_policy[policies[0]]
     head = summaries["warmed" if "warmed" in summaries else "day0"]
     base_tokens = sum(b.tokens for b in base.values())
     base_wall = sum(b.wall_s for b in base.values())
     all_base_steps = [s for s in base_steps.values()]
-    timers = [v for res in phases.values() for v in res.values()]
-    return {
+    timers = [v for res in runs[policies[0]].values() for v in res.values()]
+    out = {
         "drafter": drafter_kind,
         "k": k,
+        "policy": policies[0],
         "max_tokens": max_tokens,
         "prompts_per_domain": limit,
         "warm_prompts_per_domain": warm,
@@ -154,7 +180,7 @@ async def bench_spec_async(
         "speedup": head["speedup"],
         "mean_accept_len": head["mean_accept_len"],
         "acceptance_rate": head["acceptance_rate"],
-        "lossless": all(s["lossless"] for s in summaries.values()),
+        "lossless": all(s["lossless"] for by_phase in by_policy.values() for s in by_phase.values()),
         "draft_ms_per_token": _mean([d["draft_ms_per_token"] for d in timers]),
         "verify_ms": _mean([d["verify_ms"] for d in timers]),
         "phase": "warmed" if "warmed" in summaries else "day0",
@@ -162,6 +188,13 @@ async def bench_spec_async(
         "warmed": summaries.get("warmed"),
         "baseline_by_domain": {d: {"tok_s": round(b.tok_s, 3), "tokens": b.tokens} for d, b in base.items()},
     }
+    if len(policies) == 2:
+        fixed, adaptive = by_policy["fixed"], by_policy["adaptive"]
+        out["adaptive"] = adaptive
+        out["adaptive_vs_fixed"] = {
+            phase: round(adaptive[phase]["spec_tok_s"] / fixed[phase]["spec_tok_s"], 4)
+            if fixed[phase]["spec_tok_s"] else None for phase in fixed}
+    return out
 
 
 def _mean(xs: list[float]) -> float:
@@ -169,7 +202,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, warm: int,
-        artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None) -> dict:
+        artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None,
+        policy: str = "fixed") -> dict:
     items = load_jsonl(prompts) if prompts else default_prompts()
     if domains:
         items = [p for p in items if (p.domain or "default") in domains]
@@ -178,7 +212,7 @@ def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, 
     t0 = time.perf_counter()
     out = asyncio.run(bench_spec_async(
         items, drafter_kind=drafter, artifact_dir=artifact, limit=limit, warm=warm,
-        max_tokens=max_tokens, k=k, threads=threads, dtype=dtype,
+        max_tokens=max_tokens, k=k, threads=threads, dtype=dtype, policy=policy,
     ))
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out

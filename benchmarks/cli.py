@@ -26,13 +26,15 @@ def spec(
     threads: int = typer.Option(2, min=1, help="torch threads."),
     dtype: str = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
     domain: list[str] = typer.Option(None, help="Only these domains (repeatable)."),
+    policy: str = typer.Option("fixed", help="fixed (k every step) | adaptive (GoodputPolicy picks 0..k) | "
+                               "both (same prompts, adds adaptive_vs_fixed)."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
     _setup_logging(verbose)
     from benchmarks.bench_spec import run
 
-    out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain)
+    out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy)
     print(json.dumps(out, indent=None if json_out else 2))
 
 

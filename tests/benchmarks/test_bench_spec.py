@@ -1,0 +1,33 @@
+"""bench spec on a tiny target: both k policies run on the same prompts, stay lossless, and the
+report carries their ratio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from benchmarks.bench_spec import bench_spec_async
+from benchmarks.prompts import PromptItem
+
+
+def test_fixed_and_adaptive_k_on_the_same_prompts():
+    from serving.target import tiny_target
+
+    target = tiny_target()  # the real tokenizer, random weights
+    items = [PromptItem(id=f"{d}{i}", prompt=f"{d} prompt number {i}: say something", domain=d)
+             for d in ("chat", "code") for i in range(3)]
+    out = asyncio.run(bench_spec_async(items, drafter_kind="suffix", limit=2, warm=1, max_tokens=12, k=3,
+                                       policy="both", target=target))
+    assert out["lossless"] is True  # both policies, both phases: token-identical to target-only
+    assert out["policy"] == "fixed"
+    assert set(out["adaptive_vs_fixed"]) == {"day0", "warmed"}
+    for phase in ("day0", "warmed"):
+        fixed, adaptive = out[phase], out["adaptive"][phase]
+        assert set(fixed["by_domain"]) == set(adaptive["by_domain"]) == {"chat", "code"}
+        assert out["adaptive_vs_fixed"][phase] == pytest.approx(adaptive["spec_tok_s"] / fixed["spec_tok_s"], rel=1e-3)
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        asyncio.run(bench_spec_async([], policy="sometimes"))
