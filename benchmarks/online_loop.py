@@ -359,7 +359,7 @@ class OnlineLoop:
         if self.swapper is None:
             return
         for e in self.swapper.events[len(self.events):]:
-            self.events.append({**e, "request_index": len(self.points) - 1, "at": time.time()})
+            self.events.append({**e, "request_index": len(self.points) - 1})  # "at": when it happened
 
     # ---- figures --------------------------------------------------------------------------
 
@@ -377,7 +377,7 @@ class OnlineLoop:
         if self.trainer is None:
             return []
         polled_at = self.trainer.polled_at()
-        swaps = sorted(e["at"] for e in self.events if e.get("kind") == "swap")
+        swaps = sorted(e["at"] for e in self.events if e.get("event") == "swap")
         out = []
         for rid, point in zip(self._request_ids, [p for p in self.points if not p.failed]):
             polled = polled_at.get(rid)

@@ -20,6 +20,21 @@ import typer
 log = logging.getLogger(__name__)
 
 
+MARKER_COLOURS = {"swap": "tab:blue", "rollback": "tab:red"}
+
+
+def markers(events: list[dict]) -> list[tuple[float, str, str]]:
+    """(x, colour, label) of each swap and rollback among the Swapper's events (``event`` names
+    the kind; kept/refused decisions change nothing live and are not drawn)."""
+    out = []
+    for e in events:
+        kind = e.get("event")
+        if kind in MARKER_COLOURS:
+            version = e.get("version") or e.get("to_version") or ""
+            out.append((e["request_index"] + 0.5, MARKER_COLOURS[kind], f"{kind} {version}".strip()))
+    return out
+
+
 def plot(points, events, shift: int, path: Path, baseline_tok_s: float | None = None) -> Path:
     """Acceptance (tokens per verify step) and tokens/s per request, swaps/rollbacks and the shift."""
     import matplotlib
@@ -35,10 +50,8 @@ def plot(points, events, shift: int, path: Path, baseline_tok_s: float | None = 
         ax2.axhline(baseline_tok_s, color="grey", ls=":", label="target only")
     for ax in (ax1, ax2):
         ax.axvline(shift - 0.5, color="black", ls="--", label="domain shift")
-        for e in events:
-            color = "tab:blue" if e.get("kind") == "swap" else "tab:red"
-            ax.axvline(e["request_index"] + 0.5, color=color, alpha=0.6,
-                       label=f"{e.get('kind')} {e.get('version', '')}")
+        for x, color, label in markers(events):
+            ax.axvline(x, color=color, alpha=0.6, label=label)
         handles, labels = ax.get_legend_handles_labels()
         uniq = dict(zip(labels, handles))
         ax.legend(uniq.values(), uniq.keys(), fontsize=7, loc="upper left")

@@ -66,7 +66,7 @@ async def _loop_run(target, stack, stream):
 
 
 def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, mlflow_server, tmp_path):
-    from infra.demo import plot, summary_table
+    from infra.demo import MARKER_COLOURS, markers, plot, summary_table
     from serving.target import tiny_target
 
     torch.set_num_threads(1)
@@ -84,10 +84,14 @@ def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, m
     # Lossless across the loop (greedy): the same prompts give the same outputs.
     assert [p.output for p in second] == [p.output for p in first]
 
+    fresh = loop.freshness_s()  # request done -> a drafter trained on its trace is live
+    assert fresh and all(0 < f < 300 for f in fresh)
     shift = shift_index([d for _, d in stream])
-    summary = summarise(first, shift, swaps=loop.swaps, rollbacks=loop.rollbacks,
-                        freshness=loop.freshness_s())
+    summary = summarise(first, shift, swaps=loop.swaps, rollbacks=loop.rollbacks, freshness=fresh)
     assert summary["shift_at"] == 8 and summary["failed_requests"] == 0
+    drawn = markers(loop.events)  # the plot marks every swap and rollback, and nothing else
+    assert len(drawn) == loop.swaps + loop.rollbacks
+    assert sum(colour == MARKER_COLOURS["swap"] for _, colour, _ in drawn) == loop.swaps
     png = plot(loop.points, loop.events, shift, tmp_path / "demo.png")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     assert summary_table(summary).row_count == len(summary)

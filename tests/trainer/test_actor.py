@@ -35,3 +35,32 @@ def test_ray_actor_trains_and_promotes(tmp_path, monkeypatch):
         assert (tmp_path / "ckpt" / "latest" / "meta.json").exists()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.integration
+def test_remote_trainer_reports_while_running_and_stops_an_endless_run(tmp_path, monkeypatch):
+    """stats() and stop() are answered while run() trains (the actor has two threads), so an
+    operator's Ctrl-C or the demo's shutdown ends a loop started with no round limit."""
+    pytest.importorskip("ray")
+    import functools
+    import time
+
+    from trainer.actor import RemoteTrainer, _loop_from_settings
+    from trainer_tracegen import FP
+
+    monkeypatch.setenv("PYTHONPATH", __file__.rsplit("/", 1)[0])
+    s = TrainerSettings(source="inprocess", tracking_uri=f"sqlite:///{tmp_path}/m.db", checkpoint_dir=str(tmp_path / "c"),
+                        min_train_traces=8, steps_per_round=5, rounds_per_gate=1, poll_records=4, k=3,
+                        hybrid=False)
+    factory = functools.partial(_loop_from_settings, s, _student, FP, _source, {"registry": None})
+    trainer = RemoteTrainer(factory, refresh_s=0.0).start()
+    try:
+        deadline = time.monotonic() + 120
+        while trainer.stats.train_steps == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert trainer.stats.train_steps > 0  # read from the actor while run() is still going
+        seen = trainer.stats.train_steps
+    finally:
+        final = trainer.stop(timeout_s=60)
+    assert trainer.actor is None
+    assert final.rounds >= 1 and final.train_steps >= seen  # the run's own last figures
