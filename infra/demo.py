@@ -90,8 +90,7 @@ class Progress:
             ("speedup vs target-only", f"{tok_s / self.baseline:.2f}x" if self.baseline else "-"),
             ("drafter version", str(getattr(self.loop.engine.drafter, "version", "-"))),
             ("swaps / rollbacks", f"{self.loop.swaps} / {self.loop.rollbacks}"),
-            ("trainer", f"rounds {trainer.stats.rounds}, steps {trainer.stats.train_steps}, "
-                        f"promotions {trainer.stats.promotions}" if trainer else "-"),
+            ("trainer", _trainer_row(trainer.stats) if trainer else "-"),
             ("last gate", (trainer.stats.last_decision or "-") if trainer else "-"),
         ]
         for k, v in rows:
@@ -100,6 +99,13 @@ class Progress:
 
     def update(self, _point=None) -> None:
         self.live.update(self.render())
+
+
+def _trainer_row(st) -> str:
+    row = f"rounds {st.rounds}, steps {st.train_steps}, promotions {st.promotions}"
+    if st.curve:
+        row += f", held-out acceptance {st.curve[-1]['expected_acceptance']:.3f}"
+    return row
 
 
 def summary_table(summary: dict):

@@ -90,7 +90,8 @@ class TrainerActor:
         return {"rounds": s.rounds, "paused_rounds": s.paused_rounds, "train_steps": s.train_steps,
                 "records_polled": s.records_polled, "promotions": s.promotions,
                 "last_decision": s.last_decision, "champion_version": self.loop.champion_version,
-                "trace_tokens_seen": self.loop.replay.tokens_seen}
+                "trace_tokens_seen": self.loop.replay.tokens_seen,
+                "curve": s.curve[-1:]}  # the latest held-out evaluation (the whole curve is in MLflow)
 
     def polled_at(self) -> dict[str, float]:
         """Request id -> wall time its trace reached the trainer (a ``TimedSource``; else empty)."""

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.bench_online import trainer_figures
 from benchmarks.online_loop import LoopConfig, OnlineLoop
 from benchmarks.online_metrics import mean_accept, shift_index, summarise
 
@@ -80,6 +81,9 @@ def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, m
     assert loop.trainer.stats.records_polled >= len(stream)  # every trace went through Kafka
     assert loop.trainer.stats.promotions >= 1 and loop.swaps >= 1  # the loop closed: trained -> live
     assert loop.engine.drafter.version != "day0"
+    figures = trainer_figures(loop)  # read back from the trainer's Ray actor
+    assert figures["trainer_promotions"] == loop.trainer.stats.promotions
+    assert 0.0 < figures["trainer_heldout_expected_acceptance"] <= 1.0
     assert mean_accept(second) > mean_accept(first)
     # Lossless across the loop (greedy): the same prompts give the same outputs.
     assert [p.output for p in second] == [p.output for p in first]
