@@ -6,9 +6,10 @@ Two measures, both must beat the champion by a margin:
 - simulated speedup at the serving k: replay the held-out outputs step by step with the draft's
   greedy chain (optionally inside the hybrid policy, as serving/drafters/hybrid.py chooses: the
   suffix proposal when its confidence-weighted goodput is at least the learned drafter's at its
-  measured per-token acceptance, else the learned draft when it beats plain decoding), count
-  tokens per target forward, and charge each step with the verify cost plus the learned
-  drafter's per-token cost (relative to one target step).
+  measured per-token acceptance, else the learned draft, cut to its goodput-best length, when it
+  beats plain decoding), count tokens per target forward, and charge each step with serving's
+  cost model in target-step units (verify cost growing linearly with the drafted length up to the
+  measured k+1-token verify, plus the learned drafter's per-token cost).
 The suffix proposals and their confidences are serving's own (feedback/suffix_draft.py, the core
 of serving's SuffixDrafter): per-tenant indexes fed with the training traces as serving feeds
 them, prompt lookup in each held-out request, the same match, confidences and cut-off.
@@ -27,6 +28,7 @@ import torch
 
 from feedback.suffix_draft import SuffixConfig, SuffixProposer
 from feedback.trace import TraceRecord
+from serving.adaptive_k import CostModel, best_k, expected_tokens
 
 
 @dataclass
@@ -117,10 +119,16 @@ def learned_acceptance(accept_at: list[np.ndarray], k: int) -> float:
     return successes / (successes + failures) if successes + failures else 0.0
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens one verify step of k drafts emits at per-token acceptance ``acceptance``."""
-    a = min(max(acceptance, 0.0), 0.999999)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+def relative_costs(cfg: GateConfig):
+    """Serving's CostModel in target-step units: verifying n drafts costs 1 + n (verify_cost - 1) / k
+    (linear between the measured one-token step and k+1-token verify), a draft token draft_cost."""
+    return CostModel(target_step_ms=1.0, draft_ms_per_token=cfg.draft_cost,
+                     verify_slope=(cfg.verify_cost - 1.0) / cfg.k if cfg.k else 0.0)
+
+
+def learned_length(acceptance: float, cfg: GateConfig) -> int:
+    """The learned draft length serving's hybrid drafts at this acceptance (its ``learned_length``)."""
+    return best_k(acceptance, cfg.k, relative_costs(cfg))
 
 
 def simulate(
@@ -131,6 +139,7 @@ def simulate(
     suffix: SuffixProposer | None,
     tenant: str = "default",
     acceptance: float | None = None,
+    length: int | None = None,
 ) -> tuple[int, int, float]:
     """Replay one output: returns (tokens, target forwards, cost in target-step units).
 
@@ -141,34 +150,36 @@ def simulate(
     in these cost units): the suffix draft when its expected tokens per cost, from its own
     confidences, are at least the learned drafter's at per-token ``acceptance`` (default: its rate
     on this output); else the learned draft when that beats plain decoding; else the suffix draft.
-    Without ``suffix`` the learned draft runs at every step.
+    Without ``suffix`` the learned draft runs at every step. The learned draft is ``length``
+    tokens long (default: the goodput-best length at ``acceptance``, as serving's hybrid drafts).
     """
     n = len(output)
     p = steps = 0
     cost = 0.0
+    costs = relative_costs(cfg)
     req = suffix.start(tenant, prompt, len(prompt)) if suffix is not None else None
     g_learned = 0.0
     if accept_at is not None:
         if acceptance is None:
             acceptance = learned_acceptance([accept_at], cfg.k)
-        g_learned = expected_tokens(acceptance, cfg.k) / (cfg.verify_cost + cfg.draft_cost * cfg.k)
+        if length is None:
+            length = learned_length(acceptance, cfg)
+        g_learned = expected_tokens(acceptance, length) / (costs.verify_ms(length) + cfg.draft_cost * length)
     while p < n:
         remaining = n - p - 1  # the bonus token is always emitted
         use = "learned" if accept_at is not None else "none"
         if req is not None:
             draft = suffix.draft(req, cfg.k)
-            g_suffix = (1.0 + draft.expected_accepted) / cfg.verify_cost if draft.tokens else 1.0
+            g_suffix = (1.0 + draft.expected_accepted) / costs.verify_ms(len(draft.tokens)) if draft.tokens else 1.0
             use_suffix = bool(draft.tokens) and g_suffix > 1.0  # beats plain decoding
-            if draft.tokens and g_suffix >= g_learned:
-                use = "suffix" if use_suffix else "none"
-            elif not (accept_at is not None and g_learned > max(g_suffix, 1.0)):
+            if draft.tokens and g_suffix >= g_learned or not (accept_at is not None and g_learned > max(g_suffix, 1.0)):
                 use = "suffix" if use_suffix else "none"
         if use == "suffix":
             a = match_len(draft.tokens, output[p : p + cfg.k])
-            cost += cfg.verify_cost
+            cost += costs.verify_ms(len(draft.tokens))
         elif use == "learned":
-            a = int(accept_at[p])
-            cost += cfg.verify_cost + cfg.draft_cost * cfg.k
+            a = min(int(accept_at[p]), length)
+            cost += costs.verify_ms(length) + cfg.draft_cost * length
         else:
             a = 0
             cost += 1.0
@@ -191,7 +202,7 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
             ev = student.evaluate(rec, cfg.k)
             ea_sum += float(ev.overlap.sum())
             rows += int(ev.overlap.shape[0])
-            t, s, _ = simulate(rec.output_ids, rec.prompt_ids, ev.accept_at, cfg, None)
+            t, s, _ = simulate(rec.output_ids, rec.prompt_ids, ev.accept_at, cfg, None, length=cfg.k)
             solo[0] += t
             solo[1] += s
             chains[i] = ev.accept_at

@@ -4,8 +4,12 @@ Goodput = expected tokens emitted by the verify step / its cost (draft + verify,
 
     none     1 / verify(0)
     suffix   (1 + E_s) / verify(len_s)                 E_s = sum_j prod_{i<=j} confidence_i
-    learned  (1 + sum_{j<=k} a^j) / (k * draft_ms_per_token + verify(k))     before calling it
-             (1 + E_l) / verify(k)                      after (its cost is sunk; E_l from q)
+    learned  (1 + sum_{j<=n} a^j) / (n * draft_ms_per_token + verify(n))     before calling it
+             (1 + E_l) / verify(n)                      after (its cost is sunk; E_l from q)
+
+where n <= k, the learned draft's length, is the one with the best prior goodput (``best_k``): a
+drafter at acceptance 0.35 where each verified token costs 0.18 target steps (this CPU) pays with
+n = 1 and loses with n = 4.
 
 The suffix drafter costs ~nothing, so it runs for every row; a row whose suffix match is confident
 (E_s >= ``suffix_threshold``, or, with no threshold, goodput above the learned drafter's prior) takes
@@ -29,7 +33,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from feedback.trace import DrafterKind
-from serving.adaptive_k import AcceptanceEstimate, CostModel, expected_tokens
+from serving.adaptive_k import AcceptanceEstimate, CostModel, best_k, expected_tokens
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
 
 
@@ -130,7 +134,11 @@ class HybridDrafter:
         g_suffix = torch.tensor(
             [(1 + float(e)) / self.costs.verify_ms(int(n)) for e, n in zip(e_suffix, sp.lengths)]
         )
-        g_learned = self.learned_prior_goodput(k)
+        # The learned drafter drafts only as far as pays at its live acceptance (best_k): where
+        # verifying costs much more per extra token (a CPU), a mediocre drafter still earns with
+        # one or two tokens and would lose with k.
+        k_learned = self.learned_length(k)
+        g_learned = self.learned_prior_goodput(k_learned)
         if self.policy.suffix_threshold is not None:
             confident = e_suffix >= self.policy.suffix_threshold
         else:
@@ -147,8 +155,8 @@ class HybridDrafter:
         )
         out.confidence = conf.clone()
         if need:
-            lp = _pad(self.learned.propose([views[i] for i in need], k), k)
-            self.costs.observe_draft(k, lp.draft_ms)
+            lp = _pad(self.learned.propose([views[i] for i in need], max(k_learned, 1)), k)
+            self.costs.observe_draft(max(k_learned, 1), lp.draft_ms)
             e_learned = expected_accepted(
                 lp.confidence if lp.confidence is not None else lp.probs, lp.lengths
             )
@@ -173,6 +181,11 @@ class HybridDrafter:
         return out
 
     # -- policy -------------------------------------------------------------------------------
+
+    def learned_length(self, k: int) -> int:
+        """Draft length in 0..k with the best expected goodput at the learned drafter's live
+        acceptance and measured costs."""
+        return best_k(self.acceptance.value, k, self.costs)
 
     def learned_prior_goodput(self, k: int) -> float:
         tokens = expected_tokens(self.acceptance.value, k)

@@ -416,6 +416,25 @@ def test_hybrid_proposes_nothing_when_the_learned_drafter_does_not_pay(target, s
     assert p.lengths.tolist() == [2, 0] and learned.proposed == []
 
 
+@pytest.mark.parametrize("verify_slope, draft_ms, drafted", [(0.175, 0.88, 1), (0.001, 0.01, K)])
+def test_hybrid_drafts_the_learned_drafter_only_as_far_as_pays(target, sharp_head, verify_slope, draft_ms,
+                                                                drafted):
+    """At acceptance 0.35, where a draft token costs 0.09 target steps and each verified token
+    adds 0.175 of a step (this CPU), one token pays (1.35 / 1.26) and four lose (1.53 / 2.05);
+    where drafting and verifying are nearly free (a GPU), all k pay."""
+    learned = Spy(EagleDrafter(sharp_head))
+    policy = HybridPolicy(prior_acceptance=0.35, target_step_ms=10.0, draft_ms_per_step=draft_ms,
+                          measure_verify=False, explore=0.0)
+    hybrid = HybridDrafter(StandInSuffix({}), learned, policy)
+    hybrid.costs.verify_slope = verify_slope
+    hybrid.costs.observe_draft = lambda n, ms: None  # keep the stated draft cost (tiny model timings)
+    eng = Engine(target, hybrid)
+    eng.add("r", history(3, 6))
+    p = eng.propose(["r"])
+    assert p.source.tolist() == [DrafterKind.EAGLE]
+    assert p.lengths.tolist() == [drafted]
+
+
 def test_hybrid_threshold_and_learned_acceptance_tracking(target, sharp_head):
     suffix = StandInSuffix({"a": ([5, 6, 7], 0.5)})  # expected accepted 0.5+0.25+0.125 = 0.875
     hybrid = HybridDrafter(
