@@ -49,6 +49,9 @@ def test_gate_refuses_nan_weights_and_diverged_loss(trained_student, domain_a_re
     assert not judge(good, None, domain_a_replay.heldout, CFG, losses=[1.0, float("nan")]).promote
     assert not loss_healthy([1.0, 0.5, 0.4] + [50.0] * 3)
     assert loss_healthy([1.0, 0.5, 0.4, 0.41])
+    # Online batches are noisy and a domain shift raises the loss for a while: not a divergence.
+    noisy = [0.1, 0.9] * 45 + [1.6] * 10  # min 0.1, recent mean 1.6 (16x the min, 3.2x the median)
+    assert loss_healthy(noisy)
 
 
 def test_learned_acceptance_is_domain_specific(trained_student):
