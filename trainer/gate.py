@@ -212,10 +212,17 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
             solo[0] += t
             solo[1] += s
             chains[i] = ev.accept_at
-    acceptance = learned_acceptance([c for c in chains if c is not None], cfg.k)
+    # Serving's live acceptance is an EMA over recent traffic, so while it serves one domain it
+    # tracks that domain: each held-out request is simulated at its own domain's rate (one rate
+    # over a mixed held-out set would under-rate a drafter that learned the current domain).
+    by_domain: dict[str, list[np.ndarray]] = {}
+    for rec, accept_at in zip(heldout, chains):
+        if accept_at is not None:
+            by_domain.setdefault(rec.domain or "", []).append(accept_at)
+    acceptance = {d: learned_acceptance(c, cfg.k) for d, c in by_domain.items()}
     for rec, accept_at in zip(heldout, chains):
         t, _, c = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix if cfg.hybrid else None,
-                           rec.tenant, acceptance)
+                           rec.tenant, acceptance.get(rec.domain or ""))
         pol[0] += t
         pol[1] += c
     return DrafterScore(

@@ -1,6 +1,7 @@
 import copy
 import math
 
+import pytest
 import torch
 
 from trainer.distill import DistillConfig, Distiller
@@ -84,3 +85,19 @@ def test_checkpoint_round_trip_resumes_identically(domain_a_replay):
     assert la == lb
     for x, y in zip(a.student.model.parameters(), b.student.model.parameters()):
         assert torch.equal(x, y)
+
+
+def test_gate_simulates_each_domain_at_its_own_acceptance(trained_student, domain_a_replay):
+    """Serving's live acceptance follows the traffic, so a drafter that learned domain a is judged
+    on a's requests at a's rate, not at a rate diluted by domain b's: the mixed score is exactly
+    the per-domain scores combined."""
+    good, _ = trained_student
+    cfg = GateConfig(k=3, hybrid=False, verify_cost=1.7, draft_cost=0.088)  # this CPU's costs
+    on_a = domain_a_replay.heldout
+    on_b = [make_trace("b", seed=1000 + i) for i in range(len(on_a))]
+    sa, sb, mixed = score(good, on_a, cfg, None), score(good, on_b, cfg, None), score(good, on_a + on_b, cfg, None)
+    tokens_a = sum(len(r.output_ids) for r in on_a)
+    tokens_b = sum(len(r.output_ids) for r in on_b)
+    combined = (tokens_a + tokens_b) / (tokens_a / sa.sim_speedup + tokens_b / sb.sim_speedup)
+    assert mixed.sim_speedup == pytest.approx(combined, rel=1e-9)
+    assert sa.sim_speedup > 1.0  # the learned domain pays on its own
