@@ -10,6 +10,7 @@ summary table, writes a plot and the summary JSON under the run directory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -150,6 +151,8 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     summary["plot"] = str(plot(loop.points, loop.events, shift, run_dir / "demo.png", base_tok_s))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (run_dir / "events.json").write_text(json.dumps(loop.events, indent=2, default=str))
+    points = [{k: v for k, v in dataclasses.asdict(p).items() if k != "output"} for p in loop.points]
+    (run_dir / "points.json").write_text(json.dumps(points, indent=1))  # per request, as plotted
     return summary
 
 

@@ -129,3 +129,31 @@ def test_frozen_drafter_stops_learning():
     once, twice = asyncio.run(run())
     # A learning index would accept more the second time round on the same prompts.
     assert mean_accept(twice) == pytest.approx(mean_accept(once))
+
+
+def test_run_demo_writes_its_summary_plot_and_per_request_points(kafka_broker, redis_server, mlflow_server,
+                                                                 tmp_path):
+    """What ``specloop demo`` leaves in its run directory, on the real stack with a tiny target."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from infra.demo import run_demo
+
+    torch.set_num_threads(1)
+    stack = SimpleNamespace(bootstrap_servers=kafka_broker.url, redis_url=redis_server.url,
+                            mlflow_uri=mlflow_server.url)
+    cfg = LoopConfig(drafter="standalone", k=4, max_tokens=12, min_train_traces=4, steps_per_round=5,
+                     rounds_per_gate=1, gate_costs={"draft_cost": 0.0, "verify_cost": 1.0},
+                     draft_vocab_size=None, day0_init="random")
+    stream = _stream(4)
+    summary = asyncio.run(run_demo(_walk_target(), stack, stream, cfg, tmp_path, 2, Console(file=io.StringIO())))
+    assert summary["requests"] == len(stream) and summary["failed_requests"] == 0
+    assert summary["target_only_tok_s"] > 0 and summary["trainer_records_polled"] <= len(stream)
+    points = json.loads((tmp_path / "points.json").read_text())
+    assert [p["index"] for p in points] == list(range(len(stream)))
+    assert [p["domain"] for p in points] == [d for _, d in stream]
+    assert json.loads((tmp_path / "summary.json").read_text())["requests"] == len(stream)
+    assert isinstance(json.loads((tmp_path / "events.json").read_text()), list)
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
