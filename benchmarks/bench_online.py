@@ -75,10 +75,9 @@ def trainer_figures(loop: OnlineLoop) -> dict:
     if loop.trainer is None:
         return {}
     st = loop.trainer.stats
-    heldout = st.curve[-1]["expected_acceptance"] if st.curve else None
     return {"trainer_records_polled": st.records_polled, "trainer_rounds": st.rounds,
             "trainer_train_steps": st.train_steps, "trainer_promotions": st.promotions,
-            "trainer_heldout_expected_acceptance": heldout, "trainer_last_gate": st.last_decision,
+            "trainer_heldout_expected_acceptance": st.heldout_acceptance, "trainer_last_gate": st.last_decision,
             "gate_costs": {k: round(v, 4) for k, v in loop.costs.items()}}
 
 

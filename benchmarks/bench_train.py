@@ -15,6 +15,7 @@ from pathlib import Path
 
 import typer
 
+from benchmarks.runner import median_ms
 from feedback import codec
 from feedback.sink import InProcessTraceSink
 from feedback.trace import TraceRecord
@@ -99,21 +100,6 @@ def load_traces(path: str | Path) -> list[TraceRecord]:
 # ---- measured draft cost ----------------------------------------------------------------------
 
 
-def _median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    import time
-
-    import numpy as np
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1000.0)
-
-
 def measure_draft_cost(target, student, context: int = 256) -> dict:
     """Per-token draft time of ``student`` (in the target's dtype, with a KV cache of ``context``
     positions) relative to one target decode step at the same context, on this machine."""
@@ -133,7 +119,7 @@ def measure_draft_cost(target, student, context: int = 256) -> dict:
             target.model(tok, past_key_values=cache, use_cache=True)
             cache.crop(-1)
 
-        target_ms = _median_ms(target_step)
+        target_ms = median_ms(target_step)
         model = copy.deepcopy(student.model).to(dtype).eval()
         if student.kind == "eagle":
             model.attach_embeddings(target.model.get_input_embeddings().weight)
@@ -153,7 +139,7 @@ def measure_draft_cost(target, student, context: int = 256) -> dict:
                 model(tok, past_key_values=dcache, use_cache=True).logits.argmax(-1)
                 dcache.crop(-1)
 
-        draft_ms = _median_ms(draft_step)
+        draft_ms = median_ms(draft_step)
     return {"target_step_ms": target_ms, "draft_token_ms": draft_ms, "draft_cost": draft_ms / target_ms}
 
 

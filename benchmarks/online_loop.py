@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
-from benchmarks.runner import collect
+from benchmarks.runner import collect, median_ms
 from serving.engine.base import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -123,17 +123,7 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
     simulation charges these, so it promotes only drafters that pay here."""
     import copy
 
-    import numpy as np
     from transformers import DynamicCache
-
-    def median_ms(fn, n=12):
-        fn()
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times) * 1e3)
 
     ids = torch.randint(0, 1000, (1, context))
     model = copy.deepcopy(student.model).to(target.model.get_output_embeddings().weight.dtype).eval()
@@ -145,8 +135,8 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
             target.model(ids[:, :n], past_key_values=cache, use_cache=True, logits_to_keep=n)
             cache.crop(-n)
 
-        step_ms = median_ms(lambda: target_forward(1))
-        verify_ms = median_ms(lambda: target_forward(k + 1))
+        step_ms = median_ms(lambda: target_forward(1), iters=12, warmup=1)
+        verify_ms = median_ms(lambda: target_forward(k + 1), iters=12, warmup=1)
         dcache = DynamicCache()
         model.model(ids, past_key_values=dcache, use_cache=True)
         head = model.lm_head.weight  # [V, H]
@@ -157,7 +147,7 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
             torch.nn.functional.linear(h, head).argmax(-1)  # [1, 1]
             dcache.crop(-1)
 
-        draft_ms = median_ms(draft_token)
+        draft_ms = median_ms(draft_token, iters=12, warmup=1)
     return {"target_step_ms": step_ms, "verify_cost": verify_ms / step_ms, "draft_cost": draft_ms / step_ms}
 
 
@@ -225,6 +215,8 @@ class OnlineLoop:
         self.tag = tag or uuid.uuid4().hex[:8]
         self.tenant = f"demo-{self.tag}"
         self.topic = f"specloop.traces.{self.tag}"
+        self.control_namespace = f"specloop-{self.tag}"
+        """Redis namespace shared by this loop's Swapper and its trainer's announcer."""
         self.metrics = CollectorRegistry()
         self.engine = self.sink = self.swapper = self.trainer = None
         self.costs: dict = {}
@@ -283,7 +275,7 @@ class OnlineLoop:
     def _control(self):
         from feedback.control import ControlPlane
 
-        return ControlPlane(url=self.stack.redis_url, namespace=f"specloop-{self.tag}")
+        return ControlPlane(url=self.stack.redis_url, namespace=self.control_namespace)
 
     def _build_swapper(self):
         from feedback.registry import DrafterRegistry
@@ -315,7 +307,7 @@ class OnlineLoop:
         wiring = TrainerWiring(
             tenant=self.tenant, topic=self.topic, group_id=f"trainer-{self.tag}",
             bootstrap_servers=self.stack.bootstrap_servers, redis_url=self.stack.redis_url,
-            redis_namespace=f"specloop-{self.tag}", mlflow_uri=self.stack.mlflow_uri,
+            redis_namespace=self.control_namespace, mlflow_uri=self.stack.mlflow_uri,
             fingerprint=self.target.fingerprint, export_config=StandaloneConfig.for_target(self.target.model.config),
             k=c.k, hybrid=c.drafter == "hybrid", costs=self.costs, min_train_traces=c.min_train_traces,
             steps_per_round=c.steps_per_round, rounds_per_gate=c.rounds_per_gate, batch_traces=c.batch_traces)

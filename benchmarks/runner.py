@@ -131,3 +131,15 @@ async def run_prompts(
     await asyncio.gather(*(task(i) for i in range(len(prompts))))
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median wall milliseconds of ``fn()`` over ``iters`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1000.0)

@@ -104,8 +104,8 @@ class Progress:
 
 def _trainer_row(st) -> str:
     row = f"rounds {st.rounds}, steps {st.train_steps}, promotions {st.promotions}"
-    if st.curve:
-        row += f", held-out acceptance {st.curve[-1]['expected_acceptance']:.3f}"
+    if st.heldout_acceptance is not None:
+        row += f", held-out acceptance {st.heldout_acceptance:.3f}"
     return row
 
 

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 
+from serving.priority import lower_thread_priority
 from trainer.config import TrainerSettings
 from trainer.loop import LoopStats
 
@@ -73,12 +74,12 @@ class TrainerActor:
 
         torch.set_num_threads(threads)
         self.nice = nice
-        _lower_priority(nice)
+        lower_thread_priority(nice, "trainer")
         self.loop = loop_factory()
         self._stop = threading.Event()
 
     def run(self, max_rounds: int | None = None) -> dict:
-        _lower_priority(self.nice)  # run() executes on one of the actor's own threads
+        lower_thread_priority(self.nice, "trainer")  # run() executes on one of the actor's own threads
         self.loop.run(max_rounds, stop=self._stop.is_set)
         return self.stats()
 
@@ -96,16 +97,6 @@ class TrainerActor:
     def polled_at(self) -> dict[str, float]:
         """Request id -> wall time its trace reached the trainer (a ``TimedSource``; else empty)."""
         return dict(getattr(self.loop.source, "polled_at", {}))
-
-
-def _lower_priority(nice: int) -> None:
-    if nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()  # Linux: a thread's own niceness
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as e:
-        log.warning("could not lower the trainer's priority: %s", e)
 
 
 def spawn_actor(loop_factory, threads: int = 1, nice: int = 0, num_cpus: float = 1):

@@ -58,6 +58,11 @@ class LoopStats:
     curve: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
 
+    @property
+    def heldout_acceptance(self) -> float | None:
+        """The latest held-out expected acceptance (None before the first evaluation)."""
+        return self.curve[-1]["expected_acceptance"] if self.curve else None
+
 
 class TrainerLoop:
     def __init__(

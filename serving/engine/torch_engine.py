@@ -28,8 +28,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
-import os
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -47,7 +45,9 @@ from serving.engine.drafting import DraftPlan, plan_from_proposal
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
 from serving.engine.seeded import match_verify
+from serving.observers import notify
 from serving.output import apply_stops, eos_token_ids
+from serving.priority import lower_thread_priority
 from serving.target import Target
 
 log = logging.getLogger(__name__)
@@ -237,19 +237,8 @@ class TorchEngine:
             return self._preparer
 
     def _lower_priority(self) -> None:
-        """Preparer thread: nicer by ``swap_prepare_nice`` (Linux: per thread; threads it starts,
-        such as its OpenMP team, inherit it). Irreversible without privileges, hence its own
-        thread."""
-        nice = self.config.swap_prepare_nice
-        if not nice or not sys.platform.startswith("linux"):
-            return
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(
-                os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-            )
-        except OSError as e:
-            log.warning("could not lower the swap preparer's priority: %s", e)
+        """Preparer thread: nicer by ``swap_prepare_nice``."""
+        lower_thread_priority(self.config.swap_prepare_nice, "swap preparer")
 
     def _set_pending(self, seq: int, pending: _PendingSwap) -> None:
         with self._swap_lock:
@@ -895,14 +884,7 @@ class TorchEngine:
     # ---- observers ---------------------------------------------------------------------------
 
     def _notify(self, method: str, *args) -> None:
-        for obs in self.observers:
-            fn = getattr(obs, method, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("observer %s.%s failed", type(obs).__name__, method)
+        notify(self.observers, method, *args)
 
     def _notify_start(self, row: Row, feats: torch.Tensor | None) -> None:
         if feats is None:
