@@ -10,6 +10,14 @@ from kernels.losses import (
     topk_buckets,
 )
 from kernels.sampling import probs_from_logits, sample
+from kernels.tree_verify import (
+    TreeVerifyResult,
+    greedy_tree_verify,
+    sampled_tree_verify,
+    tree_accept,
+    tree_ancestors,
+    tree_depths,
+)
 from kernels.verify import (
     VerifyResult,
     expected_acceptance,
@@ -19,16 +27,22 @@ from kernels.verify import (
 )
 
 __all__ = [
+    "TreeVerifyResult",
     "VerifyResult",
     "discard_loss",
     "distill_loss",
     "distill_loss_per_position",
     "expected_acceptance",
+    "greedy_tree_verify",
     "greedy_verify",
     "next_token_ce",
     "probs_from_logits",
     "rejection_verify",
     "sample",
+    "sampled_tree_verify",
     "topk_buckets",
+    "tree_accept",
+    "tree_ancestors",
+    "tree_depths",
     "verify",
 ]

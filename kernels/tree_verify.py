@@ -1,0 +1,105 @@
+"""Token-tree verify: accept the longest drafted path the target agrees with, in one forward.
+
+A row's tree has N nodes. Node 0 is the root (the row's last committed token, the first input of
+the step); nodes 1..N-1 are drafted tokens with ``parents[b, i] < i`` (-1 for the root and for
+padding nodes, which are never accepted). The target scored every node in one forward under a tree
+attention mask (each node sees the committed prefix, its ancestors and itself), so ``logits[b, i]``
+is the target's distribution for the token after the path root..i. A chain of k drafts is the tree
+``parents = [-1, 0, 1, ..., k-1]``.
+
+Acceptance is a walk from the root: at node i the target's token y_i (argmax under greedy; a sample
+under sampling) is compared with i's children; the child that drafted y_i is accepted and the walk
+moves there, else the step ends and y_i is the next (bonus/correction) token. The emitted tokens
+are exactly y along the path, so when y_i at depth d is the sample the target would draw at output
+position ``first + d`` (position-keyed uniforms, serving/engine/seeded.py), the output is the
+target's own sequential sample: lossless for point-mass drafts whatever the tree is. Drafts with
+distributions use the chain rejection sampler (kernels/verify.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.sampling import sample_from_uniform
+
+
+@dataclass
+class TreeVerifyResult:
+    num_accepted: Tensor  # [B] int64: accepted drafted nodes (path length without the root)
+    next_tokens: Tensor  # [B] int64: the target's token after the accepted path
+    path: Tensor  # [B, N] int64: node indices root, accepted nodes..., then -1
+
+
+def chain_parents(lengths: Tensor, n: int) -> Tensor:
+    """[B] draft lengths -> [B, n] parents of a chain (node i's parent is i - 1; -1 beyond)."""
+    idx = torch.arange(n, device=lengths.device)  # [n]
+    parents = (idx - 1).expand(lengths.shape[0], n).clone()  # [B, n]
+    parents[idx[None, :].expand_as(parents) > lengths[:, None]] = -1
+    return parents
+
+
+def tree_depths(parents: Tensor) -> Tensor:
+    """[B, N] parents -> [B, N] int64 depth (root 0; padding nodes count as children of the root)."""
+    b, n = parents.shape
+    par = parents.clamp(min=0)
+    depth = torch.zeros(b, n, dtype=torch.long, device=parents.device)
+    for i in range(1, n):
+        depth[:, i] = depth.gather(1, par[:, i : i + 1]).squeeze(1) + 1
+    return depth
+
+
+def tree_ancestors(parents: Tensor) -> Tensor:
+    """[B, N] parents -> [B, N, N] bool: ``anc[b, i, j]`` iff j is i or one of its ancestors."""
+    b, n = parents.shape
+    par = parents.clamp(min=0)
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    rows = torch.arange(b, device=parents.device)
+    for i in range(1, n):
+        anc[:, i] |= anc[rows, par[:, i]]  # parent's ancestors (parents[i] < i: already final)
+    return anc
+
+
+def tree_accept(tokens: Tensor, parents: Tensor, target_tokens: Tensor) -> TreeVerifyResult:
+    """Walk from the root following ``target_tokens`` [B, N] (the target's token at each node).
+
+    ``tokens`` [B, N] node tokens (node 0's is ignored), ``parents`` [B, N]."""
+    b, n = tokens.shape
+    device = tokens.device
+    rows = torch.arange(b, device=device)
+    cur = torch.zeros(b, dtype=torch.long, device=device)  # [B] current node
+    live = torch.ones(b, dtype=torch.bool, device=device)
+    path = torch.full((b, n), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    num = torch.zeros(b, dtype=torch.long, device=device)
+    for _ in range(n - 1):
+        want = target_tokens[rows, cur]  # [B]
+        child = (parents == cur[:, None]) & (tokens == want[:, None])  # [B, N]
+        child[:, 0] = False
+        has = child.any(dim=1) & live  # [B]
+        if not bool(has.any()):
+            break
+        nxt = child.int().argmax(dim=1)  # [B] first matching child
+        cur = torch.where(has, nxt, cur)
+        num = num + has.long()
+        path[rows[has], num[has]] = cur[has]
+        live = has
+    return TreeVerifyResult(num, target_tokens[rows, cur], path)
+
+
+def greedy_tree_verify(tokens: Tensor, parents: Tensor, target_logits: Tensor) -> TreeVerifyResult:
+    """Greedy: follow the target's argmax. ``target_logits`` [B, N, V]."""
+    return tree_accept(tokens, parents, target_logits.argmax(dim=-1))
+
+
+def sampled_tree_verify(
+    tokens: Tensor, parents: Tensor, target_probs: Tensor, uniforms: Tensor
+) -> TreeVerifyResult:
+    """Sample-and-match for point-mass drafts: ``target_probs`` [B, N, V] sampling distributions,
+    ``uniforms`` [B, N] the uniform behind each node's target sample (for losslessness, the uniform
+    of the output position the node's token would take: same depth, same uniform)."""
+    b, n, vocab = target_probs.shape
+    y = sample_from_uniform(target_probs.reshape(b * n, vocab), uniforms.reshape(-1)).view(b, n)
+    return tree_accept(tokens, parents, y)
