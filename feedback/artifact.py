@@ -5,7 +5,9 @@ A directory with two files, no pickle anywhere:
     config.json        DrafterMeta: kind, model config, draft vocabulary (size + sha256), target
                        fingerprint, version, parent version, created_at, sha256 of each weight file
     model.safetensors  the model's state dict (tied tensors stored once; the EAGLE head's token
-                       embedding is the target's and is not stored)
+                       embedding is the target's and is not stored; a selfspec drafter stores
+                       only its adapter: the layers, embeddings and lm_head it shares with the
+                       target are pinned by the fingerprint, never copied)
 
 ``load_drafter`` validates everything before it returns a model: target fingerprint, checksums,
 tensor names and shapes against the config, finite weights, draft-vocabulary consistency. Anything
@@ -27,7 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from feedback.drafter_models import DrafterConfig, EagleHead, build_model, kind_of, parse_config
+from feedback.drafter_kinds import DrafterConfig, build_model, kind_of, parse_config
+from feedback.drafter_models import EagleHead
+from feedback.drafters_from_target import SelfSpecAdapter, adapter_of, check_draft_vocab
 from feedback.fingerprint import TargetFingerprint
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -46,7 +50,7 @@ class DrafterMeta(BaseModel):
 
     format_version: int = ARTIFACT_FORMAT_VERSION
     kind: str
-    """eagle | standalone"""
+    """eagle | standalone | selfspec (selfspec stores only its adapter; see drafters_from_target)"""
     version: str
     parent_version: str | None = None
     created_at: float = Field(default_factory=time.time)
@@ -113,6 +117,8 @@ def save_drafter(
     """Write ``model`` as an artifact directory (atomically: a temp sibling renamed into place)."""
     directory = Path(directory)
     kind = kind_of(config)
+    if kind == "selfspec" and not isinstance(model, SelfSpecAdapter):
+        model = adapter_of(model, config)  # an assembled drafter: store its adapter only
     if isinstance(model, EagleHead) and model.config != config:
         raise ValueError("model.config differs from the config being saved")
     state = _stored_state(model)
@@ -225,6 +231,11 @@ def load_drafter(
         raise DrafterArtifactError(f"{directory}: non-finite values (NaN/inf) in {bad}")
     if isinstance(model, EagleHead):
         _check_vocab(directory, meta, cfg, state)
+    if isinstance(model, SelfSpecAdapter):
+        try:
+            check_draft_vocab(cfg, state.get("draft_vocab"))
+        except ValueError as e:
+            raise DrafterArtifactError(f"{directory}: {e}") from e
 
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model = model.to(dtype)

@@ -42,7 +42,8 @@ from feedback.trace import TRACE_SCHEMA_VERSION, StepArrays, TraceRecord
 
 MAGIC = b"SLTR"
 CODEC_MAJOR = TRACE_SCHEMA_VERSION
-CODEC_MINOR = 0
+CODEC_MINOR = 1
+"""1.1 added the optional token-tree arrays ``steps.tree_ids``/``steps.tree_parents``."""
 _PREFIX = struct.Struct("<4sBBHII")
 
 _SCALAR_FIELDS = (
@@ -60,9 +61,14 @@ _STEP_ARRAYS = {
     "draft_probs": "<f4",
     "target_topk_ids": "<i4",
     "target_topk_logprobs": "<f2",
+    "tree_ids": "<i4",
+    "tree_parents": "<i2",
 }
+_OPTIONAL_STEP_ARRAYS = ("tree_ids", "tree_parents")
 _ARRAY_DTYPES = {**_RECORD_ARRAYS, **{f"steps.{k}": v for k, v in _STEP_ARRAYS.items()}}
-_REQUIRED_ARRAYS = set(_ARRAY_DTYPES) - {"hidden_states"}
+_REQUIRED_ARRAYS = set(_ARRAY_DTYPES) - {"hidden_states"} - {
+    f"steps.{k}" for k in _OPTIONAL_STEP_ARRAYS
+}
 
 
 class TraceDecodeError(ValueError):
@@ -83,7 +89,11 @@ def encode(record: TraceRecord) -> bytes:
         ("prompt_ids", record.prompt_ids),
         ("output_ids", record.output_ids),
     ]
-    arrays += [(f"steps.{name}", getattr(record.steps, name)) for name in _STEP_ARRAYS]
+    arrays += [
+        (f"steps.{name}", getattr(record.steps, name))
+        for name in _STEP_ARRAYS
+        if getattr(record.steps, name) is not None
+    ]
     if record.hidden_states is not None:
         arrays.append(("hidden_states", record.hidden_states))
 
@@ -162,7 +172,7 @@ def _read_arrays(body: memoryview, table: list) -> dict[str, np.ndarray]:
 
 def _build(fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> TraceRecord:
     try:
-        steps = StepArrays(**{name: arrays[f"steps.{name}"] for name in _STEP_ARRAYS})
+        steps = StepArrays(**{name: arrays.get(f"steps.{name}") for name in _STEP_ARRAYS})
         known = {name: fields[name] for name in _SCALAR_FIELDS if name in fields}
         record = TraceRecord(
             **known,
@@ -195,6 +205,7 @@ def _check_consistency(record: TraceRecord) -> None:
         ("output_ids", record.output_ids, 0),
         ("draft_ids", s.draft_ids, -1),
         ("target_topk_ids", s.target_topk_ids, -1),
+        ("tree_ids", s.tree_ids if s.tree_ids is not None else np.zeros(0, np.int32), -1),
     ):
         if ids.size and (ids.min() < low or ids.max() >= vocab):
             raise TraceDecodeError(f"{name} outside [{low}, {vocab})")

@@ -10,6 +10,8 @@ Keys (``ns`` = namespace)::
     {ns}:announce              channel SwapAnnouncement | RollbackAnnouncement as JSON
     {ns}:load:{replica_id}     string  LoadHeartbeat JSON, expires after its TTL
     {ns}:accept:{version}      hash    drafted / accepted / steps counters
+    {ns}:deletions             hash    tenant -> time its data deletion was requested (the
+                                       trainer of that tenant removes the field once done)
 
 Acceptance counters take one round trip per call: aggregate locally and report every second or so,
 not per decode step.
@@ -27,6 +29,8 @@ from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from feedback.supervise import SupervisedThread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -195,6 +199,21 @@ class ControlPlane:
 
     # ---- plumbing -----------------------------------------------------------------------------
 
+    # ---- data deletion requests ---------------------------------------------------------------
+
+    def request_deletion(self, tenant: str) -> bool:
+        """Ask the tenant's trainer to delete its traces (replay and checkpoints)."""
+        return self._call(lambda r: r.hset(self._key("deletions"), tenant, str(time.time())) >= 0,
+                          False)
+
+    def pending_deletions(self, tenant: str | None = None) -> list[str]:
+        """Tenants whose deletion is requested and not yet done (only ``tenant``, if given)."""
+        names = self._call(lambda r: sorted(r.hkeys(self._key("deletions"))), [])
+        return [n for n in names if tenant is None or n == tenant]
+
+    def complete_deletion(self, tenant: str) -> bool:
+        return self._call(lambda r: r.hdel(self._key("deletions"), tenant) >= 0, False)
+
     def ping(self) -> bool:
         return self._call(lambda r: bool(r.ping()), False)
 
@@ -239,8 +258,8 @@ class AnnouncementSubscription:
         self._queue: queue.Queue = queue.Queue(maxsize=1000)
         self._stop = threading.Event()
         self._subscribed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="control-subscriber", daemon=True)
-        self._thread.start()
+        # supervised: anything but a Redis error (handled below) restarts the subscriber
+        self._thread = SupervisedThread("control-subscriber", self._run, self._stop).start()
 
     def wait_subscribed(self, timeout: float = 5.0) -> bool:
         """True once the subscription is live (announcements published before are not seen)."""

@@ -576,33 +576,3 @@ def standalone_from_target(
     elif init != "random":
         raise ValueError(f"unknown standalone init {init!r} (target-layers | random)")
     return model.to(target_model.get_output_embeddings().weight.dtype).eval()
-
-
-# ----------------------------------------------------------------------------------------------
-# By kind (artifact loading)
-# ----------------------------------------------------------------------------------------------
-
-DrafterConfig = EagleHeadConfig | StandaloneConfig
-
-
-def kind_of(config: DrafterConfig) -> str:
-    if isinstance(config, EagleHeadConfig):
-        return "eagle"
-    if isinstance(config, StandaloneConfig):
-        return "standalone"
-    raise TypeError(f"not a drafter config: {type(config).__name__}")
-
-
-def parse_config(kind: str, data: dict) -> DrafterConfig:
-    if kind == "eagle":
-        return EagleHeadConfig.model_validate(data)
-    if kind == "standalone":
-        return StandaloneConfig.model_validate(data)
-    raise ValueError(f"unknown learned drafter kind {kind!r} (eagle | standalone)")
-
-
-def build_model(config: DrafterConfig) -> nn.Module:
-    """A freshly initialised model of this config (weights to be loaded)."""
-    if isinstance(config, EagleHeadConfig):
-        return EagleHead(config).eval()
-    return build_standalone(config)

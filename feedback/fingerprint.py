@@ -26,7 +26,7 @@ class TargetFingerprint(BaseModel):
         """Short stable string, usable as an experiment or file name."""
         return f"{self.model_id}-{self.tokenizer_hash[:8]}"
 
-    def matches(self, other: "TargetFingerprint") -> bool:
+    def matches(self, other: TargetFingerprint) -> bool:
         return (
             self.tokenizer_hash == other.tokenizer_hash
             and self.vocab_size == other.vocab_size

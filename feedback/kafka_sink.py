@@ -19,6 +19,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from feedback.codec import CODEC_MAJOR, CODEC_MINOR, encode
+from feedback.supervise import Backoff, SupervisedThread
 from feedback.trace import TraceRecord
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,11 @@ class KafkaTraceSink:
         self._fatal_streak = 0
         self._delivered_by_producer = 0
         self._outage = False  # logged once per outage
-        self._thread = threading.Thread(target=self._run, name="kafka-trace-sink", daemon=True)
-        self._thread.start()
+        # supervised: a sender that dies is counted, logged and restarted (else every later trace
+        # would be shed as queue_full); /health reports it down meanwhile
+        self._thread = SupervisedThread(
+            "kafka-trace-sink", self._run, self._closing,
+            Backoff(initial_s=min(0.5, self.settings.reconnect_backoff_s), max_s=30.0)).start()
 
     def __enter__(self) -> Self:
         return self

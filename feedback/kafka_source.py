@@ -29,6 +29,23 @@ TRACES_DEAD_LETTERED = Counter("specloop_traces_dead_lettered_total",
                                "Trace messages sent to the dead-letter topic.", ["error_type"])
 
 
+def merge_windows(*windows: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Union of partition -> (first, last) offset ranges (each partition's min first, max last)."""
+    out: dict[int, tuple[int, int]] = {}
+    for w in windows:
+        for part, (first, last) in (w or {}).items():
+            part = int(part)
+            if part in out:
+                first, last = min(first, out[part][0]), max(last, out[part][1])
+            out[part] = (int(first), int(last))
+    return dict(sorted(out.items()))
+
+
+def format_window(topic: str, window: dict[int, tuple[int, int]]) -> str:
+    """``topic/0:12-57,topic/1:3-9`` (inclusive offsets; empty when nothing was consumed)."""
+    return ",".join(f"{topic}/{p}:{a}-{b}" for p, (a, b) in sorted(window.items()))
+
+
 class KafkaSourceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECLOOP_KAFKA_")
 
@@ -66,7 +83,10 @@ class KafkaTraceSource:
         self.consumed = 0
         self.dead_lettered = 0
         self.last_window: dict[int, tuple[int, int]] = {}
-        """Partition -> (first, last) offset of the records returned by the last poll (lineage)."""
+        """Partition -> (first, last) offset of the records returned by the last poll."""
+        self.lineage_window: dict[int, tuple[int, int]] = {}
+        """Partition -> (first, last) offset of everything polled since ``mark_lineage()``: the
+        exact trace range a drafter registered now was trained on (dead letters included)."""
         self._pending: dict = {}  # TopicPartition -> next offset to commit
         servers = s.bootstrap_servers.split(",")
         self._consumer = KafkaConsumer(
@@ -120,9 +140,14 @@ class KafkaTraceSource:
             if messages:
                 window[tp.partition] = (messages[0].offset, messages[-1].offset)
         self.last_window = window
+        self.lineage_window = merge_windows(self.lineage_window, window)
         self.consumed += len(records)
         TRACES_CONSUMED.inc(len(records))
         return records
+
+    def mark_lineage(self) -> None:
+        """A version was registered: the next one's lineage starts after what was polled so far."""
+        self.lineage_window = {}
 
     def commit(self) -> bool:
         """Commit everything returned by polls so far (and every dead letter).

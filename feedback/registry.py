@@ -18,7 +18,7 @@ from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from feedback.fingerprint import TargetFingerprint  # noqa: E402
+from feedback.fingerprint import TargetFingerprint
 
 CHAMPION = "champion"
 ARTIFACT_PATH = "drafter"

@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from feedback.suffix_index import Cursor, Step, SuffixAutomaton, SuffixIndex, walk
+from feedback.suffix_tree import grow_tree
 
 
 class CountPrior(BaseModel):
@@ -100,6 +101,11 @@ class SuffixConfig(BaseSettings):
         False, description="Index whole prompts with their outputs (shared system prompts, "
         "multi-turn histories); overrides index_prompt_tail."
     )
+    tree_branches: int = Field(
+        4, ge=1, le=4, description="Children per node of the token trees serving's suffix drafter "
+        "proposes (best-first over the match's continuations); 1 = chains. The trainer's gate "
+        "simulates chains."
+    )
     max_tenants: int = Field(
         16, ge=1, description="Tenant indexes kept; the least recently used is dropped beyond it."
     )
@@ -115,6 +121,14 @@ class Draft:
     """"context" (prompt lookup) or "index" (tenant index); "" when nothing is proposed."""
     matched: int = 0
     steps: list[Step] = field(default_factory=list)
+    parents: list[int] | None = None
+    """Token tree (``SuffixProposer.draft_tree``): parent of each token as an index into
+    ``tokens`` (-1: follows the context); None for a chain. ``confidence`` is then per node given
+    its parent was accepted, and nodes come best-first (any prefix is a subtree)."""
+    start: tuple | None = field(default=None, repr=False)
+    """Where this proposal's match starts: (automaton nodes, matched length, context)."""
+    starts: list = field(default_factory=list, repr=False)
+    """(source, start) of every candidate that proposed something, the most expected first."""
 
     @property
     def expected_accepted(self) -> float:
@@ -206,12 +220,16 @@ class SuffixProposer:
             return best
         cfg = self.config
         ctx = req.tokens
+        starts = []  # every candidate that proposes something: (expected, source, start)
         if req.own is not None and len(ctx) > 1:
             own = req.own
             state = own.link[own.last]
             for matched, s in self._candidate_lengths(own, state, own.length[state]):
                 steps = walk([(own, s)], k, matched, ctx, cfg.min_match_len)
                 d = self._score(steps, "context", matched)
+                d.start = ([(own, s)], matched, ctx)
+                if d.tokens:
+                    starts.append((d.expected_accepted, "context", d.start))
                 if d.expected_accepted > best.expected_accepted:
                     best = d
         if cfg.use_global_index and req.tenant in self.indexes:
@@ -223,9 +241,33 @@ class SuffixProposer:
                 for matched, _ in self._candidate_lengths(sam0, cur0.state, cur0.matched):
                     nodes = [(sam, sam.shorten(c.state, matched)) for sam, c in live if c.matched >= matched]
                     d = self._score(walk(nodes, k, matched, None, cfg.min_match_len), "index", matched)
+                    d.start = (nodes, matched, None)
+                    if d.tokens:
+                        starts.append((d.expected_accepted, "index", d.start))
                     if d.expected_accepted > best.expected_accepted:
                         best = d
+        best.starts = [(src, st) for _, src, st in sorted(starts, key=lambda e: -e[0])]
         return best
+
+    def draft_tree(self, req: SuffixRequest, k: int, branches: int = 4) -> Draft:
+        """A token tree of at most ``k`` nodes over the continuations of every candidate match
+        (prompt lookup and tenant index, each scored with its own prior): the most probable nodes
+        first (path probability = product of confidences), up to ``branches`` children per node,
+        while the path probability stays above ``min_confidence``."""
+        best = self.draft(req, k)
+        if not best.tokens or not best.starts or branches <= 1:
+            return best
+        cfg = self.config
+        roots = [
+            (*start, (cfg.context_prior if src == "context" else cfg.index_prior).confidence)
+            for src, start in best.starts
+        ]
+        tokens, parents, confs = grow_tree(
+            roots, k, cfg.min_match_len, cfg.min_confidence, branches
+        )
+        if not tokens:
+            return best
+        return Draft(tokens, confs, best.source, best.matched, [], parents)
 
     def _candidate_lengths(self, sam: SuffixAutomaton, state: int, matched: int):
         """(length, state) for the longest allowed match and the next shorter distinct suffixes."""

@@ -15,6 +15,14 @@ Array layout (S = verify steps, K = max drafted tokens in any step of this reque
     target_topk_ids  [S, K+1, T] int32  target's top-k ids at each verified position, -1 padded
     target_topk_logprobs [S, K+1, T] float16 their log-probabilities (full-vocab log-softmax)
     hidden_states    [N, F] uint16 (bf16 bits) optional target features at prompt+output positions
+    tree_ids         [S, M]     int32   optional (codec 1.1): the token tree drafted at each step
+                                        (M = most nodes), -1 padded; a row of -1 = a chain step
+    tree_parents     [S, M]     int16   optional: parent of each tree node as a node index, -1 for a
+                                        child of the step's root (the last committed token)
+
+Token-tree steps: ``draft_ids``/``num_drafted``/``target_topk_*`` hold the step's chain view, the
+accepted path plus the first rejected child of its last node (what a chain step with those drafts
+verifies), so everything above keeps its meaning; ``tree_ids``/``tree_parents`` add the whole tree.
 
 Row j of target_topk_* at step s is the target's distribution for the token at output position
 ``step_positions[s] + j`` given the context prompt + output[:pos] + draft_ids[s, :j]. For
@@ -39,9 +47,10 @@ class DrafterKind(enum.IntEnum):
     SUFFIX = 1
     EAGLE = 2
     STANDALONE = 3
+    SELFSPEC = 4
 
     @classmethod
-    def parse(cls, name: str) -> "DrafterKind":
+    def parse(cls, name: str) -> DrafterKind:
         return cls[name.upper()]
 
 
@@ -58,13 +67,15 @@ class StepArrays(BaseModel):
     draft_probs: np.ndarray
     target_topk_ids: np.ndarray
     target_topk_logprobs: np.ndarray
+    tree_ids: np.ndarray | None = None
+    tree_parents: np.ndarray | None = None
 
     @property
     def num_steps(self) -> int:
         return int(self.positions.shape[0])
 
     @model_validator(mode="after")
-    def _check_shapes(self) -> "StepArrays":
+    def _check_shapes(self) -> StepArrays:
         s = self.positions.shape[0]
         for name in ("num_drafted", "num_accepted", "source"):
             arr = getattr(self, name)
@@ -81,6 +92,17 @@ class StepArrays(BaseModel):
             raise ValueError("target_topk_logprobs must match target_topk_ids")
         if np.any(self.num_accepted > self.num_drafted):
             raise ValueError("num_accepted exceeds num_drafted")
+        if (self.tree_ids is None) != (self.tree_parents is None):
+            raise ValueError("tree_ids and tree_parents come together")
+        if self.tree_ids is not None:
+            if self.tree_ids.ndim != 2 or self.tree_ids.shape[0] != s:
+                raise ValueError(f"tree_ids must be [S, M], got {self.tree_ids.shape}")
+            if self.tree_parents.shape != self.tree_ids.shape:
+                raise ValueError("tree_parents must match tree_ids")
+            m = self.tree_ids.shape[1]
+            own = np.arange(m)[None, :]
+            if np.any((self.tree_parents < -1) | (self.tree_parents >= own)):
+                raise ValueError("a tree node's parent must be an earlier node or -1")
         return self
 
 
@@ -112,7 +134,7 @@ class TraceRecord(BaseModel):
     """Which target layers were concatenated into each hidden_states row."""
 
     @model_validator(mode="after")
-    def _check(self) -> "TraceRecord":
+    def _check(self) -> TraceRecord:
         emitted = int((self.steps.num_accepted.astype(np.int64) + 1).sum())
         if emitted != len(self.output_ids):
             raise ValueError(

@@ -153,3 +153,51 @@ def test_make_trace_is_valid_and_deterministic():
         np.testing.assert_array_equal(s.draft_ids[i, :acc], a.output_ids[pos:pos + acc])
         assert (s.target_topk_ids[i, int(s.num_drafted[i]) + 1:] == -1).all()
     assert make_trace(seed=10).request_id != a.request_id
+
+
+# ---- token trees (codec 1.1) -------------------------------------------------------------------
+
+
+def test_trace_written_by_codec_1_0_still_decodes():
+    """tests/feedback/data/trace_v1_0.bin was encoded by the 1.0 codec (before tree arrays)."""
+    from pathlib import Path
+
+    from feedback.codec import decode as _decode
+    from feedback.testing import make_trace as _make
+
+    data = (Path(__file__).parent / "data" / "trace_v1_0.bin").read_bytes()
+    assert data[4:6] == bytes([1, 0])
+    record = _decode(data)
+    assert record.steps.tree_ids is None and record.steps.tree_parents is None
+    expected = _make(num_steps=6, k=3, topk=4, seed=11, with_hidden=True, hidden_dim=4)
+    from feedback.testing import assert_same_trace as _same
+
+    _same(record, expected)
+
+
+def test_tree_arrays_round_trip_and_are_validated():
+    import numpy as _np
+    import pytest as _pytest
+
+    from feedback.codec import TraceDecodeError
+    from feedback.codec import decode as _decode
+    from feedback.codec import encode as _encode
+    from feedback.testing import assert_same_trace as _same
+    from feedback.testing import make_trace as _make
+
+    rec = _make(num_steps=5, k=3, topk=4, seed=3)
+    steps = rec.steps.model_copy(update={
+        "tree_ids": _np.array([[5, 6, 7, -1]] * 4 + [[-1] * 4], _np.int32),
+        "tree_parents": _np.array([[-1, -1, 0, -1]] * 4 + [[-1] * 4], _np.int16),
+    })
+    tree_rec = rec.model_copy(update={"steps": steps})
+    data = _encode(tree_rec)
+    assert data[4:6] == bytes([1, 1])
+    _same(_decode(data), tree_rec)
+    with _pytest.raises(ValueError):  # a parent after its child
+        type(rec.steps)(**{**dict(rec.steps), "tree_ids": steps.tree_ids,
+                           "tree_parents": _np.array([[1, -1, 0, -1]] * 5, _np.int16)})
+    bad = tree_rec.model_copy(update={"steps": steps.model_copy(update={
+        "tree_ids": _np.full((5, 4), 10**6, _np.int32)})})
+    with _pytest.raises(TraceDecodeError, match="tree_ids"):
+        _decode(_encode(bad))

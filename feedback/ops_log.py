@@ -1,0 +1,178 @@
+"""OpsRun: an MLflow run that operators read over time, written off the hot path.
+
+Serving replicas and trainers each keep one (``role`` tag: serving | trainer) in the experiment of
+their target, ``specloop/<target key>`` (where the trainer's candidate runs and the registered
+versions already live), named ``<role>-<tenant>-<replica>``. Metrics are queued and a background
+thread sends them in batches (``MlflowClient.log_batch``) every ``flush_s``; events (swaps,
+rollbacks, gate decisions, drift) are metrics ``event.<name>`` (a count over time, so they plot as
+steps) plus a tag holding the latest one's details.
+
+Nothing here may fail the caller: a full queue drops and counts, an MLflow outage is logged, counted
+(``errors``) and retried with the next batch (metrics are re-queued once), and ``close`` waits at
+most ``close_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Item:
+    key: str
+    value: float
+    step: int
+    ts_ms: int
+
+
+class OpsRun:
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str,
+        *,
+        tags: dict[str, str] | None = None,
+        params: dict[str, object] | None = None,
+        flush_s: float = 2.0,
+        max_queue: int = 20_000,
+        close_timeout_s: float = 10.0,
+    ):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.tracking_uri = tracking_uri
+        self.flush_s = flush_s
+        self.close_timeout_s = close_timeout_s
+        self.dropped = 0
+        self.errors = 0
+        self.sent = 0
+        self._events: dict[str, int] = {}
+        self._queue: queue.Queue[_Item] = queue.Queue(max_queue)
+        self._tags: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one sender at a time: the thread, or a caller's flush()
+        self._stop = threading.Event()
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        run = self.client.create_run(
+            self.experiment_id, run_name=run_name, tags={k: str(v) for k, v in (tags or {}).items()}
+        )
+        self.run_id = run.info.run_id
+        if params:
+            from mlflow.entities import Param
+
+            self.client.log_batch(
+                self.run_id, params=[Param(k, str(v)[:500]) for k, v in params.items()]
+            )
+        self._thread = threading.Thread(target=self._loop, name=f"ops-{run_name}", daemon=True)
+        self._thread.start()
+
+    # ---- what callers use ----------------------------------------------------------------------
+    def metrics(self, values: dict[str, float], step: int = 0) -> None:
+        ts = int(time.time() * 1000)
+        for key, value in values.items():
+            if value is None:
+                continue
+            try:
+                self._queue.put_nowait(_Item(_clean(key), float(value), int(step), ts))
+            except queue.Full:
+                self.dropped += 1
+
+    def event(self, name: str, step: int = 0, **details) -> None:
+        """Count ``name`` (metric ``event.<name>``) and keep its latest details as a tag."""
+        with self._lock:
+            n = self._events[name] = self._events.get(name, 0) + 1
+            self._tags[f"last_{name}"] = json.dumps(details, default=str)[:4000]
+        self.metrics({f"event.{name}": n}, step)
+
+    def tag(self, key: str, value: str) -> None:
+        with self._lock:
+            self._tags[key] = str(value)[:4000]
+
+    def flush(self) -> None:
+        """Send what is queued now (e.g. before a process is stopped), instead of at the next tick."""
+        for _ in range(1 + self._queue.qsize() // 1000):  # batches of at most 1000; no retry loop
+            self._flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self.close_timeout_s)
+        try:
+            self.client.set_terminated(self.run_id)
+        except Exception:
+            log.warning("ops run %s: could not close the MLflow run", self.run_id, exc_info=True)
+
+    # ---- background sender -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            self._flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        with self._send_lock:
+            self._send()
+
+    def _send(self) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        items: list[_Item] = []
+        while len(items) < 1000:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        with self._lock:
+            tags, self._tags = self._tags, {}
+        if not items and not tags:
+            return
+        try:
+            self.client.log_batch(
+                self.run_id,
+                metrics=[Metric(i.key, i.value, i.ts_ms, i.step) for i in items],
+                tags=[RunTag(k, v) for k, v in tags.items()],
+            )
+            self.sent += len(items)
+        except Exception:
+            self.errors += 1
+            if self.errors <= 5 or self.errors % 100 == 0:
+                log.warning("ops run %s: MLflow unreachable (%d errors)", self.run_id, self.errors,
+                            exc_info=True)
+            for i in items:  # once more with the next batch; what does not fit is dropped
+                try:
+                    self._queue.put_nowait(i)
+                except queue.Full:
+                    self.dropped += 1
+            with self._lock:
+                self._tags = {**tags, **self._tags}
+
+
+def _clean(key: str) -> str:
+    """MLflow metric names: alphanumerics, _ - . / and spaces."""
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)[:250]
+
+
+def open_run(tracking_uri: str | None, fingerprint, role: str, tenant: str, replica: str,
+             **kw) -> OpsRun | None:
+    """The ops run of one process, or None (no tracking URI, or MLflow unreachable: never fatal)."""
+    if not tracking_uri:
+        return None
+    try:
+        return OpsRun(
+            tracking_uri,
+            f"specloop/{fingerprint.key()}",
+            f"{role}-{tenant}-{replica}",
+            tags={"role": role, "tenant": tenant, "replica": replica,
+                  "target_model_id": fingerprint.model_id},
+            **kw,
+        )
+    except Exception:
+        log.warning("no MLflow ops run for %s (%s)", role, tracking_uri, exc_info=True)
+        return None

@@ -1,0 +1,24 @@
+"""Per-thread niceness for background work that must yield to decoding: the engine's swap
+preparer and the trainer actor's training thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def lower_thread_priority(nice: int, what: str) -> None:
+    """Make the calling thread ``nice`` steps nicer (Linux: niceness is per thread; threads it
+    starts afterwards, such as its OpenMP team, inherit it). Irreversible without privileges, so
+    call it from a thread of its own. ``what`` names the thread in the warning if it fails."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:
+        log.warning("could not lower the %s's priority: %s", what, e)

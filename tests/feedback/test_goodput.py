@@ -1,0 +1,44 @@
+import numpy as np
+
+from feedback.goodput import (
+    AcceptanceEstimate,
+    CostModel,
+    best_k,
+    expected_tokens,
+    expected_tokens_from_confidence,
+)
+
+
+def test_expected_tokens_geometric_series():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+    assert abs(expected_tokens(1.0, 4) - 5.0) < 1e-4
+
+
+def test_confidence_expectation_matches_geometric_when_constant():
+    conf = np.full((2, 4), 0.6)
+    e = expected_tokens_from_confidence(conf)
+    assert e.shape == (2, 5)
+    assert np.allclose(e[0], [expected_tokens(0.6, k) for k in range(5)])
+
+
+def test_speculation_turns_off_when_drafts_are_useless_or_expensive():
+    cheap = CostModel(target_step_ms=37.6, draft_ms_per_token=0.05)
+    assert best_k(0.0, 8, cheap) == 0
+    assert best_k(0.9, 8, cheap) == 8
+    pricey = CostModel(target_step_ms=37.6, draft_ms_per_token=30.0)
+    assert best_k(0.5, 8, pricey) == 0
+    mid = CostModel(target_step_ms=37.6, draft_ms_per_token=5.0)
+    assert 0 < best_k(0.6, 8, mid) < 8
+
+
+def test_costs_and_acceptance_are_learned_online():
+    costs = CostModel(ema=1.0)
+    costs.observe_verify(0, 10.0)
+    costs.observe_verify(4, 20.0)
+    assert costs.target_step_ms == 10.0 and costs.verify_ms(4) == 20.0
+    costs.observe_draft(4, 8.0)
+    assert costs.draft_ms_per_token == 2.0
+    est = AcceptanceEstimate(value=0.5, ema=1.0)
+    est.observe(np.array([4, 4, 0]), np.array([4, 1, 0]))  # 5 successes, 1 failure
+    assert abs(est.value - 5 / 6) < 1e-9
