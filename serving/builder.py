@@ -111,6 +111,7 @@ def build_engine(
     observers = build_observers(settings, target.fingerprint, registry=registry, sink=sink)
     config = EngineConfig(
         max_batch_size=settings.max_batch_size,
+        max_waiting=settings.max_waiting,
         k=settings.k,
         trace_topk=settings.trace_top_k,
         num_threads=settings.num_threads,

@@ -12,12 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from feedback.secrets import check_secret, check_uri_password
 from serving.target import DEFAULT_MODEL
 
-DrafterKindName = Literal["suffix", "eagle", "standalone", "hybrid"]
+DrafterKindName = Literal["suffix", "eagle", "standalone", "selfspec", "hybrid"]
 TraceSinkName = Literal["none", "memory", "kafka"]
 EngineName = Literal["torch", "sglang"]
 
@@ -69,6 +70,10 @@ class ServingSettings(EngineChoice):
         "acceptance and measured draft/verify costs (GoodputPolicy); off = always k."
     )
     max_batch_size: int = Field(8, ge=1, description="Most requests decoded together in one step.")
+    max_waiting: int | None = Field(
+        64, ge=0, description="Admission control: most requests queued beyond the running batch; "
+        "more get HTTP 429 with Retry-After (None = unbounded)."
+    )
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens when a request gives none (capped by the context left)."
     )
@@ -108,12 +113,37 @@ class ServingSettings(EngineChoice):
         None,
         description="Redis control plane (drafter versions, swaps, load heartbeats); optional.",
     )
+    follow_traces: bool = Field(
+        True,
+        description="With trace_sink=kafka: read the trace topic (a consumer group of this replica's "
+        "own, from the latest offset) into this replica's suffix index, so every replica drafts "
+        "what any replica served.",
+    )
+    replica_id: str | None = Field(
+        None,
+        description="This replica's name in load heartbeats (default: host name and process id).",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, description="Seconds between load heartbeats to Redis (with redis_url)."
+    )
     mlflow_tracking_uri: str | None = Field(
         None,
         description="MLflow drafter registry (`http://host:port` or `sqlite:///path.db`); with it "
         "(or redis_url) the server hot-swaps drafters promoted for `tenant`.",
     )
     tenant: str = Field("default", description="Tenant whose drafter versions this server follows.")
+    api_keys: dict[str, str] = Field(
+        default_factory=dict, repr=False,
+        description="API key -> tenant (JSON in SPECLOOP_API_KEYS). When set, every /v1 request "
+        "needs `Authorization: Bearer <key>`; its tenant is the key's (a request naming another "
+        "tenant is refused with 403). Empty: local dev mode, the request's `tenant` field is used "
+        "as given.",
+    )
+    dev_mode: bool = Field(
+        False, validation_alias=AliasChoices("SPECLOOP_DEV_MODE", "dev_mode"),
+        description="Local dev mode: allows the published default secrets (admin token "
+        "`change-me`, the `mlflow` database password) that are refused otherwise.",
+    )
     swap_watch_steps: int = Field(
         64, ge=1, description="Verify steps a freshly swapped drafter is watched before it is kept."
     )
@@ -178,6 +208,15 @@ class ServingSettings(EngineChoice):
                 f"default_max_tokens ({self.default_max_tokens}) exceeds "
                 f"max_tokens_limit ({self.max_tokens_limit})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _no_default_secrets(self) -> ServingSettings:
+        token = self.admin_token.get_secret_value() if self.admin_token else None
+        check_secret("SPECLOOP_ADMIN_TOKEN", token, self.dev_mode)
+        check_uri_password("SPECLOOP_MLFLOW_TRACKING_URI", self.mlflow_tracking_uri, self.dev_mode)
+        for key in self.api_keys:
+            check_secret("an API key in SPECLOOP_API_KEYS", key, self.dev_mode)
         return self
 
     @model_validator(mode="after")

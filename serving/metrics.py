@@ -14,6 +14,13 @@ Series (``row`` = one request in one verify step):
     specloop_spec_batch_size               histogram of rows per step
     specloop_requests_finished_total{reason}   finished requests (stop, length, abort, error)
     specloop_drafter_info{kind, version}   1 for the active drafter
+    specloop_spec_position_drafted_total{position} / _accepted_total{position}
+                                           drafted / accepted tokens by draft position (1 = first)
+    specloop_spec_draft_length             histogram of drafted tokens per row (the k chosen)
+    specloop_spec_off_rows_total           rows verified with no draft (speculation off)
+    (elsewhere: specloop_traces_shed_total{reason} in feedback/kafka_sink.py, specloop_drafter_swaps_total
+    / _rollbacks_total in serving/swap.py, specloop_acceptance_drift_total{domain} in
+    serving/ops_observer.py, specloop_loop_errors_total{loop} in feedback/supervise.py)
 
 PromQL:
     acceptance rate       rate(specloop_spec_accepted_tokens_total[5m])
@@ -26,6 +33,13 @@ PromQL:
     p90 verify latency    histogram_quantile(0.9, rate(specloop_spec_verify_ms_bucket[5m]))
     finishes by reason    sum by (reason) (rate(specloop_requests_finished_total[5m]))
     active drafter        specloop_drafter_info == 1
+    acceptance by position  sum by (position) (rate(specloop_spec_position_accepted_total[5m]))
+                            / sum by (position) (rate(specloop_spec_position_drafted_total[5m]))
+    k chosen (p50)        histogram_quantile(0.5, rate(specloop_spec_draft_length_bucket[5m]))
+    speculation off       rate(specloop_spec_off_rows_total[5m]) / rate(specloop_spec_verify_steps_total[5m])
+    traces shed           sum by (reason) (rate(specloop_traces_shed_total[5m]))
+    swaps / rollbacks     increase(specloop_drafter_swaps_total[1h]), increase(specloop_drafter_rollbacks_total[1h])
+    acceptance drift      increase(specloop_acceptance_drift_total[1h]) > 0   (alert: which domain)
 """
 
 from __future__ import annotations
@@ -55,6 +69,10 @@ class _Collectors:
     batch_size: Histogram
     finished: Counter
     drafter_info: Gauge
+    pos_drafted: Counter
+    pos_accepted: Counter
+    draft_length: Histogram
+    spec_off_rows: Counter
 
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = (
@@ -116,6 +134,29 @@ def _collectors(registry: CollectorRegistry) -> _Collectors:
                 ["kind", "version"],
                 registry=r,
             ),
+            pos_drafted=Counter(
+                "specloop_spec_position_drafted",
+                "Drafted tokens by draft position (1 = first drafted token).",
+                ["position"],
+                registry=r,
+            ),
+            pos_accepted=Counter(
+                "specloop_spec_position_accepted",
+                "Accepted drafted tokens by draft position.",
+                ["position"],
+                registry=r,
+            ),
+            draft_length=Histogram(
+                "specloop_spec_draft_length",
+                "Drafted tokens per row and step: the k the policy chose (0 = speculation off).",
+                buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+                registry=r,
+            ),
+            spec_off_rows=Counter(
+                "specloop_spec_off_rows",
+                "Rows verified with no draft (speculation off for that request and step).",
+                registry=r,
+            ),
         )
         _by_registry[registry] = c
         return c
@@ -142,6 +183,14 @@ class SpecMetrics(BaseObserver):
         c.draft_ms.observe(batch.draft_ms)
         c.verify_ms.observe(batch.verify_ms)
         c.batch_size.observe(rows)
+        for n, a in zip(batch.num_drafted.tolist(), batch.num_accepted.tolist()):
+            c.draft_length.observe(n)
+            if n == 0:
+                c.spec_off_rows.inc()
+            for pos in range(1, n + 1):  # acceptance per position: accepted iff pos <= a
+                c.pos_drafted.labels(position=str(pos)).inc()
+                if pos <= a:
+                    c.pos_accepted.labels(position=str(pos)).inc()
 
     def on_request_finish(self, request, output_ids, finish_reason, stats) -> None:
         self._c.finished.labels(reason=finish_reason or "unknown").inc()

@@ -99,6 +99,8 @@ class _OpenTrace:
     topk_ids: list[np.ndarray | None] = field(default_factory=list)  # per step [K_step+1, T]
     topk_logprobs: list[np.ndarray | None] = field(default_factory=list)
     features: list[np.ndarray] = field(default_factory=list)  # [n, F] uint16 chunks
+    tree_ids: list[np.ndarray | None] = field(default_factory=list)  # per step [N] or None (chain)
+    tree_parents: list[np.ndarray | None] = field(default_factory=list)
     versions: collections.Counter = field(default_factory=collections.Counter)
     feature_layers: tuple[int, ...] = ()
 
@@ -171,6 +173,14 @@ class TraceRecorder(BaseObserver):
             else:
                 trace.topk_ids.append(None)
                 trace.topk_logprobs.append(None)
+            tree_ids = getattr(batch, "tree_ids", None)
+            if tree_ids is not None:
+                n = int(batch.tree_nodes[b])
+                trace.tree_ids.append(tree_ids[b, :n])
+                trace.tree_parents.append(batch.tree_parents[b, :n])
+            else:
+                trace.tree_ids.append(None)
+                trace.tree_parents.append(None)
             trace.versions[batch.drafter_version] += 1
             if self.record_features and batch.features is not None:
                 trace.features.append(batch.features[b])
@@ -233,6 +243,17 @@ class TraceRecorder(BaseObserver):
                 topk_ids[s, : nd + 1] = t.topk_ids[s][: nd + 1]
                 topk_lp[s, : nd + 1] = t.topk_logprobs[s][: nd + 1]
 
+        tree_ids = tree_parents = None
+        trees = [x for x in t.tree_ids[:num_steps] if x is not None]
+        if trees:
+            m = max(len(x) for x in trees)
+            tree_ids = np.full((num_steps, m), -1, np.int32)
+            tree_parents = np.full((num_steps, m), -1, np.int16)
+            for s, (ids, par) in enumerate(zip(t.tree_ids[:num_steps], t.tree_parents)):
+                if ids is not None:
+                    tree_ids[s, : len(ids)] = ids
+                    tree_parents[s, : len(par)] = par
+
         hidden = None
         if self.record_features and t.features:
             n_rows = len(t.request.prompt_ids) + len(output_ids) - 1
@@ -268,6 +289,8 @@ class TraceRecorder(BaseObserver):
                 draft_probs=draft_probs,
                 target_topk_ids=topk_ids,
                 target_topk_logprobs=topk_lp,
+                tree_ids=tree_ids,
+                tree_parents=tree_parents,
             ),
             hidden_states=hidden,
             hidden_layers=t.feature_layers if hidden is not None else (),

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
+from feedback.supervise import SupervisedThread
 from serving.engine.base import VerifyBatch
 from serving.observers import BaseObserver
 
@@ -98,7 +99,7 @@ class _Collectors:
     refused: Counter
 
 
-_by_registry: "weakref.WeakKeyDictionary[CollectorRegistry, _Collectors]" = weakref.WeakKeyDictionary()
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = weakref.WeakKeyDictionary()
 _collectors_lock = threading.Lock()
 
 
@@ -203,13 +204,18 @@ class LiveAcceptance(BaseObserver):
 # ---- building drafters from artifacts -----------------------------------------------------------
 
 
+class DrafterKindMismatch(ValueError):
+    """A promoted artifact is of another drafter kind than the one this server serves."""
+
+
 class ArtifactDrafterLoader:
     """Builds a validated drafter from an artifact directory for a loaded target.
 
-    ``kind="hybrid"``: a hybrid around the artifact's learned model that keeps the running suffix
-    drafter (and so its index): the running hybrid's, or the running drafter itself when it is a
-    suffix drafter (a suffix-only day 0 that turns hybrid at its first promotion). Otherwise the
-    artifact's own kind. ``options`` go to ``build_drafter``.
+    ``kind="hybrid"`` (or ``"suffix"``, the same serve path): a hybrid around the artifact's learned
+    model that keeps the running suffix drafter (and so its index): the running hybrid's, or the
+    running drafter itself when it is a suffix drafter (a suffix-only day 0 that turns hybrid at its
+    first promotion) -- what the trainer's gate simulates. Otherwise the artifact must be of
+    ``kind`` (DrafterKindMismatch, naming both, if not). ``options`` go to ``build_drafter``.
 
     A loader's ``load(artifact_dir, current)`` must read what it needs into memory: the Swapper
     deletes ``artifact_dir`` (its download) once ``load`` returns."""
@@ -222,7 +228,12 @@ class ArtifactDrafterLoader:
         from serving.drafters.factory import build_drafter
 
         meta = read_meta(artifact_dir)  # DrafterArtifactError when absent or malformed
-        if self.kind == "hybrid":
+        if self.kind not in ("hybrid", "suffix") and meta.kind != self.kind:
+            raise DrafterKindMismatch(
+                f"artifact {meta.version!r} is a {meta.kind!r} drafter but this server serves "
+                f"{self.kind!r} drafters (SPECLOOP_DRAFTER={self.kind}); train and serve one kind: "
+                "the trainer follows SPECLOOP_DRAFTER too")
+        if self.kind in ("hybrid", "suffix"):  # what the trainer's gate judged: suffix + learned
             suffix = current if getattr(current, "kind", None) == "suffix" else getattr(current, "suffix", None)
             return build_drafter("hybrid", self.target, artifact_dir, suffix=suffix, **self.options)
         return build_drafter(meta.kind, self.target, artifact_dir, **self.options)
@@ -278,7 +289,7 @@ class Swapper:
         self._op_lock = threading.RLock()
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: SupervisedThread | None = None
         self._subscription = None
         self._warned: set[str] = set()
         self.swaps = 0
@@ -296,8 +307,8 @@ class Swapper:
         if self.control is not None:
             self._subscription = self.control.subscribe(lambda msg: self._inbox.put(("announce", msg)))
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="drafter-swapper", daemon=True)
-        self._thread.start()
+        self._thread = SupervisedThread("drafter-swapper", self._run, self._stop)
+        self._thread.start()  # after the assignment: _run reads self._thread.status
 
     def stop(self) -> None:
         self._stop.set()
@@ -428,7 +439,7 @@ class Swapper:
             if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(e).lower():
                 raise UnknownVersion(f"tenant {self.config.tenant!r} has no drafter version {version!r}") from e
             raise RegistryUnavailable(f"registry error fetching version {version}: {e}") from e
-        except Exception as e:  # noqa: BLE001  (connection refused, timeouts)
+        except Exception as e:
             raise RegistryUnavailable(f"registry unavailable fetching version {version}: {e}") from e
         self._registry_versions.add(version)
         try:
@@ -488,6 +499,7 @@ class Swapper:
 
     def _run(self) -> None:
         cfg = self.config
+        status = self._thread.status
         next_poll = time.monotonic() if cfg.poll_interval_s > 0 else float("inf")
         next_log = time.monotonic() + cfg.log_interval_s
         while not self._stop.is_set():
@@ -519,8 +531,9 @@ class Swapper:
                 if now >= next_log:
                     next_log = now + cfg.log_interval_s
                     self._flush_live()
-            except Exception:  # never let the worker die; serving goes on regardless
-                log.exception("drafter swapper step failed")
+                status.ok()
+            except Exception as e:  # noqa: BLE001 - never let the worker die; serving goes on
+                self._stop.wait(status.failed(e))  # counted, logged, /health down until it recovers
 
     def _flush_live(self) -> None:
         for version, (stats, (drafted, accepted, rows)) in self.live.take_unflushed().items():

@@ -5,7 +5,10 @@ Drafter routes: ``GET /admin/drafter`` (current version, kind, live acceptance),
 /admin/drafter/swap`` ``{"version": "3"}`` (same download + validation as an announced swap: 404
 unknown version, 422 refused artifact with the reason, 503 registry down) and ``POST
 /admin/drafter/rollback`` (409 when there is nothing to roll back to). Swap and rollback need the
-Swapper (``app.state.swapper``; 409 without one)."""
+Swapper (``app.state.swapper``; 409 without one).
+
+Retention: ``DELETE /admin/tenants/{tenant}`` deletes a tenant's data (suffix index here; replay
+and checkpoints in the trainer, asked through the control plane)."""
 
 from __future__ import annotations
 
@@ -69,3 +72,17 @@ async def drafter_swap(body: SwapBody, raw: Request) -> dict:
 @admin_router.post("/drafter/rollback")
 async def drafter_rollback(raw: Request) -> dict:
     return await _call(_swapper(raw).rollback, reason="admin")
+
+
+@admin_router.delete("/tenants/{tenant}")
+async def delete_tenant(tenant: str, raw: Request) -> dict:
+    """Delete a tenant's data: its suffix index here at once, and (through the control plane) its
+    traces in the trainer's replay and checkpoints, which the tenant's trainer drops at its next
+    round. Trace messages already on the Kafka topic age out with the topic's retention."""
+    drafter = raw.app.state.openai_serving.engine.drafter
+    forget = getattr(drafter, "forget_tenant", None)
+    index_dropped = bool(forget(tenant)) if forget is not None else False
+    control = getattr(getattr(raw.app.state, "swapper", None), "control", None)
+    requested = bool(await asyncio.to_thread(control.request_deletion, tenant)) if control else False
+    return {"tenant": tenant, "suffix_index_dropped": index_dropped,
+            "trainer_deletion_requested": requested}

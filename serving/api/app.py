@@ -31,14 +31,47 @@ def create_app(
 
         swapper = build_swapper(settings, engine, registry=registry)
 
+    reporter = None
+    if settings.redis_url:  # serving's load heartbeats: the trainer trains on spare capacity
+        import os
+        import socket
+
+        from feedback.control import ControlPlane, ControlSettings
+        from serving.load_report import LoadReporter
+
+        replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        reporter = LoadReporter(engine, ControlPlane(ControlSettings(url=settings.redis_url)), replica,
+                                every_s=settings.heartbeat_s)
+
+    follower = None
+    if settings.trace_sink == "kafka" and settings.follow_traces:  # replicas share what they learn
+        import os
+        import socket
+
+        from feedback.kafka_source import KafkaTraceSource
+        from serving.trace_follow import TraceFollower
+
+        me = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        follower = TraceFollower(engine, lambda: KafkaTraceSource(
+            bootstrap_servers=settings.kafka_bootstrap_servers, topic=settings.kafka_topic,
+            group_id=f"specloop-replica-{me}", auto_offset_reset="latest"), me)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await engine.start()
         if swapper is not None:
             swapper.start()
+        if reporter is not None:
+            reporter.start()
+        if follower is not None:
+            follower.start()
         try:
             yield
         finally:
+            if follower is not None:
+                await asyncio.to_thread(follower.stop)
+            if reporter is not None:
+                await asyncio.to_thread(reporter.stop)
             if swapper is not None:
                 await asyncio.to_thread(swapper.stop)
             await engine.stop()
@@ -48,6 +81,8 @@ def create_app(
     )
     app.state.openai_serving = OpenAIServing(engine, settings)
     app.state.swapper = swapper
+    app.state.load_reporter = reporter
+    app.state.trace_follower = follower
     app.state.metrics_registry = registry if registry is not None else REGISTRY
     app.state.admin_token = (
         settings.admin_token.get_secret_value() if settings.admin_token else None

@@ -7,6 +7,7 @@ including request-validation failures that FastAPI would answer with a 422.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from http import HTTPStatus
 
@@ -26,8 +27,10 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
+        self.headers = headers
         self.message, self.status, self.type, self.param, self.code = (
             message,
             status,
@@ -42,6 +45,13 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(message, 400, param=param, code=code)
+
+
+def overloaded(message: str, retry_after_s: float) -> APIError:
+    """429 in OpenAI's shape (``type: requests``, ``code: rate_limit_exceeded``) with Retry-After."""
+    retry = str(max(1, math.ceil(retry_after_s)))
+    return APIError(message, 429, "requests", code="rate_limit_exceeded",
+                    headers={"Retry-After": retry})
 
 
 def model_not_found(model: str) -> APIError:
@@ -93,7 +103,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
-        return _json(exc.status, exc.body())
+        return _json(exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError):

@@ -19,12 +19,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import protocol as p
-from serving.api.errors import APIError, bad_request, model_not_found
+from serving.api.errors import APIError, bad_request, model_not_found, overloaded
+from serving.api.tenants import resolve_tenant
 from serving.config import ServingSettings
 from serving.engine.base import (
     Engine,
     GenerationChunk,
     GenerationRequest,
+    Overloaded,
     RequestError,
     SamplingParams,
 )
@@ -58,6 +60,9 @@ class OpenAIServing:
             max_model_len=self.engine.max_context,
         )
         return p.ModelList(data=[card])
+
+    def tenant_of(self, req, raw: Request) -> str:
+        return resolve_tenant(self.settings.api_keys, raw.headers.get("authorization"), req.tenant)
 
     def _tokenizer(self):
         tok = self.engine.tokenizer
@@ -127,7 +132,9 @@ class OpenAIServing:
         prompt_ids: list[int],
         prompt_param: str,
         request_id: str,
+        tenant: str | None = None,
     ) -> GenerationRequest:
+        """``tenant``: who the request is (``resolve_tenant``); None = the body's, as given."""
         params = SamplingParams(
             temperature=0.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
@@ -141,7 +148,7 @@ class OpenAIServing:
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
-            tenant=req.tenant or "default",
+            tenant=tenant or req.tenant or "default",
             domain=req.domain,
             train=req.train,
         )
@@ -151,7 +158,8 @@ class OpenAIServing:
     async def completion(self, req: p.CompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        greq = self.engine_request(req, self.encode_prompt(req.prompt), "prompt", rid)
+        tenant = self.tenant_of(req, raw)
+        greq = self.engine_request(req, self.encode_prompt(req.prompt), "prompt", rid, tenant)
 
         def chunk(text: str, finish: str | None) -> dict:
             choice = p.CompletionChoice(text=text, finish_reason=finish)
@@ -161,7 +169,8 @@ class OpenAIServing:
             return p.CompletionResponse(id=rid, model=model, choices=[], usage=usage).model_dump()
 
         if req.stream:
-            events = self._stream(greq, chunk, usage_chunk, None, _include_usage(req))
+            opened = await self._open(greq)
+            events = self._stream(opened, greq, chunk, usage_chunk, None, _include_usage(req))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         text, last = await self._collect(greq, raw)
         choice = p.CompletionChoice(text=text, finish_reason=last.finish_reason)
@@ -172,7 +181,8 @@ class OpenAIServing:
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        greq = self.engine_request(req, self.encode_chat(req.messages), "messages", rid)
+        tenant = self.tenant_of(req, raw)
+        greq = self.engine_request(req, self.encode_chat(req.messages), "messages", rid, tenant)
 
         def chunk(text: str | None, finish: str | None, role: str | None = None) -> dict:
             delta = p.DeltaMessage(role=role, content=text)
@@ -184,7 +194,8 @@ class OpenAIServing:
 
         if req.stream:
             first = chunk("", None, role="assistant")
-            events = self._stream(greq, chunk, usage_chunk, first, _include_usage(req))
+            opened = await self._open(greq)
+            events = self._stream(opened, greq, chunk, usage_chunk, first, _include_usage(req))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         text, last = await self._collect(greq, raw)
         choice = p.ChatChoice(
@@ -248,8 +259,25 @@ class OpenAIServing:
         except RequestError as exc:
             raise _api_error(exc) from exc
 
+    async def _open(self, greq: GenerationRequest) -> tuple[AsyncIterator[GenerationChunk], list]:
+        """Start a streamed request and wait for its first chunk, so that a refusal (429 when
+        overloaded, 400 for a bad request) is a real HTTP status, not an error inside a 200 stream.
+        Returns the open generator and the chunk(s) already read."""
+        chunks = self.generate(greq)
+        try:
+            return chunks, [await anext(chunks)]
+        except StopAsyncIteration:
+            return chunks, []
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+            if isinstance(exc, Exception):
+                raise _api_error(exc) from exc
+            raise
+
     async def _stream(
         self,
+        opened: tuple[AsyncIterator[GenerationChunk], list],
         greq: GenerationRequest,
         chunk: Callable,
         usage_chunk: Callable,
@@ -261,9 +289,10 @@ class OpenAIServing:
         last = None
         # aclosing: if this stream is closed while parked at a yield, the engine request is
         # aborted now rather than whenever the garbage collector finalises the generator.
-        async with aclosing(self.generate(greq)) as chunks:
+        chunks, read = opened
+        async with aclosing(chunks):
             try:
-                async for c in chunks:
+                async for c in _chain(read, chunks):
                     last = c
                     if c.text or c.finished:
                         yield sse(chunk(c.text, c.finish_reason if c.finished else None))
@@ -293,11 +322,20 @@ async def _wait_for_disconnect(raw: Request) -> None:
 def _api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, Overloaded):
+        return overloaded(str(exc), exc.retry_after_s)
     if isinstance(exc, RequestError):
         if exc.invalid:
             return bad_request(str(exc))
         return APIError(str(exc), 500, "server_error")
     return APIError(f"Internal server error: {type(exc).__name__}", 500, "server_error")
+
+
+async def _chain(read: list, rest: AsyncIterator) -> AsyncIterator:
+    for c in read:
+        yield c
+    async for c in rest:
+        yield c
 
 
 def _include_usage(req) -> bool:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from feedback.supervise import LOOPS
 from serving.api.openai_serving import OpenAIServing
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
@@ -39,17 +40,23 @@ async def retrieve_model(model: str, raw: Request) -> ModelCard:
 
 
 @router.get("/health")
-async def health(raw: Request) -> dict:
+async def health(raw: Request) -> Response:
+    """200 while every background loop of this process runs; 503 naming the loops that are down
+    (a crashed sink sender, Swapper watcher, ...) until their supervisor has restarted them."""
     serving = _serving(raw)
     drafter = getattr(serving.engine, "drafter", None)
-    return {
-        "status": "ok",
+    loops = getattr(raw.app.state, "loops", None) or LOOPS
+    down = loops.down()
+    body = {
+        "status": "unhealthy" if down else "ok",
         "model": serving.served_model_name,
         "drafter": {
             "kind": getattr(drafter, "kind", None),
             "version": getattr(drafter, "version", None),
         },
+        "loops_down": down,
     }
+    return JSONResponse(body, status_code=503 if down else 200)
 
 
 @router.get("/metrics")

@@ -65,13 +65,19 @@ class DraftProposal:
     were (suffix: observed continuation frequency; learned: q). The hybrid drafter and adaptive k
     use it; None means unknown."""
     draft_ms: float = 0.0
+    parents: torch.Tensor | None = None
+    """[B, k] int64 token tree: the parent of draft j as a draft index (< j), -1 for a child of the
+    row's last committed token; None = every row is a chain (parent of j is j - 1). Trees need
+    point-mass drafts (``dists`` None). ``confidence`` of a tree node is its acceptance estimate
+    given its parent was accepted; nodes must be ordered so that a prefix of them is a subtree
+    (e.g. best-first), since the engine may cut a proposal to its first n nodes."""
 
     @property
     def k(self) -> int:
         return int(self.tokens.shape[1])
 
     @staticmethod
-    def empty(batch_size: int, k: int = 0) -> "DraftProposal":
+    def empty(batch_size: int, k: int = 0) -> DraftProposal:
         return DraftProposal(
             tokens=torch.zeros(batch_size, k, dtype=torch.long),
             lengths=torch.zeros(batch_size, dtype=torch.long),

@@ -7,7 +7,7 @@ from pathlib import Path
 from serving.drafters.base import Drafter
 from serving.target import Target
 
-KINDS = ("suffix", "eagle", "standalone", "hybrid")
+KINDS = ("suffix", "eagle", "standalone", "selfspec", "hybrid")
 
 
 def build_drafter(
@@ -21,7 +21,9 @@ def build_drafter(
       draft vocabulary), ``seed``. Ignored shape options when an artifact is given.
     - standalone: ``num_layers`` (2), ``init`` ("target-layers" | "random"), ``seed``,
       ``draft_vocab_size`` (None: full vocabulary; else read the lm_head for the lowest ids only).
-    - hybrid: ``learned`` ("eagle" | "standalone"; default: the artifact's kind, else eagle),
+    - selfspec: ``exit_layer`` (2: target layers shared), ``adapter_layers`` (1), ``adapter_init``
+      ("next" | "last"), ``draft_vocab_size`` (16384 lowest ids + specials; None: full vocabulary).
+    - hybrid: ``learned`` ("eagle" | "standalone" | "selfspec"; default: the artifact's kind, else eagle),
       ``learned_options`` (dict, as above), ``suffix`` (an existing suffix drafter to keep its
       index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict).
 
@@ -34,6 +36,8 @@ def build_drafter(
         return _eagle(target, artifact_dir, **options)
     if kind == "standalone":
         return _standalone(target, artifact_dir, **options)
+    if kind == "selfspec":
+        return _selfspec(target, artifact_dir, **options)
     if kind == "hybrid":
         return _hybrid(target, artifact_dir, **options)
     raise ValueError(f"unknown drafter kind {kind!r}: one of {', '.join(KINDS)}")
@@ -119,6 +123,34 @@ def _standalone(
     return StandaloneDrafter(model.to(target.device), version=version, draft_vocab=draft_vocab)
 
 
+def _selfspec(
+    target: Target,
+    artifact_dir=None,
+    *,
+    exit_layer: int = 2,
+    adapter_layers: int = 1,
+    adapter_init: str = "next",
+    draft_vocab_size: int | None = 16384,
+):
+    from feedback.drafter_models import day0_draft_vocab, special_token_ids
+    from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
+    from serving.drafters.standalone import SelfSpecDrafter
+
+    if artifact_dir is not None:
+        adapter, meta = _load(target, artifact_dir, "selfspec")
+        return SelfSpecDrafter(assemble(adapter, target.model), version=meta.version)
+    vocab = None
+    if draft_vocab_size is not None:
+        size = int(target.model.get_output_embeddings().weight.shape[0])
+        specials = special_token_ids(target.tokenizer, target.model.config)
+        vocab = day0_draft_vocab(size, draft_vocab_size, specials)
+    adapter = selfspec_adapter_from_target(
+        target.model, exit_layer=exit_layer, adapter_layers=adapter_layers,
+        adapter_init=adapter_init, draft_vocab=vocab,
+    )
+    return SelfSpecDrafter(assemble(adapter, target.model), version="day0")
+
+
 def _hybrid(
     target: Target,
     artifact_dir=None,
@@ -134,8 +166,10 @@ def _hybrid(
 
     if learned is None:
         learned = read_meta(artifact_dir).kind if artifact_dir is not None else "eagle"
-    if learned not in ("eagle", "standalone"):
-        raise ValueError(f"hybrid: learned drafter must be eagle or standalone, not {learned!r}")
+    if learned not in ("eagle", "standalone", "selfspec"):
+        raise ValueError(
+            f"hybrid: learned drafter must be eagle, standalone or selfspec, not {learned!r}"
+        )
     learned_drafter = build_drafter(learned, target, artifact_dir, **(learned_options or {}))
     suffix_drafter = suffix if suffix is not None else _suffix(dict(suffix_options or {}))
     if isinstance(policy, dict):

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
+from feedback.goodput import AcceptanceEstimate, CostModel, best_k, expected_tokens
 from feedback.trace import DrafterKind
-from serving.adaptive_k import AcceptanceEstimate, CostModel, best_k, expected_tokens
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
 
 
@@ -79,6 +79,8 @@ class HybridDrafter:
 
     def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None):
         self.suffix = suffix
+        if getattr(suffix, "trees", False):
+            suffix.trees = False  # the hybrid weighs chains against the learned drafter's chain
         self.learned = learned
         self.policy = policy or HybridPolicy()
         self.version = learned.version
@@ -116,6 +118,10 @@ class HybridDrafter:
             self.acceptance.observe(np.array([drafted]), np.array([accepted]))
         self.suffix.on_verified(request_id, accepted_ids, None)
         self.learned.on_verified(request_id, accepted_ids, features)
+
+    def forget_tenant(self, tenant: str) -> bool:
+        """A data deletion request: the learned part keeps nothing per tenant; the suffix index does."""
+        return self.suffix.forget_tenant(tenant)
 
     def remove_request(self, request_id: str, output_ids: list[int] | None) -> None:
         self._learned_len.pop(request_id, None)

@@ -87,3 +87,15 @@ class StandaloneDrafter(LearnedDrafter):
 
     def _initial_inputs(self, view: DraftRequestView, features: torch.Tensor | None):
         return view.token_ids, None
+
+
+class SelfSpecDrafter(StandaloneDrafter):
+    """The target's first layers + a trained adapter + its norm and lm_head
+    (feedback/drafters_from_target.py): drafted like a standalone LM whose shared layers are the
+    target's own modules, reading the lm_head only at the adapter's draft vocabulary."""
+
+    kind = "selfspec"
+    source_kind = DrafterKind.SELFSPEC
+
+    def __init__(self, model: LlamaForCausalLM, version: str = "day0"):
+        super().__init__(model, version, draft_vocab=getattr(model, "selfspec_draft_vocab", None))

@@ -47,7 +47,10 @@ class SuffixDrafter:
         self._requests: dict[str, SuffixRequest] = {}
         self._lock = threading.Lock()  # observe() may run on a trace-consumer thread
         self._served: OrderedDict[str, None] = OrderedDict()  # ids indexed by remove_request
+        self.trees = self.config.tree_branches > 1
+        """Propose token trees (point-mass; the engine verifies them in one forward)."""
         self.last_drafts: list[Draft] = []
+        self._unindexed: set[str] = set()  # running when their tenant's data was deleted
         """The rows of the latest proposal with their provenance (metrics, benchmarks)."""
 
     # -- the tenant indexes ----------------------------------------------------------------
@@ -60,6 +63,17 @@ class SuffixDrafter:
         ``tenant``'s index. ``prompt_ids``, when given, is indexed as configured for prompts."""
         with self._lock:
             self.proposer.observe(tenant, token_ids, prompt_ids)
+
+    def forget_tenant(self, tenant: str) -> bool:
+        """A data deletion request: drop ``tenant``'s index, and do not index the outputs of its
+        requests still running (they keep prompt lookup). True if there was an index."""
+        with self._lock:
+            gone = self.proposer.indexes.pop(tenant, None) is not None
+            for rid, req in self._requests.items():
+                if req.tenant == tenant:
+                    req.cursors.clear()  # they pointed into the dropped index
+                    self._unindexed.add(rid)
+        return gone
 
     def observe_trace(self, record: TraceRecord) -> None:
         """Feed a finished request read off the trace topic. Requests this drafter served itself
@@ -85,6 +99,9 @@ class SuffixDrafter:
 
     def remove_request(self, request_id: str, output_ids: list[int] | None) -> None:
         req = self._requests.pop(request_id, None)
+        if request_id in self._unindexed:
+            self._unindexed.discard(request_id)
+            return
         if req is None or output_ids is None:
             return
         self._served[request_id] = None
@@ -98,6 +115,7 @@ class SuffixDrafter:
         tokens = np.zeros((b, k), dtype=np.int64)  # [B, k]
         lengths = np.zeros(b, dtype=np.int64)  # [B]
         confidence = np.zeros((b, k), dtype=np.float32)  # [B, k]
+        parents = np.tile(np.arange(-1, k - 1, dtype=np.int64), (b, 1))  # [B, k] chains
         source = np.full(b, DrafterKind.NONE, dtype=np.uint8)
         drafts: list[Draft] = []
         if k > 0:
@@ -110,6 +128,8 @@ class SuffixDrafter:
                     confidence[i, :n] = d.confidence
                     lengths[i] = n
                     source[i] = DrafterKind.SUFFIX
+                    if d.parents is not None:
+                        parents[i, :n] = d.parents
         self.last_drafts = drafts
         return DraftProposal(
             tokens=torch.from_numpy(tokens),
@@ -118,12 +138,16 @@ class SuffixDrafter:
             source=source,
             confidence=torch.from_numpy(confidence),
             draft_ms=(time.perf_counter() - t0) * 1e3,
+            parents=torch.from_numpy(parents) if self.trees else None,
         )
 
     def draft(self, view: DraftRequestView, k: int) -> Draft:
         """The best proposal of at most ``k`` tokens for one request (callers hold the lock when
-        observe() may run concurrently)."""
-        return self.proposer.draft(self._sync(view), k)
+        observe() may run concurrently). A token tree when ``trees`` is set."""
+        req = self._sync(view)
+        if self.trees:
+            return self.proposer.draft_tree(req, k, self.config.tree_branches)
+        return self.proposer.draft(req, k)
 
     # -- per-request state -----------------------------------------------------------------
 

@@ -7,8 +7,9 @@ detokenisation and stop strings (serving/output.py), and drafter swaps (serving/
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -96,6 +97,12 @@ class VerifyBatch:
     drafter_version: str = "day0"
     feature_layers: tuple[int, ...] = ()
     """HF hidden_states indices concatenated into each ``features`` row (empty when none)."""
+    tree_nodes: np.ndarray | None = None
+    """[B] int16 drafted tree nodes per row when the step verified token trees (None: chains).
+    ``draft_ids``/``num_drafted`` then describe each row's chain view: its accepted path plus the
+    first rejected child (serving/engine/tree.py)."""
+    tree_ids: np.ndarray | None = None  # [B, N] int32 the drafted tree's tokens, -1 padded
+    tree_parents: np.ndarray | None = None  # [B, N] int16 parent node index, -1 root/padding
 
 
 class RequestError(Exception):
@@ -107,6 +114,15 @@ class RequestError(Exception):
     def __init__(self, message: str, invalid: bool = False):
         super().__init__(message)
         self.invalid = invalid
+
+
+class Overloaded(RequestError):
+    """Raised from ``generate()`` when the engine's bounded queue is full (HTTP 429 with
+    ``Retry-After``): the request was not admitted, nothing of it is kept; retry later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @runtime_checkable

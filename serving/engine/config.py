@@ -15,6 +15,17 @@ class EngineConfig(BaseModel):
         ge=1,
         description="Most requests decoded together in one verify step; more wait their turn.",
     )
+    max_waiting: int | None = Field(
+        None,
+        ge=0,
+        description="Admission control: most requests admitted beyond the running batch (queued "
+        "for a row). More are refused at once with Overloaded (HTTP 429, Retry-After), so memory "
+        "and queueing latency stay bounded under overload. None = unbounded (embedded use: the "
+        "HTTP server sets ServingSettings.max_waiting, 64 by default).",
+    )
+    retry_after_s: float = Field(
+        1.0, gt=0, description="Retry-After advertised with a refusal for overload (seconds)."
+    )
     k: int = Field(
         4,
         ge=0,
@@ -44,6 +55,13 @@ class EngineConfig(BaseModel):
         ge=2,
         description="Longest prompt + output in tokens; None = the model's max_position_embeddings "
         "(a larger value is capped to it).",
+    )
+    forward: Literal["auto", "hf"] = Field(
+        "auto",
+        description="Target forward: 'auto' = specloop's LlamaForward for Llama-family models with "
+        "sdpa attention (fused projections, thin-token matmuls: a verify of a few tokens costs "
+        "about one decode step; see serving/engine/llama_forward.py), else Hugging Face's; "
+        "'hf' = always Hugging Face's forward (the reference).",
     )
     capture_features: bool = Field(
         False,

@@ -24,6 +24,24 @@ class DraftPlan:
     probs: torch.Tensor  # [B, K] float32, q(token); 0 beyond lengths
     source: np.ndarray  # [B] uint8 DrafterKind (NONE where nothing was drafted)
     dists: torch.Tensor | None = None  # [B, K, V] float32 or None (point-mass drafts)
+    parents: torch.Tensor | None = None  # [B, K] int64 draft-index parents (-1 root) or None (chains)
+    confidence: torch.Tensor | None = None  # [B, K] float32 per-node acceptance estimate or None
+
+    def node_parents(self) -> torch.Tensor:
+        """[B, K+1] parents in node space (node 0 = the row's last token; draft j = node j + 1;
+        -1 for the root and for nodes beyond a row's length)."""
+        b, k = self.tokens.shape
+        valid = torch.arange(k)[None, :] < self.lengths[:, None]  # [B, K]
+        par = torch.arange(k).expand(b, k) if self.parents is None else self.parents + 1  # [B, K]
+        par = torch.where(valid, par, -1)
+        return torch.cat([torch.full((b, 1), -1, dtype=torch.long), par], dim=1)
+
+    def node_tokens(self, last: torch.Tensor) -> torch.Tensor:
+        """[B, K+1] forward inputs: the row's last token [B], then its drafts."""
+        return torch.cat([last[:, None], self.tokens], dim=1)
+
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     @property
     def k(self) -> int:
@@ -58,6 +76,17 @@ def plan_from_proposal(
     bad = (tok < 0) | (tok >= vocab_size)  # [n, kp]
     first_bad = torch.where(bad.any(1), bad.int().argmax(1), kp)  # [n]
     lengths = torch.minimum(lengths, first_bad)
+    par = None
+    if proposal.parents is not None:
+        if proposal.dists is not None:
+            raise ValueError("token trees need point-mass drafts (dists must be None)")
+        par = proposal.parents.detach().to("cpu").long()  # [n, kp]
+        if par.shape != tok.shape:
+            raise ValueError(f"proposal parents must be {tuple(tok.shape)}, got {tuple(par.shape)}")
+        j = torch.arange(kp)
+        bad_par = (par < -1) | (par >= j[None, :])  # [n, kp] a parent must come earlier
+        first_bad = torch.where(bad_par.any(1), bad_par.int().argmax(1), kp)  # [n]
+        lengths = torch.minimum(lengths, first_bad)
     k = int(lengths.max()) if n else 0
     if k == 0:
         return DraftPlan.none(batch_size)
@@ -82,4 +111,14 @@ def plan_from_proposal(
             )
         dists = torch.zeros(batch_size, k, vocab_size, dtype=torch.float32)
         dists[idx] = d[:, :k]
-    return DraftPlan(tokens, full_lengths, probs, source, dists)
+    parents = None
+    if par is not None:
+        chain = torch.arange(k)[None, :] - 1  # [1, k]
+        parents = chain.expand(batch_size, k).clone()
+        parents[idx] = torch.where(in_len, par[:, :k], chain)
+    confidence = None
+    if proposal.confidence is not None:
+        c = proposal.confidence.detach().to("cpu").float().reshape(n, -1)[:, :k]  # [n, <=k]
+        confidence = torch.zeros(batch_size, k, dtype=torch.float32)
+        confidence[idx, : c.shape[1]] = torch.where(in_len[:, : c.shape[1]], c, 0.0)
+    return DraftPlan(tokens, full_lengths, probs, source, dists, parents, confidence)

@@ -1,6 +1,6 @@
 """GoodputPolicy: per step, the k in 0..k_max with the highest expected tokens per second.
 
-The goodput model is serving/adaptive_k.py (``best_k`` over an ``AcceptanceEstimate`` and a
+The goodput model is feedback/goodput.py (``best_k`` over an ``AcceptanceEstimate`` and a
 ``CostModel``); this class only feeds it from the engine's ``observe`` calls:
 
 - acceptance: every step's drafted/accepted counts (rows that drafted nothing carry no signal);
@@ -14,14 +14,30 @@ The goodput model is serving/adaptive_k.py (``best_k`` over an ``AcceptanceEstim
 k = 0 is sticky (no drafts, so no acceptance evidence), so every ``probe_every`` consecutive k = 0
 steps one step drafts ``probe_k`` tokens to refresh the estimate: a drafter that got better (a swap,
 a suffix index that learned the new domain) is noticed within a few probes.
+
+Width (token trees, and chains with per-token confidences): after the draft, ``choose_width`` cuts
+the proposal to the node count W in 0..K with the highest expected tokens per verify millisecond
+over the batch, ``sum_b (1 + c * sum_{j < W} P_b(node j accepted)) / verify_ms(W | batch)``, where
+P is the product of the drafter's confidences along the node's path and c an online calibration
+(accepted / predicted). Verify costs are measured per (batch size, width): a width that pays at
+batch 1 may not at batch 8, and W = 0 (plain decoding) wins where nothing pays. A drafter whose
+draft costs next to nothing (the suffix index) is asked for the full budget every step and the
+width decides, until ``probe_every`` drafts in a row were cut to nothing: then it drafts only every
+``probe_every`` steps (probes, which verify the best non-empty width so that the calibration keeps
+learning) until one pays again. A costly drafter still gets k from the
+acceptance estimate.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from serving.adaptive_k import AcceptanceEstimate, CostModel, best_k
+from feedback.goodput import AcceptanceEstimate, CostModel, best_k
 from serving.engine.policy import BatchState
+from serving.engine.tree import path_confidence
+
+_CHEAP_DRAFT = 0.01
+"""A draft of the full budget costing under this fraction of a target step is always asked for."""
 
 
 class GoodputPolicy:
@@ -33,6 +49,7 @@ class GoodputPolicy:
         probe_k: int | None = None,
         acceptance: AcceptanceEstimate | None = None,
         costs: CostModel | None = None,
+        remeasure_every: int = 64,
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
@@ -49,9 +66,36 @@ class GoodputPolicy:
         self.chosen: list[int] = []
         """Recent choices (bounded), for benchmarks and debugging."""
         self._k0_measured = False
+        self.calibration = 1.0
+        """EMA of accepted / predicted (confidence-based) tokens: scales the drafter's confidences."""
+        self.widths: list[int] = []
+        """Recent widths chosen by ``choose_width`` (bounded)."""
+        self._verify_by_batch: dict[int, dict[int, float]] = {}
+        self._predicted: float | None = None
+        self.zero_widths = 0
+        self._probing = False
+        """Consecutive drafts that ``choose_width`` cut to nothing."""
+        self._since_plain: dict[int, int] = {}  # batch size -> width choices since the last W = 0
+        self.remeasure_every = remeasure_every
 
     def choose_k(self, state: BatchState) -> int:
         k_max = min(self.k_max, state.k_max)
+        cheap = self.costs.draft_ms_per_token * k_max < _CHEAP_DRAFT * self.costs.verify_ms(0)
+        if cheap and k_max > 0:  # the width decides after the draft...
+            if self.zero_widths < self.probe_every:
+                self.off_streak = 0
+                self._remember(k_max)
+                return k_max
+            # ...unless it keeps cutting the drafts to nothing: then draft only on probes
+            self.off_streak += 1
+            k = 0
+            if self.off_streak >= self.probe_every:
+                self.off_streak = 0
+                self.probes += 1
+                self._probing = True  # choose_width keeps some drafts: evidence for calibration
+                k = k_max
+            self._remember(k)
+            return k
         k = best_k(self.acceptance.value, k_max, self.costs) if k_max > 0 else 0
         if k == 0 and k_max > 0:
             self.off_streak += 1
@@ -64,11 +108,64 @@ class GoodputPolicy:
         self._remember(k)
         return k
 
-    def observe(self, k, num_drafted, num_accepted, draft_ms, verify_ms) -> None:
+    def verify_ms(self, width: int, batch: int) -> float:
+        """Measured verify milliseconds of ``width`` drafts per row at this batch size; unmeasured
+        widths cost at least the widest measured one below them (costs do not fall with width),
+        and the prior scaled from batch 1 where nothing is measured."""
+        seen = self._verify_by_batch.get(batch, {})
+        if width in seen:
+            return seen[width]
+        below = [ms for w, ms in seen.items() if w < width]
+        prior = self.costs.verify_ms(width) * (batch if not seen else 1.0)
+        if not seen:
+            return prior
+        base = seen.get(0, min(seen.values()))
+        return max(below + [base * (1.0 + self.costs.verify_slope * width)])
+
+    def choose_width(self, parents, confidence, lengths, batch: int) -> int:
+        """Node budget W for this step from the drafted plan (see the module docstring)."""
+        conf = confidence.numpy() if hasattr(confidence, "numpy") else np.asarray(confidence)
+        par = parents.numpy() if hasattr(parents, "numpy") else np.asarray(parents)
+        k = conf.shape[1]
+        cum = path_confidence(par, conf) * self.calibration  # [B, K]
+        cum[np.arange(k)[None, :] >= np.asarray(lengths)[:, None]] = 0.0
+        expected = batch + np.concatenate([[0.0], np.cumsum(cum.sum(axis=0))])  # [K+1]
+        rates = [expected[w] / self.verify_ms(w, batch) for w in range(k + 1)]
+        width = int(np.argmax(rates))
+        self.zero_widths = self.zero_widths + 1 if width == 0 else 0
+        if self._probing and k > 0:  # a probe verifies the best non-empty width, whatever it costs
+            width = 1 + int(np.argmax(rates[1:]))
+        probing, self._probing = self._probing, False
+        since = self._since_plain.get(batch, self.remeasure_every)
+        if width > 0 and since >= self.remeasure_every and not probing:
+            width = 0  # keep the plain step's cost at this batch size measured, now and then
+        self._since_plain[batch] = 0 if width == 0 else since + 1
+        self._predicted = float(expected[width] - batch)
+        self.widths.append(width)
+        if len(self.widths) > 4096:
+            del self.widths[:2048]
+        return width
+
+    def observe(
+        self, k, num_drafted, num_accepted, draft_ms, verify_ms, width=None, batch=None
+    ) -> None:
         drafted = np.asarray(num_drafted)
         accepted = np.asarray(num_accepted)
         self.acceptance.observe(drafted, accepted)
-        width = int(drafted.max()) if drafted.size else 0
+        if batch is not None and width is not None:
+            if int(width) == 0:
+                self._since_plain[int(batch)] = 0
+            seen = self._verify_by_batch.setdefault(int(batch), {})
+            prev = seen.get(int(width))
+            ema = self.costs.ema
+            seen[int(width)] = verify_ms if prev is None else (1 - ema) * prev + ema * verify_ms
+        predicted, self._predicted = self._predicted, None
+        if predicted is not None and predicted > 0.05 * len(accepted):
+            ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration
+            self.calibration = float(np.clip(0.95 * self.calibration + 0.05 * ratio, 0.05, 2.0))
+        if width is None:
+            width = int(drafted.max()) if drafted.size else 0
+        width = int(width)
         if width > 0:
             self.costs.observe_draft(width, draft_ms)
         self.costs.observe_verify(width, verify_ms)

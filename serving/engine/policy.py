@@ -1,7 +1,7 @@
 """SpeculationPolicy: how many tokens to draft in the next verify step.
 
 The engine asks the policy once per step and tells it what the step cost and yielded, so an
-adaptive policy (goodput-optimal k from live acceptance and measured costs, serving/adaptive_k.py)
+adaptive policy (goodput-optimal k from live acceptance and measured costs, feedback/goodput.py)
 can replace ``FixedK`` without touching the engine.
 """
 

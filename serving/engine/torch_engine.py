@@ -4,11 +4,15 @@ One background thread runs the step loop (torch releases the GIL in its kernels)
 is an async iterator fed from that thread through the caller's event loop. Each step:
 
     admit   waiting requests join (prefill prompt[:-1] alone, append the row to the batch cache)
-    draft   the drafter proposes up to k tokens per row (k from the SpeculationPolicy)
-    verify  ONE target forward over [last token + drafts] for every row (ragged, see batch_cache)
-    accept  greedy match (temperature 0), sample-and-match with position-keyed randomness (sampled
-            rows, point-mass drafts; see seeded.py) or rejection sampling (drafts with dists)
-    commit  each row keeps accepted + 1 KV columns, streams its tokens, may finish
+    draft   the drafter proposes up to k tokens per row (k from the SpeculationPolicy), a chain or
+            a token tree (point-mass drafts); a tree-aware policy may cut it to fewer nodes
+    verify  ONE target forward over [last token + drafts] for every row (ragged, see batch_cache;
+            trees get depth positions and an ancestor mask)
+    accept  a walk from the root following the target's token (kernels/tree_verify.py): argmax
+            (temperature 0) or a position-keyed sample (sampled rows, point-mass drafts; see
+            seeded.py); rejection sampling for chains of drafts with dists
+    commit  each row keeps its accepted path + 1 KV columns (moved together for trees), streams
+            its tokens, may finish
     report  one VerifyBatch to the observers; drafter.on_verified per row
 
 The last prompt token is not prefilled: it is the first input of the first verify step, so every
@@ -35,19 +39,34 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
+from feedback.priority import lower_thread_priority
 from kernels.sampling import probs_from_logits
-from kernels.verify import VerifyResult, greedy_verify, rejection_verify
+from kernels.tree_verify import (
+    TreeVerifyResult,
+    greedy_tree_verify,
+    sampled_tree_verify,
+    tree_ancestors,
+    tree_depths,
+)
+from kernels.verify import rejection_verify
 from serving.drafters.base import Drafter, DraftRequestView
-from serving.engine.base import GenerationChunk, GenerationRequest, RequestError, VerifyBatch
+from serving.engine.base import (
+    GenerationChunk,
+    GenerationRequest,
+    Overloaded,
+    RequestError,
+    VerifyBatch,
+)
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.config import EngineConfig
 from serving.engine.drafting import DraftPlan, plan_from_proposal
+from serving.engine.llama_forward import LlamaForward
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
-from serving.engine.seeded import match_verify
+from serving.engine.seeded import position_uniforms
+from serving.engine.tree import linear_view, trim_plan
 from serving.observers import notify
 from serving.output import apply_stops, eos_token_ids
-from serving.priority import lower_thread_priority
 from serving.target import Target
 
 log = logging.getLogger(__name__)
@@ -113,6 +132,9 @@ class TorchEngine:
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"TorchEngine supports sdpa or eager attention, not {attn!r}")
         self._additive_mask = attn == "eager"
+        self._fast = None  # our own forward (LlamaForward) when the model allows it
+        if cfg.forward == "auto" and attn == "sdpa" and LlamaForward.supports(self.model):
+            self._fast = LlamaForward(self.model)
         self.eos_ids = _eos_ids(target)
         self.observers = list(observers)
         self.policy: SpeculationPolicy = policy or FixedK(cfg.k)
@@ -138,6 +160,7 @@ class TorchEngine:
         self._cache = RaggedKVCache.for_model(self.model)
         self.steps = 0
         self.drafter_errors = 0
+        self.refused_overload = 0  # requests refused by admission control (HTTP 429)
 
     # ---- Engine protocol ---------------------------------------------------------------------
 
@@ -172,6 +195,14 @@ class TorchEngine:
                 raise RequestError(
                     f"request id {request.request_id!r} is already running", invalid=True
                 )
+            cap = self.config.max_waiting
+            if cap is not None and len(self._in_flight) >= self.config.max_batch_size + cap:
+                self.refused_overload += 1
+                raise Overloaded(
+                    f"the engine is at capacity ({len(self._in_flight)} requests running or "
+                    f"queued); retry after {self.config.retry_after_s:g}s",
+                    self.config.retry_after_s,
+                )
             self._in_flight.add(request.request_id)
             self._inbox.append(Submission(request, client))
             self._cv.notify_all()
@@ -189,6 +220,11 @@ class TorchEngine:
         finally:
             if not finished:  # the caller stopped listening: free the row
                 self._request_abort(request.request_id)
+
+    def load(self) -> tuple[int, int]:
+        """(requests waiting for a row, requests running): what the load heartbeat reports."""
+        with self._cv:
+            return len(self._inbox) + len(self._waiting), len(self._rows)
 
     async def abort(self, request_id: str) -> None:
         self._request_abort(request_id)
@@ -497,6 +533,15 @@ class TorchEngine:
     def _forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0):
         """One target forward of ``input_ids`` [B, q] appended to ``cache``."""
         positions, mask = cache.prepare(input_ids.shape[1])  # [B, q], [B, 1, q, L]
+        if self._fast is not None:
+            return self._fast(
+                input_ids.to(self.device),
+                positions,
+                mask,
+                cache,
+                logits_to_keep=logits_to_keep,
+                hidden_layers=self._feature_layers,
+            )
         if self._additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(self.model.dtype).min
@@ -561,27 +606,44 @@ class TorchEngine:
 
         t0 = time.perf_counter()
         plan = self._draft(rows, k, room)
+        plan = self._trim(plan, batch)
         t1 = time.perf_counter()
         last = torch.tensor([r.token_ids[-1] for r in rows], dtype=torch.long)  # [B]
-        inputs = torch.cat([last[:, None], plan.tokens], dim=1)  # [B, K+1]
+        inputs = plan.node_tokens(last)  # [B, K+1]
+        parents = plan.node_parents()  # [B, K+1]
+        if plan.is_tree():
+            self._cache.set_tree(tree_depths(parents), tree_ancestors(parents))
         out = self._forward(self._cache, inputs)
         logits = out.logits  # [B, K+1, V]
-        result = self._verify(rows, plan, logits)
+        result = self._verify(rows, plan, parents, logits)
         num_accepted = result.num_accepted.tolist()
         next_tokens = result.next_tokens.tolist()
-        self._cache.commit([a + 1 for a in num_accepted])
+        paths = [p[: a + 1] for p, a in zip(result.path.tolist(), num_accepted)]  # node indices
+        if plan.is_tree():
+            self._cache.commit_paths(paths)
+        else:
+            self._cache.commit([a + 1 for a in num_accepted])
         t2 = time.perf_counter()
         self.steps += 1
 
-        drafts = plan.tokens.tolist()
-        emitted = [drafts[b][:a] + [next_tokens[b]] for b, a in enumerate(num_accepted)]
+        nodes = inputs.tolist()
+        emitted = [[nodes[b][n] for n in p[1:]] + [next_tokens[b]] for b, p in enumerate(paths)]
         feats = self._features(out)  # [B, K+1, F] or None
-        report = self._report(rows, plan, logits, emitted, num_accepted, feats, t1 - t0, t2 - t1)
+        if feats is not None and plan.is_tree():  # inputs along the path first: [B, K+1, F]
+            index = result.path.clamp(min=0).to(feats.device)
+            feats = feats.gather(1, index[:, :, None].expand(-1, -1, feats.shape[-1]))
+        view_plan, view_logits, tried = linear_view(plan, parents, logits, paths)
+        report = self._report(
+            rows, view_plan, view_logits, emitted, num_accepted, feats, t1 - t0, t2 - t1
+        )
+        if plan.is_tree():
+            valid = np.arange(plan.k)[None, :] < plan.lengths.numpy()[:, None]  # [B, K]
+            report.tree_nodes = plan.lengths.numpy().astype(np.int16)
+            report.tree_ids = np.where(valid, plan.tokens.numpy(), -1).astype(np.int32)
+            report.tree_parents = np.where(valid, plan.parents.numpy(), -1).astype(np.int16)
         self._notify("on_step", report)
         try:
-            self.policy.observe(
-                k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, report.verify_ms
-            )
+            self._observe(k, plan, tried, num_accepted, report)
         except Exception:
             log.exception("speculation policy failed to observe a step")
 
@@ -614,20 +676,54 @@ class TorchEngine:
                 )
             return DraftPlan.none(len(rows))
 
-    def _verify(self, rows: list[Row], plan: DraftPlan, logits: torch.Tensor) -> VerifyResult:
+    def _trim(self, plan: DraftPlan, batch: int) -> DraftPlan:
+        """Let a tree-aware policy cut the drafts to the node count that pays (confidences)."""
+        width_for = getattr(self.policy, "choose_width", None)
+        if width_for is None or plan.k == 0 or plan.confidence is None:
+            return plan
+        try:
+            width = int(width_for(plan.node_parents(), plan.confidence, plan.lengths, batch))
+        except Exception:
+            log.exception("speculation policy failed to choose a width")
+            return plan
+        return trim_plan(plan, width)
+
+    def _observe(self, k: int, plan: DraftPlan, tried, num_accepted, report: VerifyBatch) -> None:
+        """Policy: per-row verified path lengths (acceptance trials) and the width that was paid."""
+        if getattr(self.policy, "choose_width", None) is not None:
+            self.policy.observe(
+                k,
+                tried,
+                np.asarray(num_accepted),
+                report.draft_ms,
+                report.verify_ms,
+                width=plan.k,
+                batch=len(num_accepted),
+            )
+        else:
+            self.policy.observe(
+                k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, report.verify_ms
+            )
+
+    def _verify(
+        self, rows: list[Row], plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor
+    ) -> TreeVerifyResult:
+        """Accept each row's longest path the target agrees with (a chain is a one-branch tree)."""
         device = logits.device
-        tokens, lengths = plan.tokens.to(device), plan.lengths.to(device)  # [B, K], [B]
+        batch, n = parents.shape
+        tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)
+        parents = parents.to(device)  # [B, K+1]
         sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
         if not sampled:
-            return greedy_verify(tokens, lengths, logits)
-        batch = len(rows)
+            return greedy_tree_verify(tokens, parents, logits)
         num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
         next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        path = torch.full((batch, n), -1, dtype=torch.long, device=device)
         greedy = [b for b in range(batch) if rows[b].params.temperature == 0]
         if greedy:
             g = torch.tensor(greedy, device=device)
-            res = greedy_verify(tokens[g], lengths[g], logits[g])
-            num_accepted[g], next_tokens[g] = res.num_accepted, res.next_tokens
+            res = greedy_tree_verify(tokens[g], parents[g], logits[g])
+            num_accepted[g], next_tokens[g], path[g] = res.num_accepted, res.next_tokens, res.path
         s = torch.tensor(sampled, device=device)
         srows = [rows[b] for b in sampled]
         probs = probs_from_logits(
@@ -637,20 +733,24 @@ class TorchEngine:
             torch.tensor([r.params.top_p for r in srows], device=device),
         )  # [Bs, K+1, V]
         if plan.dists is None:
-            res = match_verify(
-                tokens[s], lengths[s], probs, [r.seed for r in srows], [r.num_output for r in srows]
-            )
-        else:
-            res = rejection_verify(
-                tokens[s],
-                lengths[s],
+            depth = tree_depths(parents[s]).cpu().numpy()  # [Bs, K+1]
+            first = np.array([r.num_output for r in srows], dtype=np.int64)[:, None]
+            u = position_uniforms([r.seed for r in srows], first + depth)  # [Bs, K+1]
+            res = sampled_tree_verify(tokens[s], parents[s], probs, torch.from_numpy(u).to(device))
+            num_accepted[s], next_tokens[s], path[s] = res.num_accepted, res.next_tokens, res.path
+        else:  # chains of drafts with distributions: lossless rejection sampling
+            chain = rejection_verify(
+                plan.tokens.to(device)[s],
+                plan.lengths.to(device)[s],
                 plan.probs.to(device)[s],
                 plan.dists.to(device)[s],
                 probs,
                 [r.generator for r in srows],
             )
-        num_accepted[s], next_tokens[s] = res.num_accepted, res.next_tokens
-        return VerifyResult(num_accepted=num_accepted, next_tokens=next_tokens)
+            steps = torch.arange(n, device=device)[None, :]  # [1, K+1]
+            num_accepted[s], next_tokens[s] = chain.num_accepted, chain.next_tokens
+            path[s] = torch.where(steps <= chain.num_accepted[:, None], steps, -1)
+        return TreeVerifyResult(num_accepted, next_tokens, path)
 
     def _trace_topk(
         self, rows: list[Row], plan: DraftPlan, logits: torch.Tensor
@@ -750,9 +850,10 @@ class TorchEngine:
         row.client.send(row.chunk(tokens, text, reason))
         if self._drafter is not None and row.draft_ok:
             try:
-                self._drafter.remove_request(
-                    row.request_id, None if reason == "abort" else row.output_ids
-                )
+                # an opted-out request ("train": false) leaves nothing that outlives it: its output
+                # must not reach the tenant's shared suffix index (nor any learning drafter)
+                keep = reason != "abort" and row.request.train
+                self._drafter.remove_request(row.request_id, row.output_ids if keep else None)
             except Exception:
                 log.exception("drafter.remove_request failed for %s", row.request_id)
         self._notify("on_request_finish", row.request, row.output_ids, reason, row.stats)

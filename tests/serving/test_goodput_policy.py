@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from serving.adaptive_k import CostModel
+from feedback.goodput import CostModel
 from serving.engine.goodput_policy import GoodputPolicy
 from serving.engine.policy import BatchState, SpeculationPolicy
 

@@ -15,6 +15,7 @@ def view(tokens, prompt_len=None, rid="r", tenant="default"):
 
 def drafter(**cfg) -> SuffixDrafter:
     cfg.setdefault("min_confidence", 0.0)
+    cfg.setdefault("tree_branches", 1)  # chains here; trees: test_tree_engine.py
     return SuffixDrafter(SuffixConfig(**cfg))
 
 

@@ -1,0 +1,168 @@
+"""LlamaForward: our own forward pass for Llama-family causal LMs (SmolLM2 is one), for TorchEngine.
+
+Why not the Hugging Face forward: on a CPU a decode step is bound by reading the weights once, and
+a verify of q = 2..16 tokens should cost about the same. Through ``F.linear`` (x @ W^T) it does
+not: MKL runs one row as a streaming gemv, but 2+ rows go through its gemm path, which costs
+~1.6-1.9x the one-row time on this 2-core AVX2 machine (ARCHITECTURE.md, "Decode path"). Computing
+the transpose instead, ``y^T = W @ x^T`` (the weight as the tall left operand, the few tokens as
+the thin right one), keeps the streaming kernel for small token counts. We also fuse q/k/v and
+gate/up into one matrix each (fewer, longer weight streams) and skip the framework's per-layer
+Python.
+
+The math is transformers' LlamaForCausalLM with sdpa attention (RMSNorm in fp32, rotary embedding
+from the model's own ``rotary_emb``, grouped-query attention), run over the engine's cache through
+the same contract: explicit ``position_ids`` [B, q], a bool mask [B, 1, q, L] (ragged rows, token
+trees), and ``cache.update(k, v, layer)`` returning the readable keys/values. Results match the
+reference to float rounding (tests compare logits and greedy outputs).
+
+``LlamaForward.supports(model)`` says whether a model can use it; other architectures keep the
+Hugging Face forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, q', V] (q' = logits_to_keep or q)
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    """As Hugging Face numbers them: [0] the embeddings, [i] the output of layer i - 1, [n] the
+    final normed state. Only the requested indices are real tensors; None elsewhere."""
+
+
+def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T for x [..., K] and w [N, K], computed as (w @ x^T)^T: the streaming kernel for few
+    tokens (see the module docstring)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # [T, K]
+    if x2.shape[0] > _THIN_MAX:
+        return F.linear(x, w)
+    y = torch.mm(w, x2.t())  # [N, T]
+    return y.t().reshape(*shape[:-1], w.shape[0])
+
+
+_THIN_MAX = 4
+"""Token counts up to this use w @ x^T; above it F.linear's gemm is as good or better (measured)."""
+
+
+class LlamaForward:
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        cfg = getattr(model, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in ("llama",):
+            return False
+        if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+            return False
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return False
+        inner = getattr(model, "model", None)
+        return inner is not None and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head")
+
+    def __init__(self, model: torch.nn.Module, thin_max: int | None = None):
+        if not self.supports(model):
+            raise ValueError(f"LlamaForward does not support {type(model).__name__}")
+        cfg = model.config
+        inner = model.model
+        self.model = model
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.eps = cfg.rms_norm_eps
+        self.rotary = inner.rotary_emb
+        self.embed = inner.embed_tokens.weight  # [V, H]
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight  # [V, H] (tied: the same tensor as embed)
+        self.thin_max = _THIN_MAX if thin_max is None else thin_max
+        self.layers = []
+        with torch.no_grad():
+            for layer in inner.layers:
+                a, m = layer.self_attn, layer.mlp
+                self.layers.append(
+                    (
+                        layer.input_layernorm.weight,
+                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
+                        a.o_proj.weight,
+                        layer.post_attention_layernorm.weight,
+                        torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
+                        m.down_proj.weight,
+                    )
+                )
+        self.q_dim = self.num_heads * self.head_dim
+        self.kv_dim = self.num_kv_heads * self.head_dim
+        self.inter = cfg.intermediate_size
+        self.scale = self.head_dim**-0.5
+
+    def weight_bytes(self) -> int:
+        """Bytes one decode step reads (every matrix once; the tied lm_head counted once)."""
+        n = sum(t.numel() * t.element_size() for lay in self.layers for t in lay)
+        n += self.final_norm.numel() * self.final_norm.element_size()
+        return n + self.lm_head.numel() * self.lm_head.element_size()
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] * x.shape[1] <= self.thin_max:
+            return _mm_t(x, w)
+        return F.linear(x, w)
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return w * h.to(dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past_key_values,
+        logits_to_keep: int = 0,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        """input_ids, position_ids [B, q]; attention_mask bool [B, 1, q, L] over the cache after this
+        step's update; past_key_values: the engine's cache (``update(k, v, layer) -> (K, V)``)."""
+        b, q = input_ids.shape
+        x = F.embedding(input_ids, self.embed)  # [B, q, H]
+        cos, sin = self.rotary(x, position_ids)  # [B, q, D] each
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]
+        want = {i % (self.num_layers + 1) for i in hidden_layers}  # -1: the final normed state
+        hidden: list[torch.Tensor | None] = [None] * (self.num_layers + 1)
+        if 0 in want:
+            hidden[0] = x
+        qd, kvd, d = self.q_dim, self.kv_dim, self.head_dim
+        for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
+            h = self._norm(x, ln1)
+            qkv = self._linear(h, qkv_w)  # [B, q, Hq*D + 2*Hkv*D]
+            qs = qkv[..., :qd].view(b, q, self.num_heads, d).transpose(1, 2)  # [B, Hq, q, D]
+            ks = qkv[..., qd : qd + kvd].view(b, q, self.num_kv_heads, d).transpose(1, 2)
+            vs = qkv[..., qd + kvd :].view(b, q, self.num_kv_heads, d).transpose(1, 2)
+            qs, ks = self._rope(qs, cos, sin), self._rope(ks, cos, sin)
+            keys, values = past_key_values.update(ks, vs, i)  # [B, Hkv, L, D] each
+            att = F.scaled_dot_product_attention(
+                qs, keys, values, attn_mask=attention_mask, scale=self.scale, enable_gqa=True
+            )  # [B, Hq, q, D]
+            att = att.transpose(1, 2).reshape(b, q, qd)
+            x = x + self._linear(att, o_w)
+            h = self._norm(x, ln2)
+            gu = self._linear(h, gu_w)  # [B, q, 2I]
+            x = x + self._linear(F.silu(gu[..., : self.inter]) * gu[..., self.inter :], down_w)
+            if i + 1 in want and i + 1 < self.num_layers:
+                hidden[i + 1] = x
+        x = self._norm(x, self.final_norm)
+        if self.num_layers in want:
+            hidden[self.num_layers] = x
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self._linear(x, self.lm_head)  # [B, q', V]
+        return ForwardOutput(logits=logits, hidden_states=tuple(hidden) if want else None)

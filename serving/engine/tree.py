@@ -1,0 +1,87 @@
+"""Token-tree helpers of the engine: cutting a draft plan to a node budget, and the chain view of a
+verified tree that observers and traces see.
+
+The chain view of row b is its accepted path plus the first rejected child of the path's last node
+(the branch the target was verified on and refused): exactly what a chain step with those drafts
+would have verified, so the trace schema's meaning (row j of the target top-k is the position after
+drafts[:j]) and the trainer's examples hold unchanged for trees. Other rejected branches are not
+traced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from serving.engine.drafting import DraftPlan
+
+
+def trim_plan(plan: DraftPlan, width: int) -> DraftPlan:
+    """The plan's first ``width`` nodes per row (drafters order nodes so that a prefix of them is a
+    subtree, e.g. best-first)."""
+    width = max(0, int(width))
+    if width >= plan.k:
+        return plan
+    if width == 0:
+        return DraftPlan.none(plan.tokens.shape[0])
+    lengths = plan.lengths.clamp(max=width)
+    source = plan.source.copy()
+    source[lengths.numpy() == 0] = 0
+    return DraftPlan(
+        tokens=plan.tokens[:, :width],
+        lengths=lengths,
+        probs=plan.probs[:, :width],
+        source=source,
+        dists=None if plan.dists is None else plan.dists[:, :width],
+        parents=None if plan.parents is None else plan.parents[:, :width],
+        confidence=None if plan.confidence is None else plan.confidence[:, :width],
+    )
+
+
+def path_confidence(parents: np.ndarray, confidence: np.ndarray) -> np.ndarray:
+    """[B, K+1] node-space parents and [B, K] per-node confidences -> [B, K] probability that each
+    drafted node is accepted (the product of the confidences on its path)."""
+    b, k = confidence.shape
+    cum = np.ones((b, k + 1), dtype=np.float64)  # node space, root = 1
+    conf = np.clip(confidence.astype(np.float64), 0.0, 1.0)
+    rows = np.arange(b)
+    for j in range(1, k + 1):
+        par = parents[:, j]
+        cum[:, j] = np.where(par >= 0, cum[rows, np.maximum(par, 0)] * conf[:, j - 1], 0.0)
+    return cum[:, 1:]
+
+
+def linear_view(
+    plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor, paths: list[list[int]]
+) -> tuple[DraftPlan, torch.Tensor, np.ndarray]:
+    """Chain view of a verified step: (plan, logits [B, K'+1, V], verified path lengths [B]).
+
+    For chain plans it is the plan itself. ``paths``: per row, node indices root..last accepted."""
+    if not plan.is_tree():
+        return plan, logits, plan.lengths.numpy()
+    par = parents.tolist()
+    lengths = plan.lengths.tolist()
+    chains = []
+    for b, path in enumerate(paths):
+        last = path[-1]
+        rejected = [i for i in range(1, lengths[b] + 1) if par[b][i] == last]
+        chains.append(path[1:] + rejected[:1])
+    batch = len(paths)
+    k = max((len(c) for c in chains), default=0)
+    nodes = torch.zeros(batch, k + 1, dtype=torch.long)  # [B, K'+1] root, then the chain
+    for b, c in enumerate(chains):
+        nodes[b, 1 : len(c) + 1] = torch.tensor(c, dtype=torch.long)
+    tried = torch.tensor([len(c) for c in chains], dtype=torch.long)  # [B]
+    drafts = (nodes[:, 1:] - 1).clamp(min=0)  # [B, K'] draft indices
+    in_len = torch.arange(k)[None, :] < tried[:, None]  # [B, K']
+    view = DraftPlan(
+        tokens=torch.where(in_len, plan.tokens.gather(1, drafts), 0),
+        lengths=tried,
+        probs=torch.where(in_len, plan.probs.gather(1, drafts), 0.0),
+        source=plan.source,
+        confidence=None
+        if plan.confidence is None
+        else torch.where(in_len, plan.confidence.gather(1, drafts), 0.0),
+    )
+    index = nodes.to(logits.device)[:, :, None].expand(-1, -1, logits.shape[-1])
+    return view, logits.gather(1, index), tried.numpy()  # [B, K'+1, V]

@@ -1,0 +1,69 @@
+"""TraceFollower: each serving replica reads the trace topic into its suffix index, so what any
+replica served (a prompt family seen only on replica A) becomes draftable on every replica.
+
+A supervised thread polls the topic with a consumer group of this replica's own (every replica sees
+every trace) and hands each record to the engine's current suffix drafter (the drafter itself, or
+the suffix half of a hybrid; looked up per batch, so swaps are followed). The drafter skips the
+requests it served itself (SuffixDrafter.observe_trace), and records of other tenants go to those
+tenants' indexes. Opted-out requests never reach the topic. Offsets are committed after indexing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from feedback.supervise import SupervisedThread
+
+log = logging.getLogger(__name__)
+
+
+def suffix_part(drafter):
+    """The drafter's suffix index holder (SuffixDrafter or a hybrid's suffix half), or None."""
+    if drafter is None:
+        return None
+    if callable(getattr(drafter, "observe_trace", None)):
+        return drafter
+    inner = getattr(drafter, "suffix", None)
+    return inner if callable(getattr(inner, "observe_trace", None)) else None
+
+
+class TraceFollower:
+    def __init__(self, engine, source_factory, replica_id: str, poll_records: int = 64,
+                 poll_timeout_s: float = 0.5):
+        """``source_factory()``: a KafkaTraceSource (poll/commit/close) in this replica's own group;
+        called in the thread (and again after a failure), so a broker that is down at start only
+        delays following."""
+        self.engine, self.source_factory, self.replica_id = engine, source_factory, replica_id
+        self.poll_records, self.poll_timeout_s = poll_records, poll_timeout_s
+        self.indexed = 0
+        self.skipped = 0
+        self._stop = threading.Event()
+        self._thread: SupervisedThread | None = None
+
+    def _run(self) -> None:
+        source = self.source_factory()
+        try:
+            while not self._stop.is_set():
+                records = source.poll(self.poll_records, self.poll_timeout_s)
+                if not records:
+                    continue
+                holder = suffix_part(getattr(self.engine, "drafter", None))
+                for rec in records:
+                    if holder is None:
+                        self.skipped += 1
+                        continue
+                    holder.observe_trace(rec)
+                    self.indexed += 1
+                source.commit()
+        finally:
+            source.close()
+
+    def start(self) -> TraceFollower:
+        self._thread = SupervisedThread(f"trace-follow-{self.replica_id}", self._run, self._stop).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.poll_timeout_s + 5)

@@ -1,0 +1,72 @@
+"""Admission control: the engine's queue is bounded; beyond it requests are refused at once with
+HTTP 429 in OpenAI's error shape and a Retry-After header (streamed or not), and admitted requests
+finish."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from serving.api.app import create_app
+from serving.builder import build_engine
+from serving.config import ServingSettings
+from serving.engine.base import GenerationRequest, Overloaded, SamplingParams
+from serving.engine.config import EngineConfig
+from serving.engine.torch_engine import TorchEngine
+from serving.target import tiny_target
+
+
+def test_engine_refuses_beyond_batch_plus_waiting(ids_target):
+    engine = TorchEngine(ids_target, None, EngineConfig(k=0, max_batch_size=1, max_waiting=1))
+
+    async def one(i):
+        req = GenerationRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3],
+                                params=SamplingParams(max_tokens=32, ignore_eos=True))
+        return [c async for c in engine.generate(req)]
+
+    async def main():
+        await engine.start()
+        try:
+            return await asyncio.gather(*[one(i) for i in range(4)], return_exceptions=True)
+        finally:
+            await engine.stop()
+
+    out = asyncio.run(main())
+    refused = [o for o in out if isinstance(o, Overloaded)]
+    done = [o for o in out if isinstance(o, list)]
+    assert len(refused) == 2 and len(done) == 2, out  # one running + one waiting admitted
+    assert all(sum(len(c.token_ids) for c in chunks) == 32 for chunks in done)
+    assert engine.refused_overload == 2
+    assert engine._in_flight == set()  # nothing of the refused requests is kept
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_429_with_retry_after_when_the_engine_is_full(stream):
+    settings = ServingSettings(served_model_name="tiny", drafter="suffix", max_batch_size=1,
+                               max_waiting=0, max_tokens_limit=400)
+    registry = CollectorRegistry()
+    engine = build_engine(settings, target=tiny_target(), registry=registry)
+    app = create_app(engine, settings, registry)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
+            first = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            while not engine._in_flight:
+                await asyncio.sleep(0.005)
+            second = await c.post("/v1/completions", json={**body, "max_tokens": 4, "stream": stream})
+            ok = await first
+            await engine.stop()
+            return ok, second
+
+    ok, refused = asyncio.run(main())
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 300
+    assert refused.status_code == 429
+    assert int(refused.headers["retry-after"]) >= 1
+    err = refused.json()["error"]
+    assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
+    assert "capacity" in err["message"]

@@ -1,0 +1,114 @@
+"""LlamaForward computes what the Hugging Face Llama forward computes, over the engine's cache."""
+
+import pytest
+import torch
+
+from serving.engine.batch_cache import RaggedKVCache
+from serving.engine.llama_forward import LlamaForward
+from serving.target import tiny_target
+
+
+def _prefilled(model, lengths, seed=0):
+    """A ragged cache whose rows hold ``lengths`` random tokens (written by the HF forward)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = RaggedKVCache.for_model(model, batch_size=0)
+    vocab = model.config.vocab_size
+    for n in lengths:
+        one = RaggedKVCache.for_model(model, batch_size=1)
+        ids = torch.randint(0, vocab, (1, n), generator=g)
+        pos, mask = one.prepare(n)
+        model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=one,
+              use_cache=True, logits_to_keep=1)
+        one.commit([n])
+        cache.append(one)
+    return cache
+
+
+def _twin(cache):
+    twin = RaggedKVCache.for_model_like(cache) if hasattr(RaggedKVCache, "for_model_like") else None
+    if twin is None:
+        twin = RaggedKVCache(cache.num_layers, cache.num_kv_heads, cache.head_dim, cache.dtype,
+                             cache.device, 0)
+        twin.keys = [k.clone() for k in cache.keys]
+        twin.values = [v.clone() for v in cache.values]
+        twin.lengths = list(cache.lengths)
+        twin.capacity = cache.capacity
+    return twin
+
+
+@pytest.mark.parametrize("q", [1, 2, 4, 5, 9])
+@torch.inference_mode()
+def test_logits_and_features_match_hf_on_ragged_rows(q):
+    model = tiny_target(vocab_size=97, num_layers=3).model
+    fast = LlamaForward(model, thin_max=4)
+    cache = _prefilled(model, [5, 11, 2])
+    twin = _twin(cache)
+    ids = torch.randint(0, 97, (3, q), generator=torch.Generator().manual_seed(q))
+    pos, mask = cache.prepare(q)
+    ref = model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                use_cache=True, output_hidden_states=True)
+    pos2, mask2 = twin.prepare(q)
+    layers = (0, 1, 2, 3, -1)
+    got = fast(ids, pos2, mask2, twin, hidden_layers=layers)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    for i in layers:
+        torch.testing.assert_close(got.hidden_states[i], ref.hidden_states[i], rtol=1e-4, atol=1e-4)
+    pos3, mask3 = twin.prepare(q)  # -1 alone still means the final normed state
+    last = fast(ids, pos3, mask3, twin, hidden_layers=(-1,)).hidden_states
+    torch.testing.assert_close(last[-1], ref.hidden_states[-1], rtol=1e-4, atol=1e-4)
+    for a, b in zip(cache.keys + cache.values, twin.keys + twin.values):  # same KV written
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_tree_shaped_mask_matches_hf():
+    """An arbitrary mask (here: two branches that must not see each other) is honoured exactly."""
+    model = tiny_target(vocab_size=61, num_layers=2).model
+    fast = LlamaForward(model)
+    cache = _prefilled(model, [6])
+    twin = _twin(cache)
+    ids = torch.tensor([[3, 7, 9, 11]])
+    pos, mask = cache.prepare(4)
+    pos = torch.tensor([[6, 7, 7, 8]])  # root, two siblings at depth 1, a child of the first
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    mask = mask.clone()
+    mask[0, 0, :, 6:10] = tree
+    ref = model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                use_cache=True)
+    twin.prepare(4)
+    got = fast(ids, pos, mask, twin)
+    torch.testing.assert_close(got.logits, ref.logits, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_logits_to_keep_and_unsupported_models():
+    model = tiny_target(vocab_size=50, num_layers=2).model
+    fast = LlamaForward(model)
+    cache = _prefilled(model, [4])
+    pos, mask = cache.prepare(3)
+    out = fast(torch.tensor([[1, 2, 3]]), pos, mask, cache, logits_to_keep=1)
+    assert out.logits.shape == (1, 1, 50) and out.hidden_states is None
+    assert fast.weight_bytes() > 0
+    model.config.model_type = "gpt2"
+    assert not LlamaForward.supports(model)
+    with pytest.raises(ValueError):
+        LlamaForward(model)
+
+
+@pytest.mark.real_model
+@torch.inference_mode()
+def test_real_model_greedy_outputs_equal_hf_reference():
+    """SmolLM2: the engine's fast forward decodes exactly what the Hugging Face forward decodes."""
+    from benchmarks.bench_engine import _greedy
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.target import load_target
+
+    target = load_target(None)
+    fast = TorchEngine(target, config=EngineConfig(k=0))
+    ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
+    assert fast._fast is not None and ref._fast is None
+    tok = target.tokenizer
+    for text in ("def fibonacci(n):", "The capital of France is", "Write a haiku about rain."):
+        ids = tok.encode(text)
+        assert _greedy(fast, ids, 16) == _greedy(ref, ids, 16)

@@ -1,0 +1,66 @@
+"""Serving's live figures and events reach MLflow from the first requests, off the engine thread."""
+
+from __future__ import annotations
+
+from mlflow.tracking import MlflowClient
+
+from feedback.ops_log import open_run
+from serving.drafters.suffix import SuffixDrafter
+from serving.engine.base import GenerationRequest, SamplingParams
+from serving.engine.config import EngineConfig
+from serving.engine.torch_engine import TorchEngine
+from serving.ops_observer import LiveOpsObserver
+from serving.target import tiny_target
+
+
+def test_serving_figures_reach_mlflow_from_the_first_requests(tmp_path, run):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    target = tiny_target(vocab_size=64)
+    ops = open_run(uri, target.fingerprint, "serving", "acme", "r1", flush_s=0.2)
+    assert ops is not None
+    obs = LiveOpsObserver(ops, every_s=0.0)
+    engine = TorchEngine(target, SuffixDrafter(), EngineConfig(k=3), observers=[obs])
+    reqs = [GenerationRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3, 1, 2, 3, 1, 2],
+                              params=SamplingParams(max_tokens=12), domain=dom)
+            for i, dom in enumerate(["chat", "code", "code"])]
+    run(engine, reqs)
+    obs.flush()
+    ops.close()
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"specloop/{target.fingerprint.key()}")
+    runs = client.search_runs([exp.experiment_id])
+    assert [r.info.run_name for r in runs] == ["serving-acme-r1"]
+    got = runs[0].data
+    assert got.tags["role"] == "serving" and got.tags["live_drafter"].startswith("suffix")
+    for key in ("tokens_per_verify.chat", "tokens_per_verify.code", "k_mean", "spec_off_fraction",
+                "step_ms", "event.drafter_change"):
+        assert key in got.metrics, key
+    history = client.get_metric_history(runs[0].info.run_id, "tokens_per_verify")
+    assert len(history) >= 2 and all(h.value >= 1.0 for h in history)
+
+
+
+
+def test_prometheus_acceptance_by_position_k_and_speculation_off():
+    from types import SimpleNamespace
+
+    import numpy as np
+    from prometheus_client import CollectorRegistry
+
+    from serving.metrics import SpecMetrics
+
+    reg = CollectorRegistry()
+    m = SpecMetrics(reg)
+    m.on_step(SimpleNamespace(request_ids=["a", "b", "c"], num_drafted=np.array([3, 2, 0]),
+                              num_accepted=np.array([2, 0, 0]), draft_ms=1.0, verify_ms=5.0))
+
+    def val(name, **labels):
+        return reg.get_sample_value(name, labels or None)
+
+    assert val("specloop_spec_position_drafted_total", position="1") == 2
+    assert val("specloop_spec_position_accepted_total", position="1") == 1
+    assert val("specloop_spec_position_accepted_total", position="2") == 1
+    assert val("specloop_spec_position_drafted_total", position="3") == 1
+    assert val("specloop_spec_position_accepted_total", position="3") is None
+    assert val("specloop_spec_off_rows_total") == 1
+    assert val("specloop_spec_draft_length_count") == 3 and val("specloop_spec_draft_length_sum") == 5

@@ -1,0 +1,70 @@
+"""Replicas share what their suffix indexes learn (issue 14): a prompt family served only on replica
+A raises replica B's acceptance on it, through the real broker."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from feedback.kafka_sink import KafkaTraceSink
+from feedback.kafka_source import KafkaTraceSource
+from serving.drafters.suffix import SuffixDrafter
+from serving.engine.base import GenerationRequest, SamplingParams
+from serving.engine.config import EngineConfig
+from serving.engine.torch_engine import TorchEngine
+from serving.observers import TraceRecorder
+from serving.target import tiny_target
+from serving.trace_follow import TraceFollower, suffix_part
+
+pytestmark = pytest.mark.integration
+
+
+def _family(i: int) -> list[int]:
+    return [5, 9, 13, 17, 21, 25, 29, 3 + i % 3]  # one prompt family: a shared stem
+
+
+def test_family_served_on_replica_a_raises_replica_b_acceptance(kafka_broker, kafka_topic, run):
+    target = tiny_target(vocab_size=48, hidden_size=64, num_layers=2)
+    sink = KafkaTraceSink(bootstrap_servers=kafka_broker.url, topic=kafka_topic)
+    a = TorchEngine(target, SuffixDrafter(), EngineConfig(k=4),
+                    observers=[TraceRecorder(sink, target.fingerprint)])
+    b_drafter = SuffixDrafter()  # replica B's suffix index (each run below is a fresh engine on it)
+    params = SamplingParams(max_tokens=24)
+
+    def on_b(tag: str, drafter=b_drafter) -> int:
+        b = TorchEngine(target, drafter, EngineConfig(k=4))
+        chunks = run(b, [GenerationRequest(request_id=f"b-{tag}", prompt_ids=_family(0), params=params)])
+        return chunks[0][-1].stats.accepted_tokens
+
+    without = on_b("control", SuffixDrafter())  # a replica that follows nothing: prompt lookup only
+    run(a, [GenerationRequest(request_id=f"a{i}", prompt_ids=_family(i), params=params) for i in range(3)])
+    sink.flush(10.0)
+    follower = TraceFollower(
+        SimpleNamespace(drafter=b_drafter), lambda: KafkaTraceSource(bootstrap_servers=kafka_broker.url, topic=kafka_topic,
+                                    group_id="replica-b", session_timeout_ms=2000,
+                                    heartbeat_interval_ms=500, auto_offset_reset="earliest"),
+        "b").start()
+    try:
+        deadline = time.monotonic() + 60
+        while follower.indexed < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert follower.indexed >= 3
+        after = on_b("after")  # B never served the family: what it knows came from A's traces
+    finally:
+        follower.stop()
+        sink.close()
+    assert after > without, (without, after)
+
+
+def test_suffix_part_finds_the_index_holder():
+    d = SuffixDrafter()
+    assert suffix_part(d) is d
+    assert suffix_part(None) is None
+
+    class Hybrid:
+        suffix = d
+
+    assert suffix_part(Hybrid()) is d
+    assert suffix_part(object()) is None

@@ -1,0 +1,313 @@
+"""Token-tree speculation end to end: the suffix drafter's trees, the engine verifying them (greedy
+token-identical to target-only decoding, batch > 1, ragged; seeded sampled rows identical to
+target-only sampling), and the goodput width choice."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from feedback.trace import DrafterKind
+from serving.drafters.base import DraftProposal, DraftRequestView
+from serving.drafters.suffix import SuffixConfig, SuffixDrafter
+from serving.engine.base import GenerationRequest, SamplingParams
+from serving.engine.config import EngineConfig
+from serving.engine.goodput_policy import GoodputPolicy
+from serving.engine.reference import target_greedy_reference
+from serving.engine.torch_engine import TorchEngine
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12], [42, 42, 42], [5, 17]]
+VOCAB = 101
+
+
+def _req(rid, prompt, params):
+    return GenerationRequest(request_id=rid, prompt_ids=list(prompt), params=params)
+
+
+def _tokens(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+@pytest.fixture(scope="module")
+def refs(ids_target):
+    return {tuple(p): target_greedy_reference(ids_target.model, p, 40) for p in PROMPTS}
+
+
+class TreeReplayDrafter:
+    """Proposes trees whose true continuation hides on a random branch: root children are decoys
+    and the reference token in a random order, the reference path continues under its node with a
+    decoy sibling at each level (and, every ``corrupt_every`` positions, the reference is wrong)."""
+
+    kind = "suffix"
+    version = "tree"
+    feature_layers = ()
+
+    def __init__(self, references, seed=0, corrupt_every=0):
+        self.refs, self.rng, self.corrupt = references, np.random.default_rng(seed), corrupt_every
+        self.steps, self.views = [], {}
+
+    def add_request(self, view, features=None):
+        pass
+
+    def on_verified(self, request_id, accepted_ids, features):
+        pass
+
+    def remove_request(self, request_id, output_ids):
+        pass
+
+    def _tree(self, view: DraftRequestView, k: int):
+        ref = self.refs.get(tuple(view.token_ids[: view.prompt_len]), [])
+        pos = len(view.token_ids) - view.prompt_len
+        tokens, parents, conf = [], [], []
+        parent = -1
+        while len(tokens) + 2 <= k and pos < len(ref):
+            true = ref[pos]
+            if self.corrupt and pos % self.corrupt == self.corrupt - 1:
+                true = (true + 1) % VOCAB
+            decoy = (true + 1 + int(self.rng.integers(0, VOCAB - 1))) % VOCAB
+            pair = [true, decoy] if self.rng.random() < 0.5 else [decoy, true]
+            for t in pair:
+                tokens.append(t)
+                parents.append(parent)
+                conf.append(0.5)
+            parent = len(tokens) - 2 + pair.index(true)
+            pos += 1
+        return tokens, parents, conf
+
+    def propose(self, views, k):
+        n = len(views)
+        tok = torch.zeros(n, k, dtype=torch.long)
+        par = torch.full((n, k), -1, dtype=torch.long)
+        conf = torch.zeros(n, k)
+        lengths = torch.zeros(n, dtype=torch.long)
+        for i, v in enumerate(views):
+            t, p, c = self._tree(v, k)
+            tok[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            par[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            conf[i, : len(c)] = torch.tensor(c)
+            lengths[i] = len(t)
+        self.steps.append(int(lengths.max()))
+        return DraftProposal(
+            tokens=tok,
+            lengths=lengths,
+            probs=torch.ones(n, k),
+            source=np.full(n, DrafterKind.SUFFIX, dtype=np.uint8),
+            confidence=conf,
+            parents=par,
+        )
+
+
+class Recorder:
+    def __init__(self):
+        self.steps = []
+
+    def on_step(self, batch):
+        self.steps.append(batch)
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 3])
+def test_greedy_trees_match_target_only_decoding(ids_target, refs, run, corrupt_every):
+    drafter = TreeReplayDrafter(refs, seed=corrupt_every, corrupt_every=corrupt_every)
+    rec = Recorder()
+    engine = TorchEngine(ids_target, drafter, EngineConfig(k=8, max_batch_size=4), [rec])
+    reqs = [_req(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
+    outs = run(engine, reqs, delays=[0.0, 0.005, 0.01, 0.0, 0.02])
+    for p, chunks in zip(PROMPTS, outs):
+        assert _tokens(chunks) == refs[tuple(p)]
+    mean_accept = np.mean([c[-1].stats.mean_accept_len for c in outs])
+    assert mean_accept > (3.0 if corrupt_every == 0 else 1.8)  # branches other than the first won
+    trees = [s for s in rec.steps if s.tree_nodes is not None]
+    assert trees and max(len(s.request_ids) for s in trees) > 1  # batched tree steps
+    for s in trees:  # the chain view: accepted path (+ one rejected node), emitted tokens agree
+        for b, (em, a) in enumerate(zip(s.emitted, s.num_accepted)):
+            assert list(s.draft_ids[b, :a]) == em[:a]
+            assert a <= s.num_drafted[b] <= a + 1 and s.num_drafted[b] <= s.tree_nodes[b]
+
+
+def test_seeded_sampled_rows_with_trees_equal_target_only(ids_target, refs, run):
+    params = SamplingParams(temperature=0.8, max_tokens=32, seed=77)
+    [alone] = run(TorchEngine(ids_target, None, EngineConfig(k=0)), [_req("x", PROMPTS[2], params)])
+    # the target's own sampled continuation as the hidden branch, in a mixed batch
+    sampled_ref = {tuple(PROMPTS[2]): _tokens(alone)}
+    drafter = TreeReplayDrafter({**refs, **sampled_ref}, seed=5)
+    engine = TorchEngine(ids_target, drafter, EngineConfig(k=6, max_batch_size=4))
+    reqs = [
+        _req("g0", PROMPTS[0], SamplingParams(max_tokens=40)),
+        _req("x", PROMPTS[2], params),
+        _req("s1", PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=30)),
+    ]
+    outs = run(engine, reqs, delays=[0.0, 0.003, 0.0])
+    assert _tokens(outs[0]) == refs[tuple(PROMPTS[0])]
+    assert _tokens(outs[1]) == _tokens(alone)
+    assert outs[1][-1].stats.accepted_tokens > 0
+
+
+def test_suffix_drafter_proposes_best_first_trees():
+    d = SuffixDrafter(SuffixConfig(min_confidence=0.0, tree_branches=4))
+    # "1 2" was followed by 3 twice and by 4 once: the tree keeps both branches, 3 first
+    ctx = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2]
+    view = DraftRequestView("r", ctx, len(ctx))
+    d.add_request(view)
+    prop = d.propose([view], 6)
+    n = int(prop.lengths[0])
+    tokens = prop.tokens[0, :n].tolist()
+    parents = prop.parents[0, :n].tolist()
+    roots = [t for t, p in zip(tokens, parents) if p == -1]
+    assert roots[:2] == [3, 4]
+    assert all(p < i for i, p in enumerate(parents))
+    cum = []  # path probabilities never increase in node order (best-first)
+    for i, p in enumerate(parents):
+        c = float(prop.confidence[0, i]) * (cum[p] if p >= 0 else 1.0)
+        cum.append(c)
+    assert all(a >= b - 1e-9 for a, b in itertools.pairwise(cum))
+
+
+def test_suffix_trees_stay_lossless_and_accept_more(ids_target, refs, run):
+    """Greedy suffix trees on repetitive prompts: identical output, no fewer tokens per step."""
+    prompts = [p * 4 for p in ([3, 1, 4, 1, 5], [2, 7, 1, 8], [6, 6, 2])]
+    ref = {tuple(p): target_greedy_reference(ids_target.model, p, 40) for p in prompts}
+    accepts = {}
+    for branches in (1, 4):
+        drafter = SuffixDrafter(SuffixConfig(tree_branches=branches, min_confidence=0.0))
+        engine = TorchEngine(ids_target, drafter, EngineConfig(k=6, max_batch_size=3))
+        reqs = [_req(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(prompts)]
+        outs = run(engine, reqs)
+        for p, chunks in zip(prompts, outs):
+            assert _tokens(chunks) == ref[tuple(p)]
+        accepts[branches] = sum(c[-1].stats.accepted_tokens for c in outs)
+    assert accepts[4] >= accepts[1]
+
+
+def _chain(n_rows, k, conf):
+    parents = torch.cat([torch.full((n_rows, 1), -1), torch.arange(k).expand(n_rows, k)], 1)
+    return parents, torch.full((n_rows, k), conf), torch.full((n_rows,), k)
+
+
+def test_width_follows_measured_costs_and_batch():
+    policy = GoodputPolicy(8, remeasure_every=10_000)
+    # batch 1: plain 60 ms, any width 100 ms (this CPU's 1.6x jump); batch 8: width costs grow
+    for w in range(9):
+        policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 60.0 if w == 0 else 100.0, width=w, batch=1)
+        policy.observe(w, np.zeros(8), np.zeros(8), 0.0, 80.0 * (1 + 0.5 * w), width=w, batch=8)
+    policy.calibration = 1.0
+    assert policy.choose_width(*_chain(1, 8, 0.9), batch=1) == 8  # long confident drafts pay
+    assert policy.choose_width(*_chain(1, 8, 0.3), batch=1) == 0  # ~0.43 tokens: not for 1.67x
+    assert policy.choose_width(*_chain(8, 8, 0.9), batch=8) < 8  # shrinks with batch size
+    assert policy.choose_width(*_chain(8, 8, 0.05), batch=8) == 0
+
+
+def test_width_calibration_learns_from_outcomes():
+    policy = GoodputPolicy(4, remeasure_every=10_000)
+    for w in range(5):
+        policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 60.0 if w == 0 else 80.0, width=w, batch=1)
+    for _ in range(200):  # the drafter claims 0.9 but nothing is ever accepted
+        w = policy.choose_width(*_chain(1, 4, 0.9), batch=1)
+        ms = 60.0 if w == 0 else 80.0
+        policy.observe(4, np.array([min(w, 1)]), np.zeros(1), 0.0, ms, width=w, batch=1)
+    assert policy.calibration < 0.2
+    assert policy.choose_width(*_chain(1, 4, 0.9), batch=1) == 0
+
+
+def test_tree_steps_are_traced_and_train(ids_target, refs, run):
+    """Trace records of tree steps: the chain view (accepted path + first rejected node) with the
+    target top-k at those nodes, the whole tree in tree_ids/parents; codec round trip; the
+    trainer's examples build from them."""
+    from feedback.codec import decode, encode
+    from feedback.sink import InProcessTraceSink
+    from feedback.testing import assert_same_trace
+    from serving.observers import TraceRecorder
+    from trainer.examples import build_examples
+
+    sink = InProcessTraceSink()
+    recorder = TraceRecorder(sink, ids_target.fingerprint)
+    drafter = TreeReplayDrafter(refs, seed=2, corrupt_every=4)
+    engine = TorchEngine(ids_target, drafter, EngineConfig(k=6, trace_topk=5), [recorder])
+    reqs = [_req("a", PROMPTS[0], SamplingParams(max_tokens=30)),
+            _req("b", PROMPTS[2], SamplingParams(max_tokens=30))]
+    outs = run(engine, reqs)
+    records = {r.request_id: r for r in sink.drain()}
+    model = ids_target.model
+    for req, chunks in zip(reqs, outs):
+        rec = records[req.request_id]
+        st = rec.steps
+        out = _tokens(chunks)
+        assert st.tree_ids is not None and (st.tree_ids[:, 0] >= 0).any()
+        for s in range(st.num_steps):
+            pos, nd, na = int(st.positions[s]), int(st.num_drafted[s]), int(st.num_accepted[s])
+            drafts = st.draft_ids[s, :nd].tolist()
+            assert drafts[:na] == out[pos : pos + na]
+            assert set(drafts) <= set(st.tree_ids[s].tolist())
+            # top-1 at each chain-view row = the target's argmax after prompt+output[:pos]+drafts[:j]
+            for j in range(nd + 1):
+                ctx = list(req.prompt_ids) + out[:pos] + drafts[:j]
+                with torch.inference_mode():
+                    best = int(model(torch.tensor([ctx])).logits[0, -1].argmax())
+                assert int(st.target_topk_ids[s, j, 0]) == best
+        assert_same_trace(decode(encode(rec)), rec)
+        assert build_examples(rec)
+
+
+def test_cheap_drafter_that_never_pays_is_only_probed():
+    from serving.engine.policy import BatchState
+
+    policy = GoodputPolicy(8, probe_every=16, remeasure_every=10_000)
+    policy.observe(0, np.zeros(1), np.zeros(1), 0.0, 60.0, width=0, batch=1)
+    for w in range(1, 9):
+        policy.observe(w, np.ones(1), np.zeros(1), 0.05, 100.0, width=w, batch=1)
+    state = BatchState(1, 8, np.array([100]))
+    asked = 0
+    for _ in range(320):
+        probes = policy.probes
+        k = policy.choose_k(state)
+        if k:
+            asked += 1
+            w = policy.choose_width(*_chain(1, 8, 0.2), batch=1)
+            assert (w > 0) == (policy.probes > probes)  # never pays; probes still verify some
+    assert asked <= 16 + 320 // 16 + 1  # full budget until the streak, then probes only
+    while policy.choose_k(state) == 0:  # the next probe finds drafts that pay: back on
+        pass
+    assert policy.choose_width(*_chain(1, 8, 0.97), batch=1) > 0
+    assert policy.choose_k(state) == 8
+
+
+def test_suffix_tree_branches_over_both_sources():
+    """Prompt lookup says 1 2 -> 3, the tenant index says 1 2 -> 4: the tree offers both."""
+    d = SuffixDrafter(SuffixConfig(min_confidence=0.0, tree_branches=4))
+    for _ in range(3):
+        d.observe("default", [1, 2, 4, 5, 6])
+    ctx = [9, 1, 2, 3, 8, 1, 2]
+    view = DraftRequestView("r", ctx, len(ctx))
+    d.add_request(view)
+    prop = d.propose([view], 6)
+    n = int(prop.lengths[0])
+    roots = {t for t, p in zip(prop.tokens[0, :n].tolist(), prop.parents[0, :n].tolist()) if p == -1}
+    assert {3, 4} <= roots
+    assert len(roots) == sum(p == -1 for p in prop.parents[0, :n].tolist())  # no duplicate roots
+
+
+def test_probes_verify_drafts_so_a_drafter_that_improves_comes_back():
+    from serving.engine.policy import BatchState
+
+    policy = GoodputPolicy(4, probe_every=8, remeasure_every=10_000)
+    policy.observe(0, np.zeros(1), np.zeros(1), 0.0, 60.0, width=0, batch=1)
+    for w in range(1, 5):
+        policy.observe(w, np.ones(1), np.zeros(1), 0.01, 90.0, width=w, batch=1)
+    state = BatchState(1, 4, np.array([100]))
+
+    def step(accepted_when_drafted: int) -> int:
+        k = policy.choose_k(state)
+        w = policy.choose_width(*_chain(1, 4, 0.8), batch=1) if k else 0
+        acc = min(w, accepted_when_drafted)
+        policy.observe(k, np.array([min(w, acc + 1)]), np.array([acc]), 0.01,
+                       60.0 if w == 0 else 90.0, width=w, batch=1)
+        return w
+
+    for _ in range(200):  # the drafter is useless: speculation goes off
+        step(0)
+    assert sum(step(0) > 0 for _ in range(64)) <= 64 // 8 + 1
+    # the drafter becomes good (e.g. its index learned the domain): probes notice, it comes back
+    widths = [step(4) for _ in range(300)]
+    assert sum(w > 0 for w in widths[-50:]) >= 45
