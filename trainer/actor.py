@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from serving.priority import lower_thread_priority
+from feedback.priority import lower_thread_priority
 from trainer.config import TrainerSettings
 from trainer.loop import LoopStats
 
@@ -44,6 +44,8 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         control = ControlPlane(url=s.redis_url)
         kw.setdefault("saturated", ServingLoad(control, s.max_queue_depth, s.max_utilisation))
         kw.setdefault("announcer", RedisAnnouncer(control, getattr(student, "kind", None), fingerprint.key()))
+        kw.setdefault("deletions", control)  # tenant data deletion requests (the admin route)
+        kw.setdefault("rollbacks_from", control)  # serving's rollbacks: the champion follows them
     return TrainerLoop(
         source, student, fingerprint,
         loop=LoopConfig(tenant=s.tenant, poll_records=s.poll_records, poll_timeout_s=s.poll_timeout_s,
@@ -57,7 +59,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
                         draft_cost=s.draft_cost, hybrid=s.hybrid),
         replay=ReplayBuffer(capacity=s.replay_capacity, heldout_fraction=s.heldout_fraction,
                             heldout_size=s.heldout_size, half_life=s.half_life, fingerprint=fingerprint,
-                            tenant=s.tenant),
+                            tenant=s.tenant, max_age_s=s.trace_max_age_s),
         registry=registry, **kw)
 
 
@@ -89,7 +91,7 @@ class TrainerActor:
     def stats(self) -> dict:
         s = self.loop.stats
         return {"rounds": s.rounds, "paused_rounds": s.paused_rounds, "train_steps": s.train_steps,
-                "records_polled": s.records_polled, "promotions": s.promotions,
+                "records_polled": s.records_polled, "promotions": s.promotions, "round_errors": s.round_errors,
                 "last_decision": s.last_decision, "champion_version": self.loop.champion_version,
                 "trace_tokens_seen": self.loop.replay.tokens_seen,
                 "curve": s.curve[-1:]}  # the latest held-out evaluation (the whole curve is in MLflow)
@@ -99,11 +101,16 @@ class TrainerActor:
         return dict(getattr(self.loop.source, "polled_at", {}))
 
 
-def spawn_actor(loop_factory, threads: int = 1, nice: int = 0, num_cpus: float = 1):
-    """A TrainerActor on the current Ray (``init_ray`` first); returns its handle."""
+def spawn_actor(loop_factory, threads: int = 1, nice: int = 0, num_cpus: float = 1, max_restarts: int = 5):
+    """A TrainerActor on the current Ray (``init_ray`` first); returns its handle.
+
+    A worker that dies (OOM, a killed process) is restarted by Ray up to ``max_restarts`` times:
+    ``loop_factory`` runs again, so the loop resumes from its latest checkpoint and the consumer
+    group from its committed offsets; a ``run()`` in flight is retried on the new worker."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus, max_concurrency=2)(TrainerActor).remote(loop_factory, threads, nice)
+    return ray.remote(num_cpus=num_cpus, max_concurrency=2, max_restarts=max_restarts,
+                      max_task_retries=-1)(TrainerActor).remote(loop_factory, threads, nice)
 
 
 class RemoteTrainer:

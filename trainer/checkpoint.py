@@ -1,16 +1,28 @@
 """Trainer checkpoints: distiller state (model + optimizer + step + RNG) and the replay buffer.
 
-Written atomically (temp dir, then rename) *before* offsets are committed, so a kill at any point
-loses nothing: uncommitted records are redelivered and the restored replay's request-id dedup
-drops the ones already in it. Traces are stored with the trace codec (no pickle); tensors with
-``torch.save`` and read back with ``weights_only=True``.
+Layout: ``<dir>/ckpt-00000012/`` one complete checkpoint per save, the highest number the latest,
+the ``keep`` newest kept (older ones are the fallback should the newest fail to load). A save is
+atomic: every file is written and fsynced in ``<dir>/.tmp-<n>/``, the directory is fsynced, then one
+``rename`` makes it ``ckpt-<n>`` (and the parent directory is fsynced). A kill at any point leaves
+either the previous checkpoint or the new one, never neither. Saves happen *before* offsets are
+committed, so a kill loses nothing: uncommitted records are redelivered and the restored replay's
+request-id dedup drops the ones already in it.
+
+Traces are stored with the trace codec (no pickle); tensors with ``torch.save`` and read back with
+``weights_only=True``. ``fault`` (tests only) is called with the name of each step as it is
+reached, so a test can kill the save between any two of them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
 import shutil
 import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,53 +30,131 @@ import torch
 from feedback import codec
 from trainer.replay import ReplayBuffer
 
+log = logging.getLogger(__name__)
 
-def save(path: str | Path, distiller, replay: ReplayBuffer, extra: dict | None = None,
-         champion_state: dict | None = None) -> None:
-    """``champion_state``: the champion's weights, written inside the same atomic rename."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+KEEP = 3
+"""Checkpoints kept by default (the newest first)."""
+
+_NAME = re.compile(r"^ckpt-(\d{8})$")
+STEPS = ("tmp_dir", "distiller", "champion", "replay", "meta", "fsync_dir", "rename", "prune")
+"""The steps of one save, in order (names passed to ``fault``)."""
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _numbered(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(out, reverse=True)
+
+
+def save(root: str | Path, distiller, replay: ReplayBuffer, extra: dict | None = None,
+         champion_state: dict | None = None, keep: int = KEEP,
+         fault: Callable[[str], None] | None = None) -> Path:
+    """Write a new checkpoint under ``root`` and return its path. ``champion_state``: the champion's
+    weights, inside the same atomic rename."""
+    step = fault or (lambda name: None)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    existing = _numbered(root)
+    n = existing[0][0] + 1 if existing else 1
+    tmp = root / f".tmp-{n:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
+    step("tmp_dir")
     torch.save(distiller.state_dict(), tmp / "distiller.pt")
+    _fsync_file(tmp / "distiller.pt")
+    step("distiller")
     if champion_state is not None:
         torch.save(champion_state, tmp / "champion.pt")
+        _fsync_file(tmp / "champion.pt")
+    step("champion")
     entries = sorted([*replay._train, *replay._heldout], key=lambda e: e.seq)
     with open(tmp / "replay.bin", "wb") as f:
         for e in entries:
             blob = codec.encode(e.record)
             f.write(struct.pack("<I", len(blob)))
             f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    step("replay")
     meta = {"tokens_seen": replay.tokens_seen, "seen_ids": list(replay._seen_order),
-            "heldout_ids": [e.record.request_id for e in replay._heldout], **(extra or {})}
+            "heldout_ids": [e.record.request_id for e in replay._heldout], "saved_at": time.time(),
+            **(extra or {})}
     (tmp / "meta.json").write_text(json.dumps(meta))
-    old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_file(tmp / "meta.json")
+    step("meta")
+    _fsync_dir(tmp)
+    step("fsync_dir")
+    final = root / f"ckpt-{n:08d}"
+    tmp.rename(final)  # the one atomic step: before it the previous checkpoint is the latest
+    _fsync_dir(root)
+    step("rename")
+    for _, old in _numbered(root)[max(keep, 1):]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-*"):  # left by an earlier kill
+        shutil.rmtree(stale, ignore_errors=True)
+    step("prune")
+    return final
 
 
-def exists(path: str | Path) -> bool:
-    return (Path(path) / "meta.json").exists()
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None if there is none)."""
+    found = _numbered(Path(root))
+    return found[0][1] if found else None
+
+
+def all_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, newest first."""
+    return [p for _, p in _numbered(Path(root))]
+
+
+def exists(root: str | Path) -> bool:
+    return latest(root) is not None
 
 
 def load(path: str | Path, distiller, replay: ReplayBuffer) -> dict:
-    """Restore into a fresh distiller and an empty replay buffer; returns the extra metadata."""
+    """Restore one checkpoint directory into a fresh distiller and an empty replay buffer; returns
+    the extra metadata. Traces older than the replay's ``max_age_s`` (if set) are not restored."""
     path = Path(path)
     distiller.load_state_dict(torch.load(path / "distiller.pt", weights_only=True))
     meta = json.loads((path / "meta.json").read_text())
     kept = "heldout_ids" in meta  # the split as it was, not re-derived (see ReplayBuffer.min_heldout)
     heldout = set(meta.pop("heldout_ids", []))
+    meta.pop("saved_at", None)
     data = (path / "replay.bin").read_bytes()
     i = 0
     while i < len(data):
         (n,) = struct.unpack_from("<I", data, i)
         record = codec.decode(data[i + 4 : i + 4 + n])
-        replay.add(record, heldout=(record.request_id in heldout) if kept else None)
         i += 4 + n
+        replay.add(record, heldout=(record.request_id in heldout) if kept else None)
     replay.tokens_seen = meta.pop("tokens_seen")
     for rid in meta.pop("seen_ids"):
         replay.remember(rid)
     return meta
+
+
+def load_latest(root: str | Path, make: Callable[[], tuple]) -> tuple[Path, object, ReplayBuffer, dict] | None:
+    """Load the newest checkpoint under ``root`` that loads, falling back to older ones.
+    ``make()`` returns a fresh ``(distiller, replay)`` for each attempt. None if none loads."""
+    for path in all_checkpoints(root):
+        distiller, replay = make()
+        try:
+            return path, distiller, replay, load(path, distiller, replay)
+        except Exception:
+            log.exception("checkpoint %s does not load; trying an older one", path)
+    return None

@@ -3,31 +3,60 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import typer
 
 
-def make_student(model: str, kind: str, max_len: int):
+def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
+                 draft_vocab_size: int | None = 8192, adapter_layers: int = 1):
     """Build the day-0 student from the target directory. Runs inside the Ray worker, so no model
     weights travel through the object store (on a cluster the path must exist on the worker)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from feedback.drafter_models import eagle_from_target, standalone_from_target
+    from feedback.drafter_models import (
+        day0_draft_vocab,
+        eagle_from_target,
+        special_token_ids,
+        standalone_from_target,
+    )
+    from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
     from trainer.eagle_student import EagleStudent
-    from trainer.students import StandaloneStudent
+    from trainer.students import SelfSpecStudent, StandaloneStudent
 
     target = AutoModelForCausalLM.from_pretrained(model)
     if kind == "eagle":
         return EagleStudent(eagle_from_target(target), max_len=max_len)
+    if kind == "selfspec":
+        target = target.float()
+        vocab = None
+        if draft_vocab_size is not None:
+            specials = special_token_ids(AutoTokenizer.from_pretrained(model), target.config)
+            vocab = day0_draft_vocab(int(target.config.vocab_size), draft_vocab_size, specials)
+        adapter = selfspec_adapter_from_target(target, exit_layer=exit_layer, adapter_layers=adapter_layers,
+                                               draft_vocab=vocab)
+        return SelfSpecStudent(assemble(adapter, target), adapter.config, max_len)
     return StandaloneStudent(standalone_from_target(target).float(), max_len)
 
 
 def train(
     model: str = typer.Option(..., help="Target model directory (HF format) the drafter is trained for."),
     rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until interrupted)."),
+    offline: Path | None = typer.Option(None, help="Train once, offline, on the target's own responses to "
+                                        "these prompts (JSONL: messages or prompt, optional domain); no Kafka/Ray."),
+    out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline: artifact directory written."),
+    model_id: str | None = typer.Option(None, help="--offline: target id in the fingerprint (default: the directory "
+                                        "name; serving's default target is SmolLM2-135M-Instruct)."),
+    max_new_tokens: int = typer.Option(64, help="--offline: tokens generated per prompt."),
+    steps: int = typer.Option(400, help="--offline: most training steps (early stop on held-out acceptance)."),
 ) -> None:
-    """Consume traces, distil the drafter, gate, register and announce promotions."""
+    """Consume traces, distil the drafter, gate, register and announce promotions; with
+    ``--offline`` train a static drafter once from prompts and save (and register) it."""
     import json
+
+    if offline is not None:
+        print(json.dumps(run_offline(model, offline, out, model_id, max_new_tokens, steps)))
+        return
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -43,7 +72,13 @@ def train(
     fp = TargetFingerprint(model_id=str(config.name_or_path or model).rstrip("/").split("/")[-1],
                            tokenizer_hash=tokenizer_hash(tok), vocab_size=int(config.vocab_size))
     export_cfg = StandaloneConfig.for_target(config) if settings.drafter == "standalone" else None
-    factory = functools.partial(make_student, model, settings.drafter, settings.max_len)
+    if settings.drafter == "selfspec":
+        from feedback.drafters_from_target import SelfSpecConfig
+
+        export_cfg = SelfSpecConfig.for_target(config, settings.exit_layer, settings.adapter_layers,
+                                               draft_vocab_size=settings.draft_vocab_size)
+    factory = functools.partial(make_student, model, settings.drafter, settings.max_len,
+                                settings.exit_layer, settings.draft_vocab_size, settings.adapter_layers)
     actor = start_actor(settings, factory, fp, exporter=artifact_exporter(export_cfg))
     import ray
 
@@ -53,3 +88,55 @@ def train(
         ray.get(actor.stop.remote())
     finally:
         ray.shutdown()
+
+
+def run_offline(model: str, prompts: Path, out: Path, model_id: str | None, max_new_tokens: int,
+                steps: int) -> dict:
+    """``specloop train --offline``: generate, trace, distil (trainer/offline.py), save; register in
+    MLflow as the tenant's champion when SPECLOOP_TRAINER_TRACKING_URI is set explicitly."""
+    import os
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from feedback.artifact import save_drafter
+    from feedback.fingerprint import TargetFingerprint, tokenizer_hash
+    from trainer.config import TrainerSettings
+    from trainer.distill import DistillConfig
+    from trainer.offline import generate_traces, read_prompts, train_offline
+
+    settings = TrainerSettings()
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model)
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    fp = TargetFingerprint(model_id=model_id or Path(model).name.rstrip("/"), tokenizer_hash=tokenizer_hash(tok),
+                           vocab_size=int(target.get_output_embeddings().weight.shape[0]))
+    items = read_prompts(prompts, tok)
+    records = generate_traces(target, tok, fp, items, max_new_tokens=max_new_tokens, tenant=settings.tenant)
+    gen_s = time.perf_counter() - t0
+    student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
+                           settings.draft_vocab_size, settings.adapter_layers)
+    cfg = DistillConfig(loss=settings.loss, discard_weight=settings.discard_weight, reject_weight=settings.reject_weight,
+                        ce_weight=settings.ce_weight, lr=settings.lr, weight_decay=settings.weight_decay,
+                        batch_traces=settings.batch_traces, max_len=settings.max_len)
+    fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=cfg)
+    config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
+    if config is None:
+        from feedback.drafter_models import StandaloneConfig
+
+        config = StandaloneConfig.for_target(student.model.config)
+    version = f"static-{int(time.time())}"
+    save_drafter(student.model, config, fp, out, version=version, overwrite=True,
+                 extra={"offline_prompts": str(prompts), **{k: v for k, v in fit.items() if k != "stopped_early"}})
+    result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
+              "generation_s": gen_s, **fit}
+    if "SPECLOOP_TRAINER_TRACKING_URI" in os.environ:
+        from feedback.registry import DrafterRegistry
+
+        reg = DrafterRegistry(settings.tracking_uri)
+        run_id = reg.log_candidate(fp, out, params={"offline_prompts": str(prompts), "drafter": settings.drafter},
+                                   metrics={"heldout_acceptance": fit["heldout_acceptance"]},
+                                   tags={"origin": "offline"})
+        result["registered"] = reg.register(settings.tenant, run_id, description="offline static drafter").version
+    return result

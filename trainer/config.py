@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -12,7 +12,10 @@ class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECLOOP_TRAINER_")
 
     tenant: str = Field("default", description="Tenant whose traces are trained on and whose drafter is versioned.")
-    drafter: Literal["standalone", "eagle"] = Field("standalone", description="Which learned drafter to train.")
+    drafter: Literal["standalone", "eagle", "selfspec"] = Field("standalone", description="Which learned drafter to train.")
+    exit_layer: int = Field(2, description="selfspec: target layers shared before the trainable adapter.")
+    adapter_layers: int = Field(1, description="selfspec: trainable adapter layers after the shared ones.")
+    draft_vocab_size: int | None = Field(8192, description="selfspec: lm_head rows read (lowest ids + specials); None = all.")
     source: Literal["kafka", "inprocess"] = Field("kafka", description="Where traces come from.")
     bootstrap_servers: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers.")
     topic: str = Field("specloop.traces", description="Trace topic.")
@@ -44,9 +47,38 @@ class TrainerSettings(BaseSettings):
     heldout_size: int = Field(64, description="Most recent held-out traces the gate judges on.")
     replay_capacity: int = Field(5000, description="Training traces kept.")
     half_life: float = Field(500.0, description="Recency half-life in traces.")
+    trace_max_age_s: float | None = Field(
+        None, gt=0, description="Retention: traces older than this (since their request finished) "
+        "are dropped from the replay and its checkpoints; None = kept until displaced.")
 
     k: int = Field(4, description="Serving draft length the gate simulates.")
     acceptance_margin: float = Field(0.005, description="Absolute expected-acceptance margin to promote.")
     speedup_margin: float = Field(0.0, description="Relative simulated-speedup margin to promote.")
     draft_cost: float = Field(0.16, description="Learned draft token cost relative to a target step.")
     hybrid: bool = Field(True, description="Gate inside the hybrid policy with the suffix drafter.")
+    serve_drafter: Literal["suffix", "eagle", "standalone", "hybrid"] | None = Field(
+        None, validation_alias=AliasChoices("SPECLOOP_DRAFTER", "serve_drafter"),
+        description="The drafter kind serving runs (the one setting both sides read: "
+        "SPECLOOP_DRAFTER). When set it decides what is trained and how it is gated: "
+        "suffix/hybrid -> the learned drafter gated inside the hybrid with the suffix index (what "
+        "serving installs); eagle/standalone -> that learned kind, gated alone.")
+
+    dev_mode: bool = Field(
+        False, validation_alias=AliasChoices("SPECLOOP_DEV_MODE", "dev_mode"),
+        description="Local dev mode: allows the published default secrets (e.g. the `mlflow` "
+        "database password in tracking_uri) that are refused otherwise.")
+
+    @model_validator(mode="after")
+    def _no_default_secrets(self) -> TrainerSettings:
+        from feedback.secrets import check_uri_password
+
+        check_uri_password("SPECLOOP_TRAINER_TRACKING_URI", self.tracking_uri, self.dev_mode)
+        return self
+
+    @model_validator(mode="after")
+    def _follow_serving(self) -> TrainerSettings:
+        if self.serve_drafter in ("eagle", "standalone"):
+            self.drafter, self.hybrid = self.serve_drafter, False
+        elif self.serve_drafter in ("suffix", "hybrid"):
+            self.hybrid = True
+        return self

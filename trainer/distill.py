@@ -7,7 +7,6 @@ keeps falling, and loss and acceptance disagree. ``fit`` keeps the best-on-held-
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -128,7 +127,7 @@ class Distiller:
         t0 = time.perf_counter()
         heldout = replay.heldout
         best = self.evaluate(heldout, k)["expected_acceptance"] if heldout else -math.inf
-        best_state = copy.deepcopy(self.student.model.state_dict())
+        best_state = self._trainable_state()
         res = FitResult(steps=0, best_step=self.global_step, best_acceptance=best, stopped_early=False)
         res.curve.append({"step": self.global_step, "tokens_seen": replay.tokens_seen,
                           "expected_acceptance": best, "loss": float("nan")})
@@ -149,7 +148,7 @@ class Distiller:
                                   "loss": parts["loss"], **ev})
                 if ev["expected_acceptance"] > best:
                     best, bad = ev["expected_acceptance"], 0
-                    best_state = copy.deepcopy(self.student.model.state_dict())
+                    best_state = self._trainable_state()
                     res.best_step = self.global_step
                 else:
                     bad += 1
@@ -157,10 +156,15 @@ class Distiller:
                         res.stopped_early = True
                         break
         if heldout:
-            self.student.model.load_state_dict(best_state)
+            self.student.model.load_state_dict(best_state, strict=False)
         res.best_acceptance = best
         res.seconds = time.perf_counter() - t0
         return res
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        """Copies of the parameters training changes (a drafter sharing the target's frozen layers
+        would otherwise copy them at every held-out improvement)."""
+        return {n: p.detach().clone() for n, p in self.student.model.named_parameters() if p.requires_grad}
 
     def state_dict(self) -> dict:
         return {

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from feedback.goodput import CostModel, best_k, expected_tokens
 from feedback.suffix_draft import SuffixConfig, SuffixProposer
 from feedback.trace import TraceRecord
-from serving.adaptive_k import CostModel, best_k, expected_tokens
 
 
 @dataclass

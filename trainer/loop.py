@@ -9,15 +9,21 @@ MLflow, becomes the ``champion`` alias, and is announced on the control plane.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
+import queue
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from feedback.fingerprint import TargetFingerprint
+from feedback.supervise import LOOPS
 from trainer import checkpoint
 from trainer.distill import DistillConfig, Distiller
 from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge
@@ -43,6 +49,8 @@ class LoopConfig:
     steps_per_round: int = 20
     rounds_per_gate: int = 5
     checkpoint_dir: str | None = None
+    checkpoint_keep: int = checkpoint.KEEP
+    """Complete checkpoints kept (newest first; older ones are the fallback if the newest fails)."""
     lineage: dict = field(default_factory=dict)
     """Static lineage params logged with every candidate (topic, group, ...)."""
 
@@ -54,6 +62,7 @@ class LoopStats:
     train_steps: int = 0
     records_polled: int = 0
     promotions: int = 0
+    round_errors: int = 0
     last_decision: str = ""
     curve: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -79,7 +88,12 @@ class TrainerLoop:
         announcer: Announcer | None = None,
         exporter: Exporter | None = None,
         saturated: Callable[[], bool] | None = None,
+        deletions=None,
+        ops=None,
+        rollbacks_from=None,
     ):
+        """``deletions``: data deletion requests (``pending_deletions(tenant) -> [tenant]``,
+        ``complete_deletion(tenant)``): feedback.control.ControlPlane; None = ``delete_tenant`` only."""
         self.source = source
         self.fingerprint = fingerprint
         self.cfg = loop or LoopConfig()
@@ -90,11 +104,27 @@ class TrainerLoop:
         self.announcer = announcer
         self.exporter = exporter
         self.saturated = saturated or (lambda: False)
+        self.deletions = deletions
+        self.ops = ops
+        """The trainer's MLflow ops run (feedback/ops_log.py): each round's figures, each gate
+        decision with its reason. None: not logged."""
         self.champion = None
         self.champion_version: str | None = None
+        self._champions: dict[str, object] = {}
+        """Recent champions by version (bounded): where a rollback sends the champion back to."""
+        self._refused: dict[str, str] = {}
+        """Rolled-back version -> digest of its weights: never re-promoted unchanged."""
+        self._rollbacks: queue.SimpleQueue = queue.SimpleQueue()
+        self._subscription = rollbacks_from.subscribe(self.on_rollback) if rollbacks_from is not None else None
+        """``rollbacks_from``: a ControlPlane; its announcements reach ``on_rollback``."""
         self.stats = LoopStats()
-        self._offsets_since_gate: list = []
-        if self.cfg.checkpoint_dir and checkpoint.exists(self._ckpt_path):
+        self.health = LOOPS.register("trainer-rounds")
+        """This loop's status: errors, up/down (feedback/supervise.py)."""
+        self._lineage_restored: dict[int, tuple[int, int]] = {}
+        """Offsets consumed since the last registration, as checkpointed before a restart."""
+        self.checkpoint_fault: Callable[[str], None] | None = None
+        """Tests only: called at each checkpoint step (see trainer/checkpoint.py)."""
+        if self.cfg.checkpoint_dir and checkpoint.exists(self._ckpt_root):
             self._restore()
         self._trained_tokens = self.replay.tokens_seen if len(self.replay) else -1
         """Training-trace tokens at the last trained round (restored traces count as trained)."""
@@ -104,11 +134,13 @@ class TrainerLoop:
         return self.distiller.student
 
     @property
-    def _ckpt_path(self) -> Path:
-        return Path(self.cfg.checkpoint_dir) / "latest"
+    def _ckpt_root(self) -> Path:
+        return Path(self.cfg.checkpoint_dir)
 
     # -- one round --------------------------------------------------------------------------
     def run_round(self) -> LoopStats:
+        self.apply_rollbacks()
+        self.apply_retention()
         recs = self.source.poll(self.cfg.poll_records, self.cfg.poll_timeout_s)
         self.stats.records_polled += len(recs)
         self.replay.extend(recs)
@@ -128,17 +160,104 @@ class TrainerLoop:
         self.stats.curve.extend(res.curve[1:])
         self.stats.rounds += 1
         self._trained_tokens = self.replay.tokens_seen
+        self._log_round(res)
         if self.stats.rounds % self.cfg.rounds_per_gate == 0:
             self.gate()
         self.save()
         self.source.commit()  # only now: the records are in a checkpointed replay and were trained on
         return self.stats
 
+    def _log_round(self, res) -> None:
+        if self.ops is None:
+            return
+        st = self.stats
+        m = {"records_polled": st.records_polled, "train_steps": st.train_steps,
+             "replay_traces": len(self.replay), "promotions": st.promotions}
+        if st.heldout_acceptance is not None:
+            m["heldout_expected_acceptance"] = st.heldout_acceptance
+        if res.losses:
+            m["train_loss"] = sum(res.losses) / len(res.losses)
+        self.ops.metrics(m, st.rounds)
+
+    # -- rollbacks ---------------------------------------------------------------------------
+    def on_rollback(self, msg) -> None:
+        """A serving replica rolled ``msg.from_version`` back to ``msg.to_version`` (a
+        RollbackAnnouncement; any thread). Applied at the start of the next round."""
+        if getattr(msg, "kind", None) == "rollback" and getattr(msg, "tenant", self.cfg.tenant) == self.cfg.tenant:
+            self._rollbacks.put(msg)
+
+    def apply_rollbacks(self) -> int:
+        """Follow serving's rollbacks: the champion reverts to the version serving went back to
+        (when this trainer still holds it; else no champion, so the next gate judges against
+        nothing rather than against the rolled-back one), and the rolled-back weights are
+        remembered so they are not promoted again unchanged."""
+        n = 0
+        while True:
+            try:
+                msg = self._rollbacks.get_nowait()
+            except queue.Empty:
+                return n
+            n += 1
+            bad = self._champions.get(msg.from_version)
+            if bad is None and msg.from_version == self.champion_version:
+                bad = self.champion
+            if bad is not None:
+                self._refused[msg.from_version] = _digest(bad)
+            back = self._champions.get(msg.to_version)
+            self.champion = back
+            self.champion_version = msg.to_version if back is not None else None
+            log.warning("serving rolled back %s -> %s (%s): champion is now %s", msg.from_version,
+                        msg.to_version, msg.reason, self.champion_version or "none")
+            if self.ops is not None:
+                self.ops.event("rollback", self.stats.rounds, from_version=msg.from_version,
+                               to_version=msg.to_version, reason=msg.reason)
+
+    # -- retention --------------------------------------------------------------------------
+    def apply_retention(self) -> int:
+        """Drop traces past the replay's ``max_age_s`` and those of tenants whose deletion was
+        requested; when anything went, rewrite the checkpoint and delete the older ones (which
+        still hold it). Returns the traces dropped."""
+        dropped = self.replay.expire()
+        done = []
+        if self.deletions is not None:
+            try:
+                for tenant in self.deletions.pending_deletions(self.cfg.tenant):
+                    dropped += self.replay.delete_tenant(tenant)
+                    done.append(tenant)
+            except Exception:  # control plane away: retried next round
+                log.warning("could not read deletion requests", exc_info=True)
+        if dropped:
+            log.info("retention: dropped %d traces (%s)", dropped, ", ".join(done) or "expired")
+            self.save(keep=1)
+        for tenant in done:  # only once the checkpoints no longer hold its traces
+            self.deletions.complete_deletion(tenant)
+        return dropped
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Drop ``tenant``'s traces from the replay and from every checkpoint now."""
+        dropped = self.replay.delete_tenant(tenant)
+        self.save(keep=1)
+        return dropped
+
     def run(self, max_rounds: int | None = None, stop: Callable[[], bool] | None = None) -> LoopStats:
+        """Rounds until ``stop()`` (or ``max_rounds``, failed ones included). A round that raises
+        (MLflow down during a promotion, a broker error) does not end training: it is counted
+        (``specloop_loop_errors_total{loop="trainer-rounds"}``), logged and backed off; its records
+        stay in the replay and uncommitted until a later round checkpoints them."""
+
+        def wait(seconds: float) -> None:  # back off, but answer stop() within 0.1 s
+            end = time.monotonic() + seconds
+            while time.monotonic() < end and not (stop and stop()):
+                time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+
         n = 0
         while (max_rounds is None or n < max_rounds) and not (stop and stop()):
-            self.run_round()
+            with self.health.guard(wait):
+                self.run_round()
+            self.stats.round_errors = self.health.errors
             n += 1
+        if self.ops is not None:
+            self.ops.flush()  # the worker may be killed right after: nothing logged is lost
         return self.stats
 
     # -- gate and promotion -----------------------------------------------------------------
@@ -148,8 +267,18 @@ class TrainerLoop:
         d = judge(self.student, self.champion, self.replay.heldout, self.gate_cfg, suffix=suffix, losses=recent)
         self.stats.last_decision = d.reason
         log.info("gate: %s", d.reason)
+        if self.ops is not None:
+            self.ops.metrics(d.as_metrics(), self.stats.rounds)
+            self.ops.event("gate", self.stats.rounds, promote=d.promote, reason=d.reason)
+        if d.promote and _digest(self.student) in self._refused.values():
+            d.promote = False
+            d.reason = "unchanged since it was rolled back in serving: not re-promoted"
+            self.stats.last_decision = d.reason
         if d.promote:
-            self.promote(d)
+            version = self.promote(d)
+            if self.ops is not None:
+                self.ops.event("promotion", self.stats.rounds, version=version,
+                               parent=self.champion_version)
         return d
 
     def promote(self, d: GateDecision) -> str | None:
@@ -160,15 +289,19 @@ class TrainerLoop:
                 params = {**self.cfg.lineage, **self._loss_params(), "parent_version": self.champion_version or "none",
                           "target_fingerprint": self.fingerprint.key(), "tenant": self.cfg.tenant,
                           "drafter_kind": self.student.kind, "train_steps": self.distiller.global_step,
-                          "trace_tokens_seen": self.replay.tokens_seen, **self._offset_window()}
+                          "trace_tokens_seen": self.replay.tokens_seen, **self._lineage_params()}
                 curves = {"train_loss": list(enumerate(self.stats.losses)),
                           "heldout_expected_acceptance": [(c["tokens_seen"], c["expected_acceptance"])
                                                           for c in self.stats.curve]}
                 rid = self.registry.log_candidate(self.fingerprint, tmp, params=params, metrics=d.as_metrics(),
                                                   curves=curves)
                 version = self.registry.register(self.cfg.tenant, rid).version
+            self._mark_lineage()  # registered: the next version's trace range starts after this one's
         self.champion = copy.deepcopy(self.student)
         self.champion_version = version or f"local-{self.stats.promotions + 1}"
+        self._champions[self.champion_version] = self.champion
+        while len(self._champions) > _CHAMPIONS_KEPT:
+            self._champions.pop(next(iter(self._champions)))
         self.stats.promotions += 1
         if self.announcer is not None:
             self.announcer.announce(self.cfg.tenant, self.champion_version)
@@ -179,26 +312,80 @@ class TrainerLoop:
         return {"loss": c.loss, "discard_weight": c.discard_weight, "reject_weight": c.reject_weight,
                 "ce_weight": c.ce_weight, "lr": c.lr, "weight_decay": c.weight_decay}
 
-    def _offset_window(self) -> dict:
-        window = getattr(self.source, "last_window", None) or getattr(self.source, "offset_window", None)
-        return {"offset_window": str(window() if callable(window) else window)} if window is not None else {}
+    def _lineage_window(self) -> dict[int, tuple[int, int]] | None:
+        """Partition -> (first, last) offset of every trace consumed since the previous registration
+        (None for sources without offsets)."""
+        window = getattr(self.source, "lineage_window", None)
+        if window is None:
+            return None
+        from feedback.kafka_source import merge_windows
+
+        return merge_windows(self._lineage_restored, window)
+
+    def _lineage_params(self) -> dict:
+        window = self._lineage_window()
+        if window is None:
+            return {}
+        from feedback.kafka_source import format_window
+
+        topic = getattr(getattr(self.source, "settings", None), "topic", self.cfg.lineage.get("topic", "traces"))
+        return {"trace_offsets": format_window(topic, window),
+                "trace_offsets_json": json.dumps({str(p): list(r) for p, r in window.items()})}
+
+    def _mark_lineage(self) -> None:
+        self._lineage_restored = {}
+        mark = getattr(self.source, "mark_lineage", None)
+        if mark is not None:
+            mark()
 
     # -- checkpoints ------------------------------------------------------------------------
-    def save(self) -> None:
+    def save(self, keep: int | None = None) -> None:
+        """``keep``: checkpoints kept (default the configured depth; 1 after a purge)."""
         if not self.cfg.checkpoint_dir:
             return
-        extra = {"champion_version": self.champion_version, "stats": {
+        extra = {"champion_version": self.champion_version, "lineage_window": self._lineage_window(), "stats": {
             "rounds": self.stats.rounds, "train_steps": self.stats.train_steps, "promotions": self.stats.promotions}}
         champ = self.champion.model.state_dict() if self.champion is not None else None
-        checkpoint.save(self._ckpt_path, self.distiller, self.replay, extra, champion_state=champ)
+        checkpoint.save(self._ckpt_root, self.distiller, self.replay, extra, champion_state=champ,
+                        keep=keep or self.cfg.checkpoint_keep, fault=self.checkpoint_fault)
 
     def _restore(self) -> None:
-        meta = checkpoint.load(self._ckpt_path, self.distiller, self.replay)
+        student, replay, cfg = copy.deepcopy(self.student), copy.deepcopy(self.replay), self.distiller.cfg
+
+        attempts = []
+
+        def fresh() -> tuple[Distiller, ReplayBuffer]:
+            """The first attempt loads in place (callers may hold the student); a fallback to an
+            older checkpoint starts again from clean copies."""
+            attempts.append(1)
+            if len(attempts) == 1:
+                return self.distiller, self.replay
+            return Distiller(copy.deepcopy(student), cfg), copy.deepcopy(replay)
+
+        found = checkpoint.load_latest(self._ckpt_root, fresh)
+        if found is None:
+            log.error("no checkpoint under %s loads; starting fresh", self._ckpt_root)
+            self.distiller, self.replay = Distiller(student, cfg), replay  # undo a partial load
+            return
+        path, self.distiller, self.replay, meta = found
         self.champion_version = meta.get("champion_version")
+        self._lineage_restored = {int(p): tuple(r) for p, r in (meta.get("lineage_window") or {}).items()}
         for k, v in meta.get("stats", {}).items():
             setattr(self.stats, k, v)
-        champ = self._ckpt_path / "champion.pt"
+        champ = path / "champion.pt"
         if champ.exists():
             self.champion = copy.deepcopy(self.student)
             self.champion.model.load_state_dict(torch.load(champ, weights_only=True))
-        log.info("resumed from %s: step %d, %d traces", self._ckpt_path, self.distiller.global_step, len(self.replay))
+        log.info("resumed from %s: step %d, %d traces", path, self.distiller.global_step, len(self.replay))
+
+
+_CHAMPIONS_KEPT = 4
+
+
+def _digest(student) -> str:
+    """Content hash of a student's weights (refusing a rolled-back version unchanged)."""
+    h = hashlib.sha256()
+    for name, t in sorted(student.model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

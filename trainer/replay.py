@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ class ReplayBuffer:
         tenant: str | None = None,
         max_seen: int | None = None,
         min_heldout: int = 8,
+        max_age_s: float | None = None,
     ):
         """``max_seen``: request ids / content keys remembered for dedup (default 4 x capacity; older
         ones are forgotten, so memory stays bounded; redelivery happens within a commit window)."""
@@ -58,6 +60,9 @@ class ReplayBuffer:
         self._key_order: collections.deque[bytes] = collections.deque()
         self.max_seen = max_seen or 4 * capacity
         self.min_heldout = min_heldout
+        self.max_age_s = max_age_s
+        """Retention: traces whose request finished longer ago than this are dropped (None = kept
+        until displaced by newer ones)."""
         """Until the held-out set has this many traces it keeps at least its fraction of arrivals."""
         self._seq = 0
         self.rejected = collections.Counter()
@@ -76,6 +81,9 @@ class ReplayBuffer:
         if self.tenant is not None and record.tenant != self.tenant:
             self.rejected["tenant"] += 1
             return False
+        if self._expired(record, time.time()):
+            self.rejected["expired"] += 1
+            return False
         key = trace_key(record)
         if record.request_id in self._seen_ids or key in self._seen_keys:
             self.rejected["duplicate"] += 1
@@ -93,6 +101,31 @@ class ReplayBuffer:
             while len(self._train) > self.capacity:
                 self._train.popleft()
         return True
+
+    def _expired(self, record: TraceRecord, now: float) -> bool:
+        return self.max_age_s is not None and record.finished_at < now - self.max_age_s
+
+    def expire(self, now: float | None = None) -> int:
+        """Drop the traces older than ``max_age_s``; returns how many were dropped."""
+        if self.max_age_s is None:
+            return 0
+        now = time.time() if now is None else now
+        return self._drop(lambda r: self._expired(r, now))
+
+    def delete_tenant(self, tenant: str) -> int:
+        """Drop every trace of ``tenant`` (a deletion request); returns how many were dropped."""
+        return self._drop(lambda r: r.tenant == tenant)
+
+    def _drop(self, doomed) -> int:
+        n = 0
+        for entries in (self._train, self._heldout):
+            kept = [e for e in entries if not doomed(e.record)]
+            gone = len(entries) - len(kept)
+            if gone:
+                entries.clear()
+                entries.extend(kept)
+                n += gone
+        return n
 
     def _heldout_starved(self) -> bool:
         """The hash split left the held-out set below its share of the first ``min_heldout`` traces

@@ -87,7 +87,7 @@ class Student:
         return ids if self.draft_to_target is None else self.draft_to_target[ids]
 
     def _row_tensors(self, examples: list[SequenceExample], logits: torch.Tensor, keep=None) -> RowBatch:
-        cat = lambda name: np.concatenate([getattr(e, name) for e in examples])  # noqa: E731
+        cat = lambda name: np.concatenate([getattr(e, name) for e in examples])
         topk = torch.from_numpy(cat("topk_ids"))
         rejected = torch.from_numpy(cat("rejected_ids"))
         discard = torch.from_numpy(np.concatenate([np.full(e.num_rows, e.discard) for e in examples]))
@@ -193,3 +193,20 @@ class StandaloneStudent(Student):
         idx = torch.arange(first, len(out)) + P - 1 - cut
         pred[first:] = self.to_target_ids(logits[idx].argmax(-1)).numpy()
         return RecordEval(overlap=overlap, accept_at=run_lengths(pred == out, k))
+
+
+class SelfSpecStudent(StandaloneStudent):
+    """A self-speculative drafter assembled on the target (feedback/drafters_from_target.py): only
+    its adapter layers and norm train; the shared target layers, embeddings and lm_head are frozen
+    (they are the target's own tensors), and the lm_head is read at the adapter's draft vocabulary."""
+
+    kind = "selfspec"
+
+    def __init__(self, model: torch.nn.Module, config, max_len: int = 512):
+        from feedback.drafters_from_target import shared_parameters
+
+        super().__init__(model, max_len, head_vocab=getattr(model, "selfspec_draft_vocab", None),
+                         train_embeddings=False)
+        self.config = config
+        for p in shared_parameters(model, config.exit_layer):
+            p.requires_grad_(False)

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from trainer_tracegen import FP, make_trace, tiny_lm
 
 

@@ -1,18 +1,21 @@
 import pytest
 
+from trainer import checkpoint
 from trainer.config import TrainerSettings
 
 
 def _student():
-    from trainer.students import StandaloneStudent
     from trainer_tracegen import tiny_lm
+
+    from trainer.students import StandaloneStudent
 
     return StandaloneStudent(tiny_lm(seed=0))
 
 
 def _source():
-    from trainer.sources import ListTraceSource
     from trainer_tracegen import make_trace
+
+    from trainer.sources import ListTraceSource
 
     return ListTraceSource([make_trace("a", seed=i) for i in range(60)])
 
@@ -20,8 +23,9 @@ def _source():
 @pytest.mark.integration
 def test_ray_actor_trains_and_promotes(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
-    from trainer.actor import start_actor
     from trainer_tracegen import FP
+
+    from trainer.actor import start_actor
 
     monkeypatch.setenv("PYTHONPATH", __file__.rsplit("/", 1)[0])
     s = TrainerSettings(source="inprocess", tracking_uri=f"sqlite:///{tmp_path}/m.db",
@@ -32,7 +36,7 @@ def test_ray_actor_trains_and_promotes(tmp_path, monkeypatch):
         actor = start_actor(s, _student, FP, _source, registry=None)
         stats = ray.get(actor.run.remote(max_rounds=2), timeout=300)
         assert stats["train_steps"] > 0 and stats["promotions"] >= 1, stats
-        assert (tmp_path / "ckpt" / "latest" / "meta.json").exists()
+        assert (checkpoint.latest(tmp_path / "ckpt") / "meta.json").exists()
     finally:
         ray.shutdown()
 
@@ -45,8 +49,9 @@ def test_remote_trainer_reports_while_running_and_stops_an_endless_run(tmp_path,
     import functools
     import time
 
-    from trainer.actor import RemoteTrainer, _loop_from_settings
     from trainer_tracegen import FP
+
+    from trainer.actor import RemoteTrainer, _loop_from_settings
 
     monkeypatch.setenv("PYTHONPATH", __file__.rsplit("/", 1)[0])
     s = TrainerSettings(source="inprocess", tracking_uri=f"sqlite:///{tmp_path}/m.db", checkpoint_dir=str(tmp_path / "c"),
@@ -64,3 +69,31 @@ def test_remote_trainer_reports_while_running_and_stops_an_endless_run(tmp_path,
         final = trainer.stop(timeout_s=60)
     assert trainer.actor is None
     assert final.rounds >= 1 and final.train_steps >= seen  # the run's own last figures
+
+
+@pytest.mark.integration
+def test_killed_actor_is_restarted_by_ray_and_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A dead trainer worker comes back (``max_restarts``): the loop factory runs again and the loop
+    resumes from its latest checkpoint (its step count and replay), not from scratch."""
+    ray = pytest.importorskip("ray")
+    import os
+
+    from trainer_tracegen import FP
+
+    from trainer.actor import start_actor
+
+    here = __file__.rsplit("/", 1)[0]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.getcwd()]))
+    s = TrainerSettings(source="inprocess", tracking_uri="", checkpoint_dir=str(tmp_path / "ckpt"),
+                        min_train_traces=8, steps_per_round=5, rounds_per_gate=100, poll_records=20, k=3,
+                        hybrid=False)
+    try:
+        actor = start_actor(s, _student, FP, _source, registry=None)
+        before = ray.get(actor.run.remote(max_rounds=2), timeout=300)
+        assert before["train_steps"] == 10
+        ray.kill(actor, no_restart=False)  # the worker dies; Ray starts a new one
+        after = ray.get(actor.stats.remote(), timeout=300)
+        assert after["train_steps"] == before["train_steps"]  # restored, not a fresh loop
+        assert after["trace_tokens_seen"] == before["trace_tokens_seen"]
+    finally:
+        ray.shutdown()

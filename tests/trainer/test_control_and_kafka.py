@@ -8,9 +8,9 @@ import time
 
 import pytest
 import torch
+from trainer_tracegen import FP, make_trace, tiny_lm
 
 from trainer.config import TrainerSettings
-from trainer_tracegen import FP, make_trace, tiny_lm
 
 
 def _student():

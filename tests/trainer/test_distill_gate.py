@@ -3,11 +3,11 @@ import math
 
 import pytest
 import torch
+from trainer_tracegen import make_trace, tiny_lm
 
 from trainer.distill import DistillConfig, Distiller
 from trainer.gate import GateConfig, build_suffix_index, judge, loss_healthy, score
 from trainer.students import StandaloneStudent
-from trainer_tracegen import make_trace, tiny_lm
 
 CFG = GateConfig(k=3, hybrid=False)  # learned alone: see trainer_tracegen.NOT_SUFFIX_TEXT
 

@@ -1,7 +1,7 @@
 import numpy as np
+from trainer_tracegen import make_trace
 
 from trainer.examples import build_examples, count_rows, truncate_left
-from trainer_tracegen import make_trace
 
 
 def test_main_sequence_has_one_row_per_output_token_with_its_context():

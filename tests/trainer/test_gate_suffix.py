@@ -64,10 +64,12 @@ def _history_tenants():
 @pytest.mark.parametrize(
     "history, config, k",
     [
-        (_history_bigram, SuffixConfig(), 3),
-        (_history_bigram, SuffixConfig(), 6),
-        (_history_tenants, SuffixConfig(), 4),
-        (_history_tenants, SuffixConfig(index_prompts=True, min_confidence=0.0, max_index_tokens=200), 5),
+        # the gate simulates chains: serving's token trees (tree_branches > 1) are not simulated
+        (_history_bigram, SuffixConfig(tree_branches=1), 3),
+        (_history_bigram, SuffixConfig(tree_branches=1), 6),
+        (_history_tenants, SuffixConfig(tree_branches=1), 4),
+        (_history_tenants, SuffixConfig(index_prompts=True, min_confidence=0.0, max_index_tokens=200,
+                                        tree_branches=1), 5),
     ],
 )
 def test_gate_simulates_the_proposals_serving_makes(history, config, k, monkeypatch):

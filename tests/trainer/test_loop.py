@@ -2,13 +2,13 @@ import json
 
 import torch
 from safetensors.torch import save_file
+from trainer_tracegen import FP, make_trace, tiny_lm
 
 from trainer.distill import DistillConfig
 from trainer.gate import GateConfig
 from trainer.loop import LoopConfig, TrainerLoop
 from trainer.sources import ListTraceSource
 from trainer.students import StandaloneStudent
-from trainer_tracegen import FP, make_trace, tiny_lm
 
 
 def _loop(source, tmp_path, **kw):
@@ -67,8 +67,9 @@ class _Announcer:
 
 
 def test_loop_promotes_registers_and_announces(tmp_path):
-    from feedback.registry import DrafterRegistry
     from safetensors.torch import load_file
+
+    from feedback.registry import DrafterRegistry
 
     reg = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
     ann = _Announcer()

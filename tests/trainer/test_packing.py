@@ -2,11 +2,11 @@
 
 import numpy as np
 import torch
+from trainer_tracegen import make_trace, tiny_lm
 
 from trainer.examples import build_examples
 from trainer.packing import pack_examples
 from trainer.students import StandaloneStudent
-from trainer_tracegen import make_trace, tiny_lm
 
 
 def _both(examples):

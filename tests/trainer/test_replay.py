@@ -1,8 +1,8 @@
 import numpy as np
+from trainer_tracegen import make_trace
 
 from feedback.fingerprint import TargetFingerprint
 from trainer.replay import ReplayBuffer, is_heldout
-from trainer_tracegen import make_trace
 
 
 def test_heldout_split_is_by_request_and_stable():
@@ -60,8 +60,9 @@ def test_dedup_memory_is_bounded_and_forgets_the_oldest():
 
 
 def test_small_stream_still_gets_its_heldout_share():
-    from trainer.replay import ReplayBuffer, is_heldout
     from trainer_tracegen import make_trace
+
+    from trainer.replay import ReplayBuffer, is_heldout
 
     # request ids the hash split would all put in training
     recs = [r for r in (make_trace("a", seed=i, request_id=f"q-{i}") for i in range(200))

@@ -1,0 +1,121 @@
+"""Offline training: the static drafter a user would train before deploying.
+
+``specloop train --offline PROMPTS.jsonl`` generates the target's own greedy responses to the
+prompts, turns each into a trace (one verify step per output token, no drafts: the target's top-k
+at every output position, exactly what served traces carry on their accepted path), and distils
+a drafter from them with the online trainer's code (ReplayBuffer, Distiller with held-out early
+stopping, artifact export), then saves it (and registers it in MLflow when a tracking URI is
+given). The trainer does not import serving, so generation here is Hugging Face's ``generate``
+plus one teacher-forced forward for the top-k (greedy: identical tokens).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from feedback.fingerprint import TargetFingerprint
+from feedback.jsonl import iter_jsonl
+from feedback.trace import StepArrays, TraceRecord
+
+
+@dataclass
+class OfflinePrompt:
+    ids: list[int]
+    domain: str | None = None
+
+
+def read_prompts(path: str | Path, tokenizer) -> list[OfflinePrompt]:
+    """JSONL rows with ``messages`` (chat, the target's template) or ``prompt`` (raw text), and an
+    optional ``domain``. A bad row raises ValueError naming its line."""
+    out = []
+    for n, row in iter_jsonl(path):
+        if not isinstance(row, dict) or ("messages" in row) == ("prompt" in row):
+            raise ValueError(f"{path}:{n}: needs exactly one of 'messages' or 'prompt'")
+        if "messages" in row:
+            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+        else:
+            ids = tokenizer.encode(str(row["prompt"]))
+        out.append(OfflinePrompt(list(ids), row.get("domain")))
+    if not out:
+        raise ValueError(f"{path}: no prompts")
+    return out
+
+
+@torch.inference_mode()
+def teacher_trace(model, fingerprint: TargetFingerprint, prompt: list[int], output: list[int], *,
+                  topk: int = 20, domain: str | None = None, tenant: str = "default") -> TraceRecord:
+    """A trace of ``output`` as the target's response to ``prompt``: one undrafted verify step per
+    output token, with the target's top-``topk`` (ids, logprobs) at that position."""
+    ids = torch.tensor([prompt + output])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]: predicts each output token
+    top = logits.log_softmax(-1).topk(topk, dim=-1)
+    n = len(output)
+    steps = StepArrays(
+        positions=np.arange(n, dtype=np.int32),
+        num_drafted=np.zeros(n, dtype=np.int32),
+        num_accepted=np.zeros(n, dtype=np.int32),
+        source=np.zeros(n, dtype=np.uint8),
+        draft_ids=np.zeros((n, 0), dtype=np.int32),
+        draft_probs=np.zeros((n, 0), dtype=np.float32),
+        target_topk_ids=top.indices.numpy().astype(np.int32)[:, None],  # [T, 1, topk]
+        target_topk_logprobs=top.values.numpy().astype(np.float32)[:, None],
+    )
+    return TraceRecord(request_id=f"offline-{uuid.uuid4().hex[:12]}", tenant=tenant, domain=domain,
+                       target=fingerprint, drafter_kind="none", drafter_version="offline",
+                       prompt_ids=np.asarray(prompt, dtype=np.int32),
+                       output_ids=np.asarray(output, dtype=np.int32), steps=steps)
+
+
+@torch.inference_mode()
+def generate_traces(model, tokenizer, fingerprint: TargetFingerprint, prompts: list[OfflinePrompt], *,
+                    max_new_tokens: int = 64, batch_size: int = 8, topk: int = 20,
+                    tenant: str = "default") -> list[TraceRecord]:
+    """Greedy responses (batched, left-padded), then one teacher-forced trace per prompt."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    out: list[TraceRecord] = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p.ids) for p in batch)
+        ids = torch.full((len(batch), width), pad)
+        mask = torch.zeros_like(ids)
+        for j, p in enumerate(batch):
+            ids[j, width - len(p.ids):] = torch.tensor(p.ids)
+            mask[j, width - len(p.ids):] = 1
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad)
+        for j, p in enumerate(batch):
+            response = gen[j, width:].tolist()
+            eos = tokenizer.eos_token_id
+            if eos in response:
+                response = response[: response.index(eos) + 1]
+            if response:
+                out.append(teacher_trace(model, fingerprint, p.ids, response, topk=topk,
+                                         domain=p.domain, tenant=tenant))
+    return out
+
+
+def train_offline(student, records: list[TraceRecord], fingerprint: TargetFingerprint, *,
+                  heldout_fraction: float = 0.15, max_steps: int = 400, k: int = 4, distill=None,
+                  seed: int = 0) -> dict:
+    """Distil ``student`` on ``records`` (a held-out share picks the best weights, as online)."""
+    from trainer.distill import DistillConfig, Distiller
+    from trainer.replay import ReplayBuffer
+
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(records))
+    n_held = max(1, round(len(records) * heldout_fraction)) if len(records) > 1 else 0
+    replay = ReplayBuffer(heldout_size=max(n_held, 1), fingerprint=fingerprint, half_life=1e12)  # no recency
+    for i, idx in enumerate(order):
+        replay.add(records[idx], heldout=i < n_held)
+    t0 = time.perf_counter()
+    res = Distiller(student, distill or DistillConfig()).fit(replay, max_steps, k=k)
+    return {"traces": len(records), "heldout_traces": n_held, "train_steps": res.steps,
+            "best_step": res.best_step, "heldout_acceptance": res.best_acceptance,
+            "stopped_early": res.stopped_early, "train_s": time.perf_counter() - t0}
