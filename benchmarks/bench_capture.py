@@ -27,8 +27,8 @@ import uuid
 
 import torch
 
-from benchmarks.prompts import PromptItem, default_prompts, interleave_categories, load_jsonl, split_by_domain
 from benchmarks.runner import RunResult, run_prompts
+from infra.prompts import PromptItem, interleave_categories, load_prompts, split_by_domain
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
         topic = f"specloop.traces.bench-{uuid.uuid4().hex[:8]}"
         sink = KafkaTraceSink(bootstrap_servers=broker.url, topic=topic)
         try:
-            run = lambda arm, n_tokens=max_tokens: _one_run(  # noqa: E731
+            run = lambda arm, n_tokens=max_tokens: _one_run(
                 target, sink, arm, prompts, domains, max_tokens=n_tokens, k=k,
                 concurrency=concurrency, features=features)
             # Warm-up (untimed): allocator, kernels, producer connection, topic creation.
@@ -153,7 +153,7 @@ def run(prompts: str | None, tiny: bool, limit: int, max_tokens: int, k: int, co
         torch.set_num_threads(threads)
     # SIGTERM unwinds like Ctrl-C, so the broker we started is stopped on the way out.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    items = load_jsonl(prompts) if prompts else default_prompts()
+    items = load_prompts(prompts)
     t0 = time.perf_counter()
     out = asyncio.run(bench_capture_async(
         items, tiny=tiny, limit=limit, max_tokens=max_tokens, k=k, concurrency=concurrency,

@@ -18,50 +18,58 @@ import uuid
 
 import typer
 
-from benchmarks.online_loop import LoopConfig, OnlineLoop
-from benchmarks.online_metrics import shift_index, summarise
+from infra.loop import LoopConfig, OnlineLoop
+from infra.loop_metrics import shift_index, summarise, target_only
+from infra.loop_metrics import trainer_figures as loop_trainer_figures
+from infra.prompts import encode, stream_items
 
 log = logging.getLogger(__name__)
 KINDS = ("hybrid", "suffix", "standalone")
 
 
-def stream_items(prompts_file: str | None, n_chat: int, n_code: int) -> list:
-    """PromptItems in serving order: the file's order, or MT-Bench chat then HumanEval code."""
-    from benchmarks.prompts import interleave_categories, load_humaneval, load_jsonl, load_mtbench
-
-    if prompts_file:
-        return load_jsonl(prompts_file)
-    return interleave_categories(load_mtbench())[:n_chat] + load_humaneval()[:n_code]
+HELDOUT_EVERY = 5
+"""Every 5th request is served with ``train: false``: never trained on, it is the held-out set the
+final learned drafter's acceptance is measured on (``heldout_acceptance_after_shift``)."""
 
 
-def encode(items, tokenizer) -> list[tuple[list[int], str]]:
-    return [(item.token_ids(tokenizer), item.domain or "default") for item in items]
+def trainer_figures(loop: OnlineLoop) -> dict:
+    """The loop's trainer figures, plus the final learned drafter's held-out acceptance."""
+    if loop.trainer is None:
+        return {}
+    extra = {"heldout_acceptance_after_shift": heldout_acceptance(loop)}
+    if getattr(loop, "static_fit", None):
+        extra["static_fit"] = loop.static_fit
+    return loop_trainer_figures(loop, **extra)
 
 
-async def target_only(target, stream, max_tokens: int):
-    loop = OnlineLoop(target, None, LoopConfig(k=0, train=False, max_tokens=max_tokens))
-    await loop.start()
-    try:
-        await loop.serve([(stream[0][0][:8], stream[0][1])])  # warm-up (first forwards are slow)
-        loop.points.clear()
-        return await loop.serve(stream)
-    finally:
-        await loop.stop()
+def is_heldout(i: int) -> bool:
+    return i % HELDOUT_EVERY == HELDOUT_EVERY - 1
 
 
-async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None):
-    """The loop over the stream (snapshot at the shift), then the frozen snapshot after the shift."""
+async def serve_stream(loop: OnlineLoop, items, start: int, on_point=None):
+    for j, item in enumerate(items):
+        await loop.serve([item], on_point, train=not is_heldout(start + j))
+
+
+async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None, static: str = "offline"):
+    """The loop over the stream (snapshot at the shift), then the static drafter after the shift:
+    ``offline``: the same kind trained offline on the target's pre-shift responses
+    (``static_drafter``); ``snapshot``: the loop's own drafter frozen at the shift."""
     shift = shift_index([d for _, d in stream])
     loop = OnlineLoop(target, stack, cfg, tag=uuid.uuid4().hex[:8])
     await loop.start()
     try:
-        await loop.serve(stream[:shift], on_point)
+        await serve_stream(loop, stream[:shift], 0, on_point)
         loop.snapshot()
-        await loop.serve(stream[shift:], on_point)
+        await serve_stream(loop, stream[shift:], shift, on_point)
     finally:
         await loop.stop()
     frozen_cfg = LoopConfig(**{**cfg.__dict__, "train": False})
-    frozen = OnlineLoop(target, None, frozen_cfg, tag=loop.tag, drafter=loop.frozen_drafter())
+    if static == "offline" and cfg.drafter != "suffix":
+        fixed, loop.static_fit = static_drafter(target, loop, cfg)
+    else:
+        fixed = loop.frozen_drafter()
+    frozen = OnlineLoop(target, None, frozen_cfg, tag=loop.tag, drafter=fixed)
     await frozen.start()
     try:
         frozen_points = await frozen.serve(stream[shift:], train=False)
@@ -70,43 +78,124 @@ async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=No
     return loop, frozen_points
 
 
-def trainer_figures(loop: OnlineLoop) -> dict:
-    """What the loop's trainer did (nothing for the suffix drafter, which has none)."""
-    if loop.trainer is None:
+def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
+    """The well-trained static baseline a user would deploy: the loop's learned kind, distilled
+    offline (trainer/offline.py, the online trainer's Distiller) from the target's own greedy
+    responses to the pre-shift prompts (the loop served them losslessly, so they are reused rather
+    than generated again), loaded through an artifact as a swap would; for the hybrid, joined to a
+    suffix index of the pre-shift outputs. Neither learns any more."""
+    import tempfile
+    from pathlib import Path
+
+    from feedback.artifact import save_drafter
+    from feedback.drafter_models import StandaloneConfig
+    from infra.loop import (
+        FrozenDrafter,
+        learned_kind,
+        make_selfspec_student,
+        make_student,
+    )
+    from serving.drafters.factory import build_drafter
+    from trainer.distill import DistillConfig
+    from trainer.offline import teacher_trace, train_offline
+
+    pre = loop.served[: loop.snapshot_at]
+    records = [teacher_trace(target.model, target.fingerprint, list(p), list(o), domain="pre-shift")
+               for p, o in pre if o]
+    if cfg.day0_init == "selfspec":
+        student = make_selfspec_student(target, cfg.draft_vocab_size, cfg.selfspec_exit_layer,
+                                        cfg.selfspec_adapter_layers)
+    else:
+        student = make_student(target, cfg.draft_vocab_size, cfg.day0_init)
+    fit = train_offline(student, records, target.fingerprint, max_steps=steps, k=cfg.k,
+                        distill=DistillConfig(lr=3e-3, batch_traces=cfg.batch_traces))
+    target.model.eval()  # a selfspec student shares the target's first layers; training flagged them
+    config = getattr(student, "config", None) or StandaloneConfig.for_target(target.model.config)
+    kind = learned_kind(cfg)
+    vocab = {"draft_vocab_size": cfg.draft_vocab_size}
+    with tempfile.TemporaryDirectory(prefix="specloop-static-") as tmp:
+        save_drafter(student.model, config, target.fingerprint, Path(tmp) / "a", version="static")
+        if cfg.drafter == "hybrid":
+            suffix = build_drafter("suffix", target)
+            for prompt, output in pre:
+                suffix.observe(loop.tenant, output, prompt_ids=prompt)
+            drafter = build_drafter("hybrid", target, Path(tmp) / "a", learned=kind, learned_options=vocab,
+                                    suffix=suffix)
+        else:
+            drafter = build_drafter(kind, target, Path(tmp) / "a", **vocab)
+    return FrozenDrafter(drafter), fit
+
+
+def learned_model(drafter):
+    """The live learned model (hybrid: its learned half) and its draft vocabulary, or (None, None)."""
+    learned = getattr(drafter, "learned", drafter)
+    model = getattr(learned, "model", None)
+    net = getattr(learned, "net", None)
+    return model, getattr(net, "vocab_map", None)
+
+
+def heldout_acceptance(loop: OnlineLoop, drafter=None) -> dict:
+    """Greedy one-token acceptance of the live learned drafter on the held-out requests (served
+    with train: false), by domain: its argmax at each output position vs the target's token."""
+    import torch
+
+    model, vocab = learned_model(drafter or loop.engine.drafter)
+    if model is None or not hasattr(model, "model"):
         return {}
-    st = loop.trainer.stats
-    return {"trainer_records_polled": st.records_polled, "trainer_rounds": st.rounds,
-            "trainer_train_steps": st.train_steps, "trainer_promotions": st.promotions,
-            "trainer_heldout_expected_acceptance": st.heldout_acceptance, "trainer_last_gate": st.last_decision,
-            "gate_costs": {k: round(v, 4) for k, v in loop.costs.items()}}
+    hits: dict[str, list[int]] = {}
+    with torch.inference_mode():
+        for i, ((prompt, output), point) in enumerate(zip(loop.served, [p for p in loop.points if not p.failed])):
+            if not is_heldout(point.index) or not output:
+                continue
+            ids = torch.tensor([list(prompt) + list(output)])
+            h = model.model(input_ids=ids).last_hidden_state[0, len(prompt) - 1 : -1]  # [T, H]
+            w = model.lm_head.weight if vocab is None else model.lm_head.weight[vocab]
+            pred = torch.nn.functional.linear(h, w).argmax(-1)  # [T]
+            pred = pred if vocab is None else vocab[pred]
+            hit = hits.setdefault(point.domain, [0, 0])
+            hit[0] += int((pred == torch.tensor(output)).sum())
+            hit[1] += len(output)
+    return {d: h / n for d, (h, n) in hits.items() if n}
 
 
-async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS) -> dict:
+async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS, static: str = "offline") -> dict:
+    from infra.loop_metrics import tok_s
+
     shift = shift_index([d for _, d in stream])
     baseline = await target_only(target, stream, cfg.max_tokens)
     by_drafter = {}
     for kind in kinds:
         log.info("bench online: %s drafter", kind)
-        loop, frozen = await adapted_and_frozen(target, stack, stream, LoopConfig(**{**cfg.__dict__, "drafter": kind}))
+        loop, frozen = await adapted_and_frozen(target, stack, stream, LoopConfig(**{**cfg.__dict__, "drafter": kind}),
+                                                static=static)
         by_drafter[kind] = summarise(loop.points, shift, baseline=baseline, frozen=frozen, swaps=loop.swaps,
                                      rollbacks=loop.rollbacks, freshness=loop.freshness_s())
+        base_after = tok_s(baseline[shift:])
+        by_drafter[kind]["speedup_after_shift"] = tok_s(loop.points[shift:]) / base_after if base_after else None
+        by_drafter[kind]["static_baseline"] = static if kind != "suffix" else "snapshot"
         by_drafter[kind].update(trainer_figures(loop))
     head = dict(by_drafter.get("hybrid") or next(iter(by_drafter.values())))
+    learned = by_drafter.get("standalone")
+    head["learned_only_speedup_after_shift"] = learned.get("speedup_after_shift") if learned else None
     head["target_only_tok_s"] = sum(p.tokens for p in baseline) / max(1e-9, sum(p.wall_s for p in baseline))
     return {**head, "by_drafter": by_drafter}
 
 
 def bench_online(
     json_out: bool = typer.Option(True, "--json/--no-json", help="One JSON object on stdout."),
-    prompts: str = typer.Option(None, help="JSONL stream (prompt or messages, domain); served in file order."),
+    prompts: str = typer.Option(None, help="JSONL stream (prompt or messages, domain), served in file order; or \"sharegpt\" (held-out real user prompts: --chat chat then --code code)."),
     max_tokens: int = typer.Option(48, min=1, help="New tokens per request."),
-    chat: int = typer.Option(24, min=1, help="MT-Bench chat requests before the shift (no --prompts)."),
-    code: int = typer.Option(24, min=1, help="HumanEval code requests after the shift (no --prompts)."),
+    chat: int = typer.Option(24, min=1, help="Chat requests before the shift (MT-Bench, or ShareGPT with --prompts sharegpt)."),
+    code: int = typer.Option(24, min=1, help="Code requests after the shift (HumanEval, or ShareGPT with --prompts sharegpt)."),
     k: int = typer.Option(4, min=1, help="Most drafted tokens per step."),
     adaptive_k: bool = typer.Option(False, help="GoodputPolicy instead of fixed k."),
     drafter: list[str] = typer.Option(list(KINDS), help="Drafter kinds to run (repeatable)."),
     threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
+    learned: str = typer.Option("target-layers", help="Learned drafter: target-layers (standalone LM copying the "
+                                "target's first layers) | selfspec (target's own first layers + trained adapter)."),
+    static: str = typer.Option("offline", help="Static baseline after the shift: offline (same kind trained offline "
+                               "on the target's pre-shift responses) | snapshot (the loop's drafter frozen at the shift)."),
 ) -> None:
     """Online adaptation on a domain-shift stream: speedups, recovery, swaps, freshness."""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
@@ -119,12 +208,12 @@ def bench_online(
     torch.set_num_threads(threads)
     target = load_target()
     stream = encode(stream_items(prompts, chat, code), target.tokenizer)
-    cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k)
+    cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned)
     with tempfile.TemporaryDirectory(prefix="specloop-bench-online-") as tmp:
         stack = Stack(tmp)
         try:
             info = stack.up()
-            out = asyncio.run(run_all(target, info, stream, cfg, tuple(drafter)))
+            out = asyncio.run(run_all(target, info, stream, cfg, tuple(drafter), static))
         finally:
             stack.down()
     print(json.dumps(out, indent=None if json_out else 2, default=float))

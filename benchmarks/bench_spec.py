@@ -14,6 +14,13 @@ output equals the target-only output token for token.
 ``policy``: ``fixed`` drafts k tokens every step; ``adaptive`` lets GoodputPolicy choose k in 0..k
 per step; ``both`` runs the two on the same prompts in one process and adds ``adaptive_vs_fixed``
 (tokens/s ratio per phase).
+
+``tree`` (default on): the suffix drafter proposes token trees of up to k nodes (the adaptive policy
+cuts them to the width that pays); ``nodes_per_row_step`` and ``tokens_per_verify`` report them.
+``batches`` (e.g. 1,4,8): after the phases, the evaluation prompts of all domains run ``b`` at a
+time through a target-only engine and through the speculative engine (adaptive policy, drafter
+warmed as in the last phase), alternating A/B ``batch_repeats`` times in this process; ``by_batch``
+gives each speedup and ``never_slower`` (speedup >= 0.97).
 """
 
 from __future__ import annotations
@@ -24,14 +31,13 @@ import time
 
 import torch
 
-from benchmarks.prompts import (
+from benchmarks.runner import RunResult, StepTimer, run_prompts
+from infra.prompts import (
     PromptItem,
-    default_prompts,
     interleave_categories,
-    load_jsonl,
+    load_prompts,
     split_by_domain,
 )
-from benchmarks.runner import RunResult, StepTimer, run_prompts
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,9 @@ def _figures(spec: RunResult, base: RunResult, timer: StepTimer) -> dict:
         "mismatched_outputs": mismatches,
         "draft_ms_per_token": round(t["draft_ms_per_token"], 4),
         "draft_ms_per_step": round(t["draft_ms_per_step"], 4),
+        "nodes_per_row_step": round(t["nodes_per_row_step"], 3),
+        "tokens_per_verify": round(spec.mean_accept_len, 4),
+        "tree_step_fraction": round(t["tree_step_fraction"], 3),
         "verify_ms": round(t["verify_ms"], 3),
         "tokens": spec.tokens,
         "failed": spec.failed,
@@ -82,6 +91,9 @@ async def bench_spec_async(
     dtype: str = "bfloat16",
     policy: str = "fixed",
     target=None,
+    tree: bool = True,
+    batches: tuple[int, ...] = (),
+    batch_repeats: int = 2,
 ) -> dict:
     """``target``: an already loaded Target (tests); else ``model`` is loaded at ``dtype``."""
     from serving.drafters.factory import build_drafter
@@ -123,7 +135,7 @@ async def bench_spec_async(
             for domain, (evals, warmups) in selection.items():
                 # A fresh drafter per domain and phase: day 0 knows nothing, warmed knows only the
                 # warm-up prompts of its own domain.
-                drafter = build_drafter(drafter_kind, target, artifact_dir)
+                drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
                 choose = GoodputPolicy(k) if pol == "adaptive" else None
                 engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1), observers=[timer],
                                      policy=choose)
@@ -188,6 +200,12 @@ async def bench_spec_async(
         "warmed": summaries.get("warmed"),
         "baseline_by_domain": {d: {"tok_s": round(b.tok_s, 3), "tokens": b.tokens} for d, b in base.items()},
     }
+    out["tree"] = tree
+    if batches:
+        out["by_batch"] = await _by_batch(
+            target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree, batches,
+            batch_repeats, warm > 0,
+        )
     if len(policies) == 2:
         fixed, adaptive = by_policy["fixed"], by_policy["adaptive"]
         out["adaptive"] = adaptive
@@ -197,14 +215,70 @@ async def bench_spec_async(
     return out
 
 
+def _drafter(drafter, tree: bool):
+    if not tree and getattr(drafter, "trees", False):
+        drafter.trees = False
+    return drafter
+
+
+async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree,
+                    batches, repeats, warmed) -> dict:
+    """Never-slower check: target-only vs speculative (adaptive) at each batch size, A/B
+    alternating in this process. The drafter is built (and warmed) once per batch size."""
+    from serving.drafters.factory import build_drafter
+    from serving.engine.config import EngineConfig
+    from serving.engine.goodput_policy import GoodputPolicy
+    from serving.engine.torch_engine import TorchEngine
+
+    evals = [p for group, _ in selection.values() for p in group]
+    warmups = [p for _, group in selection.values() for p in group] if warmed else []
+    out = {}
+    for b in batches:
+        base_engine = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=b))
+        timer = StepTimer()
+        drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
+        policy = GoodputPolicy(k)
+        spec_engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=b),
+                                  observers=[timer], policy=policy)
+        if warmups:
+            await run_prompts(spec_engine, ids(warmups), max_tokens, concurrency=b)
+        base_s = spec_s = 0.0
+        base_tokens = spec_tokens = 0
+        lossless = True
+        timer.reset()
+        for _ in range(repeats):
+            log.info("batch %d: target-only / speculative, %d prompts", b, len(evals))
+            r0 = await run_prompts(base_engine, ids(evals), max_tokens, concurrency=b)
+            r1 = await run_prompts(spec_engine, ids(evals), max_tokens, concurrency=b)
+            base_s, base_tokens = base_s + r0.wall_s, base_tokens + r0.tokens
+            spec_s, spec_tokens = spec_s + r1.wall_s, spec_tokens + r1.tokens
+            lossless &= r0.outputs == r1.outputs and r1.failed == 0
+        await base_engine.stop()
+        await spec_engine.stop()
+        t = timer.summary()
+        speedup = (spec_tokens / spec_s) / (base_tokens / base_s) if spec_s and base_s else 0.0
+        widths = policy.widths
+        out[str(b)] = {
+            "speedup": round(speedup, 4),
+            "never_slower": speedup >= 0.97,
+            "lossless": lossless,
+            "tokens_per_row_step": round(spec_tokens / max(sum(timer.rows), 1), 4),
+            "nodes_per_row_step": round(t["nodes_per_row_step"], 3),
+            "plain_step_fraction": round(sum(w == 0 for w in widths) / len(widths), 3) if widths else None,
+            "calibration": round(policy.calibration, 3),
+        }
+    return out
+
+
 def _mean(xs: list[float]) -> float:
     return round(sum(xs) / len(xs), 4) if xs else 0.0
 
 
 def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, warm: int,
         artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None,
-        policy: str = "fixed") -> dict:
-    items = load_jsonl(prompts) if prompts else default_prompts()
+        policy: str = "fixed", tree: bool = True, batches: tuple[int, ...] = (),
+        batch_repeats: int = 2) -> dict:
+    items = load_prompts(prompts)
     if domains:
         items = [p for p in items if (p.domain or "default") in domains]
         if not items:
@@ -212,7 +286,8 @@ def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, 
     t0 = time.perf_counter()
     out = asyncio.run(bench_spec_async(
         items, drafter_kind=drafter, artifact_dir=artifact, limit=limit, warm=warm,
-        max_tokens=max_tokens, k=k, threads=threads, dtype=dtype, policy=policy,
+        max_tokens=max_tokens, k=k, threads=threads, dtype=dtype, policy=policy, tree=tree,
+        batches=batches, batch_repeats=batch_repeats,
     ))
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out

@@ -97,6 +97,18 @@ def load_traces(path: str | Path) -> list[TraceRecord]:
     return out
 
 
+def cpu_model() -> str:
+    """CPU model and its vector extensions (speed ratios depend on them)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    ext = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({' '.join(ext) or 'no avx2'})"
+
+
 # ---- measured draft cost ----------------------------------------------------------------------
 
 
@@ -134,9 +146,12 @@ def measure_draft_cost(target, student, context: int = 256) -> dict:
         else:
             dcache = DynamicCache()
             model(ids, past_key_values=dcache, use_cache=True)
+            rows = getattr(student, "head_vocab", None)
+            head = model.lm_head.weight if rows is None else model.lm_head.weight[rows].contiguous()
 
-            def draft_step():
-                model(tok, past_key_values=dcache, use_cache=True).logits.argmax(-1)
+            def draft_step():  # the lm_head read only at the draft vocabulary, as serving does
+                h = model.model(tok, past_key_values=dcache, use_cache=True).last_hidden_state
+                torch.nn.functional.linear(h[:, -1], head).argmax(-1)
                 dcache.crop(-1)
 
         draft_ms = median_ms(draft_step)
@@ -146,7 +161,8 @@ def measure_draft_cost(target, student, context: int = 256) -> dict:
 # ---- the benchmark ----------------------------------------------------------------------------
 
 
-def _cached_traces(target, name: str, prompts, args, feature_layers, cache_dir) -> list[TraceRecord]:
+def _cached_traces(target, name: str, prompts, args, feature_layers, cache_dir,
+                   domain: str = "chat") -> list[TraceRecord]:
     import hashlib
     import json
 
@@ -156,7 +172,7 @@ def _cached_traces(target, name: str, prompts, args, feature_layers, cache_dir) 
     if path.exists():
         return load_traces(path)
     traces = generate_traces(target, prompts, k=args.k, max_new_tokens=args.max_new_tokens,
-                             feature_layers=feature_layers, domain="chat", id_prefix=name)
+                             feature_layers=feature_layers, domain=domain, id_prefix=name)
     save_traces(traces, path)
     return traces
 
@@ -166,9 +182,14 @@ def run(args) -> dict:
 
     import torch
 
-    from benchmarks.prompts import interleave_categories, load_mtbench
-    from feedback.drafter_models import (day0_draft_vocab, default_feature_layers, eagle_from_target,
-                                         special_token_ids, standalone_from_target)
+    from feedback.drafter_models import (
+        day0_draft_vocab,
+        default_feature_layers,
+        eagle_from_target,
+        special_token_ids,
+        standalone_from_target,
+    )
+    from infra.prompts import interleave_categories, load_humaneval, load_mtbench
     from serving.target import load_target
     from trainer.distill import DistillConfig, Distiller
     from trainer.eagle_student import EagleStudent, traffic_frequencies
@@ -180,12 +201,14 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     target = load_target(args.model)
     layers = default_feature_layers(int(target.model.config.num_hidden_layers))
-    items = interleave_categories(load_mtbench())
+    items = interleave_categories(load_mtbench()) if args.domain == "chat" else load_humaneval()
     prompts = [it.token_ids(target.tokenizer) for it in items[: args.train_prompts + args.heldout_prompts]]
     train_p, held_p = prompts[: args.train_prompts], prompts[args.train_prompts :]
+    # selfspec/standalone need no captured features: their traces are cached without them
+    layers = layers if args.student == "eagle" else ()
     t0 = time.perf_counter()
-    train = _cached_traces(target, "train", train_p, args, layers, args.cache_dir)
-    held = _cached_traces(target, "heldout", held_p, args, layers, args.cache_dir)
+    train = _cached_traces(target, "train", train_p, args, layers, args.cache_dir, args.domain)
+    held = _cached_traces(target, "heldout", held_p, args, layers, args.cache_dir, args.domain)
     gen_s = time.perf_counter() - t0
 
     vocab = int(target.model.get_output_embeddings().weight.shape[0])
@@ -194,6 +217,16 @@ def run(args) -> dict:
                               frequencies=traffic_frequencies(train, vocab))
         student = EagleStudent(eagle_from_target(target.model, feature_layers=layers, draft_vocab=dv),
                                depth=args.depth, max_len=args.max_len)
+    elif args.student == "selfspec":
+        from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
+        from trainer.students import SelfSpecStudent
+
+        dv = day0_draft_vocab(vocab, args.draft_vocab, special_token_ids(target.tokenizer, target.model.config),
+                              frequencies=traffic_frequencies(train, vocab))
+        adapter = selfspec_adapter_from_target(target.model, exit_layer=args.exit_layer,
+                                               adapter_layers=args.adapter_layers,
+                                               adapter_init=args.adapter_init, draft_vocab=dv)
+        student = SelfSpecStudent(assemble(adapter, target.model), adapter.config, max_len=args.max_len)
     else:
         student = StandaloneStudent(standalone_from_target(target.model, num_layers=2).float(), max_len=args.max_len)
     cost = measure_draft_cost(target, student)
@@ -224,7 +257,11 @@ def run(args) -> dict:
         curve.append({"trace_tokens_seen": replay.tokens_seen, **ev, "train_steps": distiller.global_step})
     after = score(student, held, gate, suffix)
     return {
-        "model": target.model_id, "student": args.student, "k": args.k,
+        "model": target.model_id, "student": args.student, "domain": args.domain, "k": args.k,
+        **({"exit_layer": args.exit_layer, "adapter_layers": args.adapter_layers,
+            "adapter_init": args.adapter_init, "draft_vocab": args.draft_vocab}
+           if args.student == "selfspec" else {}),
+        "cpu": cpu_model(),
         "train_prompts": len(train), "heldout_prompts": len(held), "max_new_tokens": args.max_new_tokens,
         "expected_acceptance_before": before.expected_acceptance, "expected_acceptance_after": after.expected_acceptance,
         "sim_accept_len_before": before.sim_accept_len, "sim_accept_len_after": after.sim_accept_len,
@@ -234,7 +271,7 @@ def run(args) -> dict:
         "train_steps_per_s": steps / train_s if train_s else 0.0,
         **cost, "curve": curve,
         "trace_generation_s": gen_s, "total_s": time.perf_counter() - t_start,
-        "note": "held-out = separate MT-Bench prompts; weights selected on held-out expected acceptance "
+        "note": "held-out = separate prompts of the domain (MT-Bench chat or HumanEval code); weights selected on held-out expected acceptance "
                 "(as the gate does), so 'after' is the selected checkpoint's score on the selection set",
     }
 
@@ -242,7 +279,11 @@ def run(args) -> dict:
 def bench_train(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     model: str = typer.Option("SmolLM2-135M-Instruct", help="Target model."),
-    student: str = typer.Option("eagle", help="eagle | standalone"),
+    student: str = typer.Option("eagle", help="eagle | standalone | selfspec"),
+    domain: str = typer.Option("chat", help="chat (MT-Bench) | code (HumanEval)."),
+    exit_layer: int = typer.Option(2, help="selfspec: target layers shared before the adapter."),
+    adapter_layers: int = typer.Option(1, help="selfspec: trainable adapter decoder layers."),
+    adapter_init: str = typer.Option("next", help="selfspec: adapter starts as target layer E (next) or its last (last)."),
     train_prompts: int = typer.Option(36, help="MT-Bench prompts whose traces train."),
     heldout_prompts: int = typer.Option(12, help="Held-out MT-Bench prompts (same domain)."),
     max_new_tokens: int = typer.Option(64, help="Tokens generated per prompt."),
@@ -253,7 +294,7 @@ def bench_train(
     batch_traces: int = typer.Option(4, help="Traces per step."),
     lr: float = typer.Option(1e-3, help="AdamW learning rate."),
     depth: int = typer.Option(3, help="EAGLE training-time-test chain depth."),
-    draft_vocab: int = typer.Option(8192, help="EAGLE draft vocabulary (by traffic frequency)."),
+    draft_vocab: int = typer.Option(8192, help="EAGLE/selfspec draft vocabulary (by traffic frequency)."),
     max_len: int = typer.Option(512, help="Left-truncate training sequences."),
     threads: int = typer.Option(1, help="torch threads (1: two threads on 2 shared cores ran 10x slower here)."),
     cache_dir: str = typer.Option(str(Path.home() / ".cache" / "specloop" / "bench_train"),

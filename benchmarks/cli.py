@@ -16,7 +16,7 @@ def _setup_logging(verbose: bool) -> None:
 
 def spec(
     json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
-    prompts: str = typer.Option(None, help="JSONL prompt file (lines with prompt or messages, optional domain)."),
+    prompts: str = typer.Option(None, help="JSONL prompt file (lines with prompt or messages, optional domain), or \"sharegpt\" (held-out real user prompts)."),
     limit: int = typer.Option(8, min=1, help="Evaluation prompts per domain."),
     max_tokens: int = typer.Option(96, min=1, help="New tokens per prompt."),
     k: int = typer.Option(4, min=1, help="Drafted tokens per step."),
@@ -28,20 +28,27 @@ def spec(
     domain: list[str] = typer.Option(None, help="Only these domains (repeatable)."),
     policy: str = typer.Option("fixed", help="fixed (k every step) | adaptive (GoodputPolicy picks 0..k) | "
                                "both (same prompts, adds adaptive_vs_fixed)."),
+    tree: bool = typer.Option(True, "--tree/--no-tree", help="Suffix drafter proposes token trees of "
+                              "up to k nodes (the adaptive policy cuts them to what pays)."),
+    batch: str = typer.Option("", help="Comma-separated batch sizes (e.g. 1,4,8) for the never-slower "
+                              "check: target-only vs adaptive speculation at each, A/B in one process."),
+    batch_repeats: int = typer.Option(2, min=1, help="A/B rounds per batch size."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
     _setup_logging(verbose)
     from benchmarks.bench_spec import run
 
-    out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy)
+    batches = tuple(int(b) for b in batch.split(",") if b.strip())
+    out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
+              tree, batches, batch_repeats)
     print(json.dumps(out, indent=None if json_out else 2))
 
 
 def capture(
     json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
     tiny: bool = typer.Option(False, "--tiny", help="A tiny random model instead of SmolLM2 (smoke runs)."),
-    prompts: str = typer.Option(None, help="JSONL prompt file (default: MT-Bench + HumanEval)."),
+    prompts: str = typer.Option(None, help="JSONL prompt file or \"sharegpt\" (default: MT-Bench + HumanEval)."),
     limit: int = typer.Option(8, min=1, help="Prompts per run (round-robin over domains)."),
     max_tokens: int = typer.Option(64, min=1, help="New tokens per prompt."),
     k: int = typer.Option(4, min=1, help="Drafted tokens per step (suffix drafter)."),

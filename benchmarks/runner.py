@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from serving.engine.base import GenerationChunk, GenerationRequest, SamplingParams, VerifyBatch
+from infra.measure import collect, median_ms  # noqa: F401  (re-exported for the benchmarks)
+from serving.engine.base import GenerationRequest, SamplingParams, VerifyBatch
 from serving.observers import BaseObserver
 
 
@@ -26,6 +27,9 @@ class StepTimer(BaseObserver):
         self.rows: list[int] = []
         self.drafted: list[int] = []
         self.accepted: list[int] = []
+        self.nodes: list[int] = []
+        """Drafted nodes per step (tree nodes, or chain drafts), summed over rows."""
+        self.tree_steps = 0
 
     def on_step(self, batch: VerifyBatch) -> None:
         self.draft_ms.append(batch.draft_ms)
@@ -33,6 +37,9 @@ class StepTimer(BaseObserver):
         self.rows.append(len(batch.request_ids))
         self.drafted.append(int(np.asarray(batch.num_drafted).sum()))
         self.accepted.append(int(np.asarray(batch.num_accepted).sum()))
+        nodes = getattr(batch, "tree_nodes", None)
+        self.tree_steps += nodes is not None
+        self.nodes.append(int(np.asarray(batch.num_drafted if nodes is None else nodes).sum()))
 
     def reset(self) -> None:
         self.__init__()
@@ -47,6 +54,8 @@ class StepTimer(BaseObserver):
             "verify_ms": float(np.mean(self.verify_ms)) if steps else 0.0,
             "draft_ms_per_step": float(np.mean(self.draft_ms)) if steps else 0.0,
             "draft_ms_per_token": float(sum(self.draft_ms) / drafted) if drafted else 0.0,
+            "nodes_per_row_step": float(sum(self.nodes) / sum(self.rows)) if steps else 0.0,
+            "tree_step_fraction": self.tree_steps / steps if steps else 0.0,
         }
 
 
@@ -71,16 +80,6 @@ class RunResult:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
-
-
-async def collect(engine, request: GenerationRequest) -> tuple[list[int], GenerationChunk | None]:
-    """Stream one request to its end: (every output token, the final chunk with the stats)."""
-    tokens: list[int] = []
-    last = None
-    async for chunk in engine.generate(request):
-        tokens.extend(chunk.token_ids)
-        last = chunk
-    return tokens, last
 
 
 async def _one(engine, prompt_ids: list[int], params: SamplingParams, domain: str | None,
@@ -131,15 +130,3 @@ async def run_prompts(
     await asyncio.gather(*(task(i) for i in range(len(prompts))))
     result.wall_s = time.perf_counter() - t0
     return result
-
-
-def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median wall milliseconds of ``fn()`` over ``iters`` calls, after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1000.0)

@@ -47,7 +47,7 @@ def generate_samples(
             return [Sample(**s) for s in data["samples"]]
     import torch
 
-    from benchmarks.prompts import load_humaneval, load_mtbench
+    from infra.prompts import load_humaneval, load_mtbench
     from serving.target import load_target
 
     target = load_target()
@@ -129,6 +129,18 @@ class SimResult:
         )
 
 
+def tree_accepted(tokens: list[int], parents: list[int], target: list[int]) -> int:
+    """Accepted nodes of a token tree (parent indices, -1 = root) against the target's greedy
+    continuation: the longest root path spelling a prefix of ``target``."""
+    node, acc = -1, 0
+    while acc < len(target):
+        kids = [i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == target[acc]]
+        if not kids:
+            break
+        node, acc = kids[0], acc + 1
+    return acc
+
+
 def simulate(drafter, held: list[Sample], k: int, tenant: str = "sim", online: bool = False) -> SimResult:
     """Greedy speculative decoding of the held-out samples, replayed against their target outputs.
 
@@ -149,8 +161,11 @@ def simulate(drafter, held: list[Sample], k: int, tenant: str = "sim", online: b
             res.draft_ms += (time.perf_counter() - t0) * 1e3
             m = int(prop.lengths[0])
             draft = prop.tokens[0, :m].tolist()
-            acc = greedy_accepted(draft, out[pos:])
-            if drafter.last_drafts:
+            if prop.parents is None:
+                acc = greedy_accepted(draft, out[pos:])
+            else:  # a token tree: follow the branch that the target's continuation takes
+                acc = tree_accepted(draft, prop.parents[0, :m].tolist(), out[pos:])
+            if drafter.last_drafts and drafter.last_drafts[0].parents is None:
                 d = drafter.last_drafts[0]
                 for j in range(min(m, acc + 1)):
                     st = d.steps[j]

@@ -13,9 +13,11 @@ bench_app = typer.Typer(help="Benchmarks; each prints one JSON object on stdout.
 app.add_typer(stack_app, name="stack")
 app.add_typer(bench_app, name="bench")
 
-# Command registrations: one import per area. Modules define plain functions with Typer
-# annotations; registering here keeps a single place that lists the whole CLI.
-from infra import cli_commands  # noqa: E402,F401  (registers commands on the apps above)
+# Command registrations: one place lists the whole CLI. Modules define plain functions with Typer
+# annotations; infra/cli_commands.py attaches them to the apps above.
+from infra import cli_commands
+
+cli_commands.register(app, stack_app, bench_app)
 
 if __name__ == "__main__":
     app()

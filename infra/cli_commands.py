@@ -1,41 +1,51 @@
-"""Registration of every CLI command (see infra/cli.py). Keep one line per command."""
+"""Registration of every CLI command on the apps infra/cli.py creates. Keep one line per command.
+
+The apps are passed in (not imported from infra.cli), so there is no import cycle and
+``python -m infra.cli`` registers the same commands as the ``specloop`` entry point."""
 
 from __future__ import annotations
 
-from infra import stack as _stack  # light: stdlib, pydantic, typer
-from infra.cli import stack_app
+import typer
 
-stack_app.command("up")(_stack.cmd_up)
-stack_app.command("down")(_stack.cmd_down)
-stack_app.command("status")(_stack.cmd_status)
 
-from infra.cli import app
-from serving import cli as serving_cli
+def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -> None:
 
-app.command("serve")(serving_cli.serve)
-app.command("generate")(serving_cli.generate)
+    from infra import stack as _stack  # light: stdlib, pydantic, typer
 
-from trainer import cli as trainer_cli  # noqa: E402  (light: heavy imports happen inside the command)
+    stack_app.command("up")(_stack.cmd_up)
+    stack_app.command("down")(_stack.cmd_down)
+    stack_app.command("status")(_stack.cmd_status)
 
-app.command("train")(trainer_cli.train)
+    from serving import cli as serving_cli
 
-from infra.cli import bench_app  # noqa: E402
-from benchmarks import bench_train  # noqa: E402  (light: heavy imports happen inside the command)
+    app.command("serve")(serving_cli.serve)
+    app.command("generate")(serving_cli.generate)
 
-bench_app.command("train")(bench_train.bench_train)
-from benchmarks import bench_swap  # noqa: E402  (light: heavy imports happen inside the command)
+    from trainer import cli as trainer_cli  # light: heavy imports happen inside the command
 
-bench_app.command("swap")(bench_swap.bench_swap)
+    app.command("train")(trainer_cli.train)
 
-from infra.cli import bench_app  # noqa: E402
-from benchmarks import cli as bench_cli  # noqa: E402
+    from benchmarks import bench_train  # light: heavy imports happen inside the command
 
-bench_app.command("spec")(bench_cli.spec)
-bench_app.command("capture")(bench_cli.capture)
+    bench_app.command("train")(bench_train.bench_train)
+    from benchmarks import bench_swap  # light: heavy imports happen inside the command
 
-from infra import demo as _demo  # noqa: E402  (light: heavy imports happen inside the command)
+    bench_app.command("swap")(bench_swap.bench_swap)
 
-app.command("demo")(_demo.demo)
-from benchmarks import bench_online  # noqa: E402  (light: heavy imports happen inside the command)
+    from benchmarks import cli as bench_cli
 
-bench_app.command("online")(bench_online.bench_online)
+    bench_app.command("spec")(bench_cli.spec)
+    bench_app.command("capture")(bench_cli.capture)
+
+    from infra import demo as _demo  # light: heavy imports happen inside the command
+
+    app.command("demo")(_demo.demo)
+    from benchmarks import bench_online  # light: heavy imports happen inside the command
+
+    bench_app.command("online")(bench_online.bench_online)
+    from benchmarks import bench_load  # light: heavy imports happen inside the command
+
+    bench_app.command("load")(bench_load.bench_load)
+    from benchmarks import bench_engine  # light: heavy imports happen inside the command
+
+    bench_app.command("engine")(bench_engine.bench_engine)

@@ -3,7 +3,7 @@
 Starts the local stack (tansu, Redis, MLflow; stopped at the end, also on Ctrl-C), measures a short
 target-only baseline, then serves a domain-shift stream (MT-Bench chat, then HumanEval code) through
 TorchEngine + a day-0 hybrid drafter (suffix + standalone), traces to Kafka, the trainer (a
-TrainerLoop thread, see benchmarks/online_loop.py) registering in MLflow, and the Swapper. Prints a
+TrainerLoop thread, see infra/loop.py) registering in MLflow, and the Swapper. Prints a
 summary table, writes a plot and the summary JSON under the run directory.
 """
 
@@ -121,9 +121,8 @@ def summary_table(summary: dict):
 
 
 async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: int, console) -> dict:
-    from benchmarks.bench_online import target_only, trainer_figures
-    from benchmarks.online_loop import OnlineLoop
-    from benchmarks.online_metrics import shift_index, summarise, tok_s
+    from infra.loop import OnlineLoop
+    from infra.loop_metrics import shift_index, summarise, target_only, tok_s, trainer_figures
 
     console.print(f"target-only baseline on {baseline_n} requests ...")
     base = await target_only(target, stream[:baseline_n], cfg.max_tokens)
@@ -172,8 +171,8 @@ def demo(
     import torch
     from rich.console import Console
 
-    from benchmarks.bench_online import encode, stream_items
-    from benchmarks.online_loop import LoopConfig
+    from infra.loop import LoopConfig
+    from infra.prompts import encode, stream_items
     from infra.stack import Stack
     from serving.target import load_target
 
@@ -199,6 +198,25 @@ def demo(
     console.print(summary_table(summary))
     db = run_dir / "stack" / "mlflow" / "mlflow.db"
     console.print(f"plot: {summary['plot']}\nsummary: {run_dir / 'summary.json'}")
-    console.print(f"MLflow: tracking URI {info.mlflow_uri} (stopped now), experiment "
-                  f"'specloop/{target.fingerprint.key()}', registered model for tenant demo-*; reopen with\n"
-                  f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{db}")
+    console.print(operators_view(db, target.fingerprint))
+
+
+def operators_view(db: Path, fingerprint, port: int = 5000) -> str:
+    """How to reopen the run's MLflow store, and the URL of its experiment (the operators' view:
+    serving and trainer ops runs, candidate runs, the registered model)."""
+    name = f"specloop/{fingerprint.key()}"
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        from mlflow.tracking import MlflowClient
+
+        exp = MlflowClient(tracking_uri=f"sqlite:///{db}").get_experiment_by_name(name)
+        if exp is not None:
+            url += f"#/experiments/{exp.experiment_id}"
+    except Exception:  # the store is still readable with the command below
+        logging.getLogger(__name__).debug("could not read %s", db, exc_info=True)
+    return (f"MLflow (operators' view): experiment '{name}': serving-* run (live acceptance and tokens "
+            "per verify per domain, k, speculation-off fraction, estimated speedup, drafter changes, "
+            "drift), trainer-* run (held-out acceptance per round, every gate decision and its "
+            "reason), candidate runs and the registered model. Open it with\n"
+            f"  .venv/bin/mlflow ui --backend-store-uri sqlite:///{db} --port {port}\n"
+            f"then {url}")

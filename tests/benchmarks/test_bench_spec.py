@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from benchmarks.bench_spec import bench_spec_async
-from benchmarks.prompts import PromptItem
+from infra.prompts import PromptItem
 
 
 def test_fixed_and_adaptive_k_on_the_same_prompts():
@@ -31,3 +31,19 @@ def test_fixed_and_adaptive_k_on_the_same_prompts():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         asyncio.run(bench_spec_async([], policy="sometimes"))
+
+
+def test_batches_report_never_slower_ratios_and_tree_stats():
+    from serving.target import tiny_target
+
+    target = tiny_target()
+    items = [PromptItem(id=f"c{i}", prompt=f"code prompt {i}: repeat repeat repeat", domain="code")
+             for i in range(4)]
+    out = asyncio.run(bench_spec_async(items, drafter_kind="suffix", limit=2, warm=1, max_tokens=10, k=4,
+                                       policy="adaptive", target=target, batches=(1, 2), batch_repeats=1))
+    assert out["tree"] is True and out["lossless"] is True
+    assert set(out["by_batch"]) == {"1", "2"}
+    for entry in out["by_batch"].values():
+        assert entry["lossless"] is True
+        assert entry["speedup"] > 0 and entry["never_slower"] == (entry["speedup"] >= 0.97)
+    assert "nodes_per_row_step" in out["warmed"]["by_domain"]["code"]

@@ -2,7 +2,14 @@ import json
 
 import pytest
 
-from benchmarks.prompts import PromptItem, default_prompts, interleave_categories, load_humaneval, load_jsonl, load_mtbench
+from infra.prompts import (
+    PromptItem,
+    default_prompts,
+    interleave_categories,
+    load_humaneval,
+    load_jsonl,
+    load_mtbench,
+)
 
 
 def test_wheels_provide_both_domains():
@@ -43,3 +50,17 @@ def test_chat_items_use_the_chat_template():
     text = tok.decode(ids)
     assert "<|im_start|>user\nHello<|im_end|>" in text and text.rstrip().endswith("assistant")
     assert PromptItem(id="b", prompt="def f():").token_ids(tok) == list(tok.encode("def f():"))
+
+
+def test_sharegpt_heldout_stream_is_real_and_split_by_domain():
+    from infra.prompts import _iter_json_array, load_prompts, load_sharegpt
+
+    items = load_sharegpt(12, 12)
+    assert [p.domain for p in items] == ["chat"] * 12 + ["code"] * 12
+    assert len({p.id for p in items}) == 24
+    assert all(20 <= len(p.messages[0]["content"]) <= 2000 for p in items)
+    later = load_sharegpt(12, 12, skip=12)
+    assert not {p.id for p in items} & {p.id for p in later}
+    assert [p.id for p in load_prompts("sharegpt", 12, 12)] == [p.id for p in items]
+    # the wheel's file is cut inside its last record: the reader stops there quietly
+    assert [o["a"] for o in _iter_json_array('[{"a": 1}, {"a": 2}, {"a": "tru')] == [1, 2]

@@ -11,9 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.bench_online import trainer_figures
-from benchmarks.online_loop import LoopConfig, OnlineLoop
-from benchmarks.online_metrics import mean_accept, shift_index, summarise
+from infra.loop import LoopConfig, OnlineLoop
+from infra.loop_metrics import mean_accept, shift_index, summarise, trainer_figures
 
 pytestmark = pytest.mark.integration
 VOCAB = 512
@@ -68,7 +67,6 @@ async def _loop_run(target, stack, stream):
 
 def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, mlflow_server, tmp_path):
     from infra.demo import MARKER_COLOURS, markers, plot, summary_table
-    from serving.target import tiny_target
 
     torch.set_num_threads(1)
     target = _walk_target()
@@ -99,6 +97,31 @@ def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, m
     png = plot(loop.points, loop.events, shift, tmp_path / "demo.png")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
     assert summary_table(summary).row_count == len(summary)
+    _assert_operators_view(mlflow_server.url, target.fingerprint)
+
+
+def _assert_operators_view(uri, fingerprint, timeout_s: float = 20.0):
+    """MLflow shows what serving and the trainer did, not only promoted versions (issue 15)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"specloop/{fingerprint.key()}")
+    assert exp is not None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = {r.data.tags.get("role"): r for r in client.search_runs([exp.experiment_id])
+                if r.data.tags.get("role")}
+        trainer = runs.get("trainer")
+        if trainer is not None and "event.gate" in trainer.data.metrics or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    serving = runs["serving"].data
+    assert {"tokens_per_verify", "k_mean", "spec_off_fraction", "event.drafter_change"} <= set(serving.metrics)
+    assert any(k.startswith("tokens_per_verify.") for k in serving.metrics)  # per domain
+    assert int(serving.metrics["event.drafter_change"]) >= 2  # day 0, then the promoted version
+    trainer = runs["trainer"].data
+    assert {"heldout_expected_acceptance", "event.gate", "gate_promote"} <= set(trainer.metrics)
+    assert "reason" in trainer.tags["last_gate"]
 
 
 def test_frozen_drafter_stops_learning():

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
-from benchmarks.runner import collect, median_ms
+from infra.measure import collect, median_ms
 from serving.engine.base import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,17 @@ class LoopConfig:
     batch_traces: int = 4
     """Traces per training step."""
     day0_init: str = "target-layers"
-    """Day-0 learned drafter and student: the target's first layers, or "random"."""
+    """Day-0 learned drafter and student: "target-layers" (a standalone LM copying the target's first
+    layers), "random", or "selfspec" (the target's own first layers + a trained adapter + its
+    lm_head; feedback/drafters_from_target.py)."""
+    selfspec_exit_layer: int = 2
+    """selfspec: target layers shared before the adapter."""
+    selfspec_adapter_layers: int = 1
+    """selfspec: trainable adapter layers (copies of the target's layers after the shared ones)."""
+    ops_log: bool = True
+    """Serving and trainer log what they do to MLflow ops runs from the first request."""
+    ops_every_s: float = 2.0
+    """Serving's ops metrics: one point per this many seconds."""
     trainer_nice: int = 10
     """The trainer process runs this much nicer than serving: it trains on capacity serving leaves."""
     gate_costs: dict | None = None
@@ -89,7 +99,8 @@ class FrozenDrafter:
         return getattr(self.inner, name)
 
 
-def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: str = "target-layers"):
+def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: str = "target-layers",
+                 selfspec: dict | None = None):
     """The drafter serving starts with. ``hybrid`` starts as the suffix drafter alone: an untrained
     learned drafter only costs draft time (day-0 acceptance ~0.01), so the learned half joins at
     the first promotion (the Swapper's loader wraps the running suffix drafter into the hybrid)."""
@@ -97,9 +108,33 @@ def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: s
 
     if kind == "hybrid":
         return build_drafter("suffix", target)
+    if kind == "standalone" and init == "selfspec":
+        return build_drafter("selfspec", target, draft_vocab_size=draft_vocab_size, **(selfspec or {}))
     if kind == "standalone":
         return build_drafter("standalone", target, draft_vocab_size=draft_vocab_size, init=init)
     return build_drafter(kind, target)
+
+
+def learned_kind(cfg: LoopConfig) -> str:
+    """The artifact kind the trainer publishes for this loop."""
+    return "selfspec" if cfg.day0_init == "selfspec" else "standalone"
+
+
+def make_selfspec_student(target, draft_vocab_size: int | None = None, exit_layer: int = 2,
+                          adapter_layers: int = 1):
+    """The trainer's selfspec student: serving's day-0 selfspec drafter (the target's first
+    ``exit_layer`` layers shared, adapter = a copy of the next layer), same draft vocabulary."""
+    from feedback.drafter_models import day0_draft_vocab, special_token_ids
+    from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
+    from trainer.students import SelfSpecStudent
+
+    vocab = None
+    if draft_vocab_size is not None:
+        v = int(target.model.get_output_embeddings().weight.shape[0])
+        vocab = day0_draft_vocab(v, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config))
+    adapter = selfspec_adapter_from_target(target.model, exit_layer=exit_layer, adapter_layers=adapter_layers,
+                                           draft_vocab=vocab)
+    return SelfSpecStudent(assemble(adapter.float(), target.model), adapter.config)
 
 
 def make_student(target, draft_vocab_size: int | None = None, init: str = "target-layers"):
@@ -171,6 +206,8 @@ class TrainerWiring:
     steps_per_round: int
     rounds_per_gate: int
     batch_traces: int
+    ops_log: bool = True
+    """Log each round and gate decision to the trainer's MLflow ops run (feedback/ops_log.py)."""
 
 
 def build_trainer_loop(w: TrainerWiring, student):
@@ -178,6 +215,7 @@ def build_trainer_loop(w: TrainerWiring, student):
     freshness), MLflow registry, Redis announcer, and a gate charging the measured costs."""
     from feedback.control import ControlPlane
     from feedback.kafka_source import KafkaTraceSource
+    from feedback.ops_log import open_run
     from feedback.registry import DrafterRegistry
     from trainer.control import RedisAnnouncer
     from trainer.distill import DistillConfig
@@ -198,9 +236,12 @@ def build_trainer_loop(w: TrainerWiring, student):
         distill=DistillConfig(lr=3e-3, batch_traces=w.batch_traces),
         gate=GateConfig(k=w.k, hybrid=w.hybrid, draft_cost=w.costs["draft_cost"], verify_cost=w.costs["verify_cost"]),
         registry=DrafterRegistry(w.mlflow_uri),
-        announcer=RedisAnnouncer(ControlPlane(url=w.redis_url, namespace=w.redis_namespace), "standalone",
+        rollbacks_from=ControlPlane(url=w.redis_url, namespace=w.redis_namespace),
+        announcer=RedisAnnouncer(ControlPlane(url=w.redis_url, namespace=w.redis_namespace),
+                                 getattr(student, "kind", "standalone"),
                                  w.fingerprint.key()),
         exporter=artifact_exporter(w.export_config),
+        ops=open_run(w.mlflow_uri, w.fingerprint, "trainer", w.tenant, w.group_id) if w.ops_log else None,
     )
 
 
@@ -219,6 +260,8 @@ class OnlineLoop:
         """Redis namespace shared by this loop's Swapper and its trainer's announcer."""
         self.metrics = CollectorRegistry()
         self.engine = self.sink = self.swapper = self.trainer = None
+        self.ops = self.ops_observer = None
+        """The serving replica's MLflow ops run and its observer (live acceptance per domain...)."""
         self.costs: dict = {}
         """Measured draft and verify costs the gate charges (``measure_costs``)."""
         self.points: list[Point] = []
@@ -251,6 +294,9 @@ class OnlineLoop:
             await self.engine.stop()
         if self.sink is not None:
             self.sink.close()
+        if self.ops is not None:
+            self.ops_observer.flush()
+            self.ops.close()
 
     def _build_engine(self):
         from serving.engine.config import EngineConfig
@@ -265,11 +311,22 @@ class OnlineLoop:
 
             self.sink = KafkaTraceSink(bootstrap_servers=self.stack.bootstrap_servers, topic=self.topic)
             observers.append(TraceRecorder(self.sink, self.target.fingerprint))
+        if self.stack is not None and self.cfg.ops_log:
+            from feedback.ops_log import open_run
+            from serving.ops_observer import LiveOpsObserver
+
+            self.ops = open_run(self.stack.mlflow_uri, self.target.fingerprint, "serving", self.tenant,
+                                self.tag, flush_s=1.0)
+            if self.ops is not None:
+                self.ops_observer = LiveOpsObserver(self.ops, every_s=self.cfg.ops_every_s)
+                observers.append(self.ops_observer)
         policy = GoodputPolicy(self.cfg.k) if self.cfg.adaptive_k else None
         config = EngineConfig(k=self.cfg.k, max_batch_size=self.cfg.max_batch_size)
         drafter = self._drafter
         if drafter is None and self.cfg.k > 0:
-            drafter = day0_drafter(self.cfg.drafter, self.target, self.cfg.draft_vocab_size, self.cfg.day0_init)
+            drafter = day0_drafter(self.cfg.drafter, self.target, self.cfg.draft_vocab_size, self.cfg.day0_init,
+                                   {"exit_layer": self.cfg.selfspec_exit_layer,
+                                    "adapter_layers": self.cfg.selfspec_adapter_layers})
         return TorchEngine(self.target, drafter, config=config, observers=observers, policy=policy)
 
     def _control(self):
@@ -283,9 +340,9 @@ class OnlineLoop:
 
         live = LiveAcceptance(registry=self.metrics)
         self.engine.observers.append(live)
-        kind = "hybrid" if self.cfg.drafter == "hybrid" else "standalone"
+        kind = "hybrid" if self.cfg.drafter == "hybrid" else learned_kind(self.cfg)
         vocab = {"draft_vocab_size": self.cfg.draft_vocab_size}
-        options = {"learned": "standalone", "learned_options": vocab} if kind == "hybrid" else vocab
+        options = {"learned": learned_kind(self.cfg), "learned_options": vocab} if kind == "hybrid" else vocab
         config = SwapConfig(tenant=self.tenant, watch_steps=self.cfg.swap_watch_steps,
                             floor_ratio=self.cfg.rollback_floor_ratio, poll_interval_s=10.0)
         return Swapper(self.engine, ArtifactDrafterLoader(self.target, kind, options), live,
@@ -301,14 +358,19 @@ class OnlineLoop:
         from trainer.actor import RemoteTrainer
 
         c = self.cfg
-        student = make_student(self.target, c.draft_vocab_size, c.day0_init)
+        if c.day0_init == "selfspec":
+            student = make_selfspec_student(self.target, c.draft_vocab_size, c.selfspec_exit_layer,
+                                            c.selfspec_adapter_layers)
+        else:
+            student = make_student(self.target, c.draft_vocab_size, c.day0_init)
         self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(self.target, student, c.k)
         log.info("gate costs (x one target step): %s", self.costs)
         wiring = TrainerWiring(
             tenant=self.tenant, topic=self.topic, group_id=f"trainer-{self.tag}",
             bootstrap_servers=self.stack.bootstrap_servers, redis_url=self.stack.redis_url,
             redis_namespace=self.control_namespace, mlflow_uri=self.stack.mlflow_uri,
-            fingerprint=self.target.fingerprint, export_config=StandaloneConfig.for_target(self.target.model.config),
+            fingerprint=self.target.fingerprint,
+            export_config=getattr(student, "config", None) or StandaloneConfig.for_target(self.target.model.config),
             k=c.k, hybrid=c.drafter == "hybrid", costs=self.costs, min_train_traces=c.min_train_traces,
             steps_per_round=c.steps_per_round, rounds_per_gate=c.rounds_per_gate, batch_traces=c.batch_traces)
         # The student travels to the worker pickled (tens of MB with frozen target embeddings).

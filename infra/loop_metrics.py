@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+from infra.loop import LoopConfig, OnlineLoop
+
 
 def shift_index(domains: list[str]) -> int:
     """Index of the first request whose domain differs from the first one (len if none)."""
@@ -71,3 +73,25 @@ def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollba
     fresh = list(freshness or [])
     out["freshness_s_median"] = statistics.median(fresh) if fresh else None
     return out
+
+
+async def target_only(target, stream, max_tokens: int):
+    loop = OnlineLoop(target, None, LoopConfig(k=0, train=False, max_tokens=max_tokens))
+    await loop.start()
+    try:
+        await loop.serve([(stream[0][0][:8], stream[0][1])])  # warm-up (first forwards are slow)
+        loop.points.clear()
+        return await loop.serve(stream)
+    finally:
+        await loop.stop()
+
+
+def trainer_figures(loop: OnlineLoop, **extra) -> dict:
+    """What the loop's trainer did (nothing for the suffix drafter, which has none)."""
+    if loop.trainer is None:
+        return {}
+    st = loop.trainer.stats
+    return {"trainer_records_polled": st.records_polled, "trainer_rounds": st.rounds,
+            "trainer_train_steps": st.train_steps, "trainer_promotions": st.promotions,
+            "trainer_heldout_expected_acceptance": st.heldout_acceptance, "trainer_last_gate": st.last_decision,
+            "gate_costs": {k: round(v, 4) for k, v in loop.costs.items()}, **extra}

@@ -1,0 +1,180 @@
+"""``specloop bench engine``: how close a decode step runs to the memory bound, and what a verify of
+q tokens costs in one-token steps, for TorchEngine's forward and the Hugging Face reference, in one
+run (so the before/after ratio is measured on the same machine at the same time).
+
+- ``bandwidth_gbs``: read bandwidth, median of summing a 256 MB fp32 tensor.
+- ``bound_ms`` = weight bytes / bandwidth: the least a decode step can cost (every weight read once).
+- ``step_ms``: one-token forward at context ``--context``, batch 1, median; ``bound_fraction`` =
+  bound_ms / step_ms.
+- ``verify_cost["q"]``: forward of q tokens / one-token forward, same context.
+- ``lossless``: greedy outputs of the fast path equal the reference forward's on a few prompts.
+- ``startup_s``: model load + building the fast forward + a warm-up forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import typer
+
+log = logging.getLogger(__name__)
+
+_QS = (2, 4, 8, 16, 32)
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "neon", "sve")
+
+
+def cpu_info() -> dict:
+    """The CPU model and the SIMD flags that decide which kernels run (machines of this kind have
+    come with AVX-512/bf16 and with AVX2 only)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and model in ("", platform.machine(), "x86_64"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"model": model, "flags": sorted(f for f in _FLAGS if f in flags), "cpus": os.cpu_count()}
+
+
+def read_bandwidth_gbs(mb: int = 256, reps: int = 7) -> float:
+    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+class _Path:
+    """One forward implementation over a prefilled cache, timed without committing anything."""
+
+    def __init__(self, name: str, engine):
+        self.name, self.engine = name, engine
+
+    def forward_ms(self, cache, q: int, vocab: int) -> float:
+        ids = torch.randint(0, vocab, (1, q))
+        sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        self.engine._forward(cache, ids)
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def _greedy(engine, prompt: list[int], n: int) -> list[int]:
+    from serving.engine.batch_cache import RaggedKVCache
+
+    cache = RaggedKVCache.for_model(engine.model, batch_size=1)
+    out = engine._forward(cache, torch.tensor([prompt]), logits_to_keep=1)
+    cache.commit([len(prompt)])
+    toks = [int(out.logits[0, -1].argmax())]
+    for _ in range(n - 1):
+        out = engine._forward(cache, torch.tensor([[toks[-1]]]))
+        cache.commit([1])
+        toks.append(int(out.logits[0, -1].argmax()))
+    return toks
+
+
+def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, lossless_tokens: int) -> dict:
+    from serving.engine.batch_cache import RaggedKVCache
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.target import load_target, tiny_target
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    target = tiny_target(vocab_size=512, hidden_size=128, num_layers=4) if tiny else load_target(None)
+    if device:
+        target.model.to(device)
+    fast = TorchEngine(target, config=EngineConfig(k=0, forward="auto"))
+    with torch.inference_mode():
+        warm = RaggedKVCache.for_model(target.model, batch_size=1)
+        fast._forward(warm, torch.zeros(1, 8, dtype=torch.long))
+    startup_s = time.perf_counter() - t0
+    ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
+    vocab = fast.vocab_size
+    paths = [_Path("fast", fast), _Path("reference", ref)]
+    bw = read_bandwidth_gbs()
+    weight_bytes = (
+        fast._fast.weight_bytes()
+        if fast._fast is not None
+        else sum(p.numel() * p.element_size() for p in target.model.parameters())
+    )
+    times: dict[str, dict[int, list[float]]] = {p.name: {q: [] for q in (1,) + _QS} for p in paths}
+    with torch.inference_mode():
+        cache = RaggedKVCache.for_model(target.model, batch_size=1)
+        fast._forward(cache, torch.randint(0, vocab, (1, context)), logits_to_keep=1)
+        cache.commit([context])
+        for p in paths:  # warm both paths at every width
+            for q in (1,) + _QS:
+                p.forward_ms(cache, q, vocab)
+        for _ in range(reps):  # interleaved, so drift on a shared machine hits both alike
+            for q in (1,) + _QS:
+                for p in paths:
+                    times[p.name][q].append(p.forward_ms(cache, q, vocab))
+        prompts = [[1, 504, 3101, 314, 253, 6467, 28], [1, 4093, 15, 1392, 314, 260], [1, 2683, 1259, 30]]
+        prompts = [[t % vocab for t in pr] for pr in prompts]
+        lossless = all(
+            _greedy(fast, pr, lossless_tokens) == _greedy(ref, pr, lossless_tokens) for pr in prompts
+        )
+
+    def figures(name: str) -> dict:
+        med = {q: statistics.median(v) for q, v in times[name].items()}
+        step = med[1]
+        return {
+            "step_ms": round(step, 2),
+            "bound_fraction": round(weight_bytes / bw / 1e6 / step, 3),
+            "verify_cost": {str(q): round(med[q] / step, 3) for q in _QS},
+            "verify_ms": {str(q): round(med[q], 2) for q in _QS},
+        }
+
+    out = {
+        "model": target.model_id,
+        "dtype": str(target.model.dtype).replace("torch.", ""),
+        "device": str(target.device),
+        "threads": threads,
+        "context": context,
+        "cpu": cpu_info(),
+        "bandwidth_gbs": round(bw, 2),
+        "weight_bytes": weight_bytes,
+        "bound_ms": round(weight_bytes / bw / 1e6, 2),
+        "forward": "llama_forward" if fast._fast is not None else "hf",
+        **figures("fast"),
+        "startup_s": round(startup_s, 2),
+        "lossless": lossless,
+        "reference": figures("reference"),
+    }
+    out["speedup_vs_reference"] = {
+        "step": round(out["reference"]["step_ms"] / out["step_ms"], 3),
+        **{
+            str(q): round(out["reference"]["verify_ms"][str(q)] / out["verify_ms"][str(q)], 3)
+            for q in _QS
+        },
+    }
+    return out
+
+
+def bench_engine(
+    json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
+    threads: int = typer.Option(2, min=1, help="torch threads."),
+    context: int = typer.Option(256, min=1, help="Tokens already in the cache when timing."),
+    reps: int = typer.Option(9, min=1, help="Timed forwards per width and path (median)."),
+    device: str = typer.Option(None, help="torch device for the target (e.g. cuda:0); default as loaded."),
+    tiny: bool = typer.Option(False, "--tiny", help="A tiny random model (smoke runs)."),
+    lossless_tokens: int = typer.Option(24, min=1, help="Greedy tokens per prompt for the lossless check."),
+) -> None:
+    """Decode step vs the memory bound, and verify cost by width: fast path vs HF reference."""
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    out = run(threads, context, reps, device, tiny, lossless_tokens)
+    print(json.dumps(out, indent=None if json_out else 2))

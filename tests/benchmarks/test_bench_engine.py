@@ -1,0 +1,21 @@
+"""bench engine on a tiny model: every field the issue names, measured, and the fast path lossless."""
+
+from benchmarks.bench_engine import cpu_info, run
+
+
+def test_bench_engine_reports_bound_and_verify_costs():
+    out = run(threads=1, context=32, reps=2, device=None, tiny=True, lossless_tokens=6)
+    for key in ("bandwidth_gbs", "weight_bytes", "bound_ms", "step_ms", "bound_fraction", "startup_s"):
+        assert out[key] > 0, key
+    assert set(out["verify_cost"]) == {"2", "4", "8", "16", "32"}
+    assert set(out["reference"]["verify_cost"]) == set(out["verify_cost"])
+    assert out["forward"] == "llama_forward"
+    assert out["lossless"] is True
+    assert out["bound_fraction"] == round(out["bound_ms"] / out["step_ms"], 3) or abs(
+        out["bound_fraction"] - out["bound_ms"] / out["step_ms"]) < 0.01
+    assert "model" in out["cpu"] and isinstance(out["cpu"]["flags"], list)
+
+
+def test_cpu_info_names_simd_flags():
+    info = cpu_info()
+    assert info["model"] and all(isinstance(f, str) for f in info["flags"])
