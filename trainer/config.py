@@ -1,4 +1,9 @@
-"""Trainer settings (env prefix ``SPECLOOP_TRAINER_``)."""
+"""Trainer settings (env prefix ``SPECLOOP_TRAINER_``).
+
+The shared endpoints (Kafka, Redis, MLflow), the target model, the tenant and the serving drafter
+kind are read under the names every process uses (feedback/endpoints.py; what docker-compose.yml
+gives both containers); ``SPECLOOP_TRAINER_<FIELD>`` still overrides them for the trainer alone.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,27 @@ from typing import Literal
 from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from feedback import endpoints as ep
+
+_OWN = "SPECLOOP_TRAINER_"
+
 
 class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECLOOP_TRAINER_")
 
-    tenant: str = Field("default", description="Tenant whose traces are trained on and whose drafter is versioned.")
+    model: str | None = Field(None, validation_alias=ep.shared("model", ep.MODEL, _OWN),
+                              description="Target model (directory or the default's name); None = the default SmolLM2.")
+    tenant: str = Field("default", validation_alias=ep.shared("tenant", ep.TENANT, _OWN), description="Tenant whose traces are trained on and whose drafter is versioned.")
     drafter: Literal["standalone", "eagle", "selfspec"] = Field("standalone", description="Which learned drafter to train.")
     exit_layer: int = Field(2, description="selfspec: target layers shared before the trainable adapter.")
     adapter_layers: int = Field(1, description="selfspec: trainable adapter layers after the shared ones.")
     draft_vocab_size: int | None = Field(8192, description="selfspec: lm_head rows read (lowest ids + specials); None = all.")
     source: Literal["kafka", "inprocess"] = Field("kafka", description="Where traces come from.")
-    bootstrap_servers: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers.")
-    topic: str = Field("specloop.traces", description="Trace topic.")
-    group_id: str = Field("specloop-trainer", description="Kafka consumer group (offsets are committed per group).")
-    redis_url: str | None = Field(None, description="Control plane; None = no heartbeats (always train), no announcements.")
-    tracking_uri: str = Field("sqlite:///specloop-mlflow.db", description="MLflow tracking + registry URI.")
+    bootstrap_servers: str = Field("127.0.0.1:9092", validation_alias=ep.shared("bootstrap_servers", ep.KAFKA_BOOTSTRAP_SERVERS, _OWN), description="Kafka bootstrap servers.")
+    topic: str = Field("specloop.traces", validation_alias=ep.shared("topic", ep.KAFKA_TOPIC, _OWN), description="Trace topic.")
+    group_id: str = Field("specloop-trainer", validation_alias=ep.shared("group_id", ep.KAFKA_GROUP, _OWN), description="Kafka consumer group (offsets are committed per group).")
+    redis_url: str | None = Field(None, validation_alias=ep.shared("redis_url", ep.REDIS_URL, _OWN), description="Control plane; None = no heartbeats (always train), no announcements.")
+    tracking_uri: str = Field("sqlite:///specloop-mlflow.db", validation_alias=ep.shared("tracking_uri", ep.MLFLOW_TRACKING_URI, _OWN), description="MLflow tracking + registry URI.")
     checkpoint_dir: str = Field("./specloop-trainer-ckpt", description="Model + optimizer + replay checkpoints.")
     ray_address: str | None = Field(None, description="Ray cluster address; None starts a local Ray with num_cpus.")
     num_cpus: int = Field(2, description="CPUs for a local Ray.")
@@ -57,14 +68,14 @@ class TrainerSettings(BaseSettings):
     draft_cost: float = Field(0.16, description="Learned draft token cost relative to a target step.")
     hybrid: bool = Field(True, description="Gate inside the hybrid policy with the suffix drafter.")
     serve_drafter: Literal["suffix", "eagle", "standalone", "hybrid"] | None = Field(
-        None, validation_alias=AliasChoices("SPECLOOP_DRAFTER", "serve_drafter"),
+        None, validation_alias=AliasChoices(ep.DRAFTER, "serve_drafter"),
         description="The drafter kind serving runs (the one setting both sides read: "
         "SPECLOOP_DRAFTER). When set it decides what is trained and how it is gated: "
         "suffix/hybrid -> the learned drafter gated inside the hybrid with the suffix index (what "
         "serving installs); eagle/standalone -> that learned kind, gated alone.")
 
     dev_mode: bool = Field(
-        False, validation_alias=AliasChoices("SPECLOOP_DEV_MODE", "dev_mode"),
+        False, validation_alias=AliasChoices(ep.DEV_MODE, "dev_mode"),
         description="Local dev mode: allows the published default secrets (e.g. the `mlflow` "
         "database password in tracking_uri) that are refused otherwise.")
 

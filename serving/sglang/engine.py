@@ -293,7 +293,7 @@ class SGLangEngine:
             return
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from serving.target import fingerprint_for
+        from feedback.fingerprint import fingerprint_for
 
         path = self.config.model_path
         hf_config = AutoConfig.from_pretrained(path)

@@ -1,0 +1,85 @@
+"""What docker-compose.yml gives the serving and trainer containers is what their settings read
+(issue 14): the shared endpoints land in both processes under the same names, and no SPECLOOP_*
+variable is given to a process that would ignore it."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from pydantic import AliasChoices
+
+from feedback import endpoints
+from serving.config import ServingSettings
+from tests.infra.test_compose import COMPOSE_FILE, interpolate
+from trainer.config import TrainerSettings
+
+
+def _env_of(service: str) -> dict[str, str]:
+    compose = yaml.safe_load(interpolate(COMPOSE_FILE.read_text()))
+    return {k: str(v) for k, v in compose["services"][service]["environment"].items()}
+
+
+def _read_names(settings_cls) -> set[str]:
+    """Every environment variable a pydantic-settings class reads."""
+    prefix = settings_cls.model_config.get("env_prefix", "")
+    names = set()
+    for name, field in settings_cls.model_fields.items():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            names |= {c.upper() for c in alias.choices if isinstance(c, str)}
+        elif isinstance(alias, str):
+            names.add(alias.upper())
+        else:
+            names.add(f"{prefix}{name}".upper())
+    return names
+
+
+def _load(monkeypatch, env: dict[str, str], cls):
+    for k in [k for k in __import__("os").environ if k.startswith("SPECLOOP_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return cls()
+
+
+def test_trainer_reads_the_endpoints_compose_gives_it(monkeypatch):
+    env = _env_of("trainer")
+    s = _load(monkeypatch, env, TrainerSettings)
+    assert s.bootstrap_servers == env[endpoints.KAFKA_BOOTSTRAP_SERVERS] == "kafka:9092"
+    assert s.topic == env[endpoints.KAFKA_TOPIC]
+    assert s.group_id == env[endpoints.KAFKA_GROUP]
+    assert s.redis_url == env[endpoints.REDIS_URL]
+    assert s.tracking_uri == env[endpoints.MLFLOW_TRACKING_URI] == "http://mlflow:5000"
+    assert s.model == env[endpoints.MODEL]  # `specloop train` needs no --model in compose
+    assert s.serve_drafter == env[endpoints.DRAFTER] and s.drafter == "eagle" and not s.hybrid
+
+
+def test_serving_and_trainer_meet_on_the_same_endpoints(monkeypatch):
+    serving_env = {**_env_of("serving"), "SPECLOOP_ADMIN_TOKEN": "an-operator-chosen-token"}
+    serving = _load(monkeypatch, serving_env, ServingSettings)
+    trainer = _load(monkeypatch, _env_of("trainer"), TrainerSettings)
+    assert serving.kafka_bootstrap_servers == trainer.bootstrap_servers
+    assert serving.kafka_topic == trainer.topic
+    assert serving.redis_url == trainer.redis_url
+    assert serving.mlflow_tracking_uri == trainer.tracking_uri
+    assert serving.model == trainer.model
+    assert serving.tenant == trainer.tenant
+
+
+def test_compose_default_admin_token_is_refused(monkeypatch):
+    """The published default (`change-me`) only works with SPECLOOP_DEV_MODE=1."""
+    env = _env_of("serving")
+    assert env["SPECLOOP_ADMIN_TOKEN"] == "change-me" and env["SPECLOOP_DEV_MODE"] == "0"
+    with pytest.raises(ValueError, match="SPECLOOP_ADMIN_TOKEN"):
+        _load(monkeypatch, env, ServingSettings)
+
+
+@pytest.mark.parametrize(("service", "cls"), [("serving", ServingSettings), ("trainer", TrainerSettings)])
+def test_every_specloop_variable_given_is_read(service, cls):
+    given = {k for k in _env_of(service) if k.startswith("SPECLOOP_")}
+    unread = given - _read_names(cls)
+    assert not unread, f"{service} is given {sorted(unread)} but its settings do not read them"
+
+
+def test_the_shared_names_are_read_by_the_trainer():
+    assert set(endpoints.SHARED) <= _read_names(TrainerSettings)
