@@ -7,7 +7,7 @@ default at once for ``retry_after_s`` instead of waiting on a dead socket each t
 Keys (``ns`` = namespace)::
 
     {ns}:drafter:{tenant}      string  current drafter version of the tenant
-    {ns}:announce              channel SwapAnnouncement | RollbackAnnouncement as JSON
+    {ns}:announce              channel SwapAnnouncement | RollbackAnnouncement | DriftAnnouncement as JSON
     {ns}:load:{replica_id}     string  LoadHeartbeat JSON, expires after its TTL
     {ns}:accept:{version}      hash    drafted / accepted / steps counters
     {ns}:deletions             hash    tenant -> time its data deletion was requested (the
@@ -74,7 +74,21 @@ class RollbackAnnouncement(BaseModel):
     at: float = Field(default_factory=time.time)
 
 
-Announcement = Annotated[SwapAnnouncement | RollbackAnnouncement, Field(discriminator="kind")]
+class DriftAnnouncement(BaseModel):
+    """A replica saw live acceptance on ``domain`` drop below its trailing level (feedback/drift.py):
+    the trainer's signal to train on that domain. Published only; no version changes."""
+
+    kind: Literal["drift"] = "drift"
+    tenant: str = "default"
+    domain: str
+    before: float
+    now: float
+    replica_id: str | None = None
+    at: float = Field(default_factory=time.time)
+
+
+Announcement = Annotated[SwapAnnouncement | RollbackAnnouncement | DriftAnnouncement,
+                         Field(discriminator="kind")]
 _ANNOUNCEMENT = TypeAdapter(Announcement)
 
 
@@ -145,7 +159,11 @@ class ControlPlane:
         """Make ``msg.to_version`` current again and publish why, atomically."""
         return self._announce(msg, msg.to_version)
 
-    def subscribe(self, callback: Callable[[SwapAnnouncement | RollbackAnnouncement], None]
+    def announce_drift(self, msg: DriftAnnouncement) -> bool:
+        """Publish an acceptance drift (subscribers: trainers; Swappers ignore it)."""
+        return self._call(lambda r: r.publish(self.channel, msg.model_dump_json()) >= 0, False)
+
+    def subscribe(self, callback: Callable[[SwapAnnouncement | RollbackAnnouncement | DriftAnnouncement], None]
                   | None = None) -> AnnouncementSubscription:
         """Receive announcements on a background thread (reconnects after Redis outages)."""
         return AnnouncementSubscription(self, callback)
@@ -265,13 +283,13 @@ class AnnouncementSubscription:
         """True once the subscription is live (announcements published before are not seen)."""
         return self._subscribed.wait(timeout)
 
-    def get(self, timeout: float | None = None) -> SwapAnnouncement | RollbackAnnouncement | None:
+    def get(self, timeout: float | None = None) -> Announcement | None:
         try:
             return self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
 
-    def __iter__(self) -> Iterator[SwapAnnouncement | RollbackAnnouncement]:
+    def __iter__(self) -> Iterator[Announcement]:
         while not self._stop.is_set():
             msg = self.get(timeout=0.2)
             if msg is not None:

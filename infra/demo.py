@@ -21,23 +21,24 @@ import typer
 log = logging.getLogger(__name__)
 
 
-MARKER_COLOURS = {"swap": "tab:blue", "rollback": "tab:red"}
+MARKER_COLOURS = {"swap": "tab:blue", "rollback": "tab:red", "drift": "tab:orange"}
 
 
 def markers(events: list[dict]) -> list[tuple[float, str, str]]:
-    """(x, colour, label) of each swap and rollback among the Swapper's events (``event`` names
-    the kind; kept/refused decisions change nothing live and are not drawn)."""
+    """(x, colour, label) of each swap, rollback and acceptance drift among the loop's events
+    (``event`` names the kind; kept/refused decisions change nothing live and are not drawn)."""
     out = []
     for e in events:
         kind = e.get("event")
         if kind in MARKER_COLOURS:
-            version = e.get("version") or e.get("to_version") or ""
-            out.append((e["request_index"] + 0.5, MARKER_COLOURS[kind], f"{kind} {version}".strip()))
+            what = e.get("domain") if kind == "drift" else (e.get("version") or e.get("to_version") or "")
+            out.append((e["request_index"] + 0.5, MARKER_COLOURS[kind], f"{kind} {what}".strip()))
     return out
 
 
 def plot(points, events, shift: int, path: Path, baseline_tok_s: float | None = None) -> Path:
-    """Acceptance (tokens per verify step) and tokens/s per request, swaps/rollbacks and the shift."""
+    """Acceptance (tokens per verify step) and tokens/s per request; swaps, rollbacks, drifts and
+    the shift as vertical lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,6 +92,7 @@ class Progress:
             ("speedup vs target-only", f"{tok_s / self.baseline:.2f}x" if self.baseline else "-"),
             ("drafter version", str(getattr(self.loop.engine.drafter, "version", "-"))),
             ("swaps / rollbacks", f"{self.loop.swaps} / {self.loop.rollbacks}"),
+            ("acceptance drifts", _drift_row(self.loop.drifts)),
             ("trainer", _trainer_row(trainer.stats) if trainer else "-"),
             ("last gate", (trainer.stats.last_decision or "-") if trainer else "-"),
         ]
@@ -100,6 +102,13 @@ class Progress:
 
     def update(self, _point=None) -> None:
         self.live.update(self.render())
+
+
+def _drift_row(drifts: list[dict]) -> str:
+    if not drifts:
+        return "0"
+    last = drifts[-1]
+    return f"{len(drifts)} (last: {last['domain']} {last['before']:.2f} -> {last['now']:.2f})"
 
 
 def _trainer_row(st) -> str:
@@ -137,7 +146,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     finally:
         await loop.stop()
     summary = summarise(loop.points, shift, swaps=loop.swaps, rollbacks=loop.rollbacks,
-                        freshness=loop.freshness_s())
+                        freshness=loop.freshness_s(), drifts=loop.drifts)
     before, after = loop.points[:shift], loop.points[shift:]
     summary.update({
         "target_only_tok_s": base_tok_s,

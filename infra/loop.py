@@ -266,6 +266,10 @@ class OnlineLoop:
         """Measured draft and verify costs the gate charges (``measure_costs``)."""
         self.points: list[Point] = []
         self.events: list[dict] = []
+        """Swaps, rollbacks (the Swapper's) and acceptance drifts (serving's), in order."""
+        self._swapper_events_seen = 0
+        self._drifts: list[dict] = []
+        self._drift_publisher = None
         """Swaps and rollbacks with the request index they happened at."""
         self.served: list[tuple[list[int], list[int]]] = []
         """(prompt, output) of every finished request, to rebuild a frozen suffix index."""
@@ -283,6 +287,9 @@ class OnlineLoop:
             self.swapper = self._build_swapper()
             self.swapper.start()
             self.swapper.wait_subscribed(5.0)
+            from serving.ops_observer import DriftPublisher
+
+            self._drift_publisher = DriftPublisher(self._control(), self.tenant, f"demo-{self.tag}")
             self._start_trainer()
 
     async def stop(self) -> None:
@@ -318,7 +325,8 @@ class OnlineLoop:
             self.ops = open_run(self.stack.mlflow_uri, self.target.fingerprint, "serving", self.tenant,
                                 self.tag, flush_s=1.0)
             if self.ops is not None:
-                self.ops_observer = LiveOpsObserver(self.ops, every_s=self.cfg.ops_every_s)
+                self.ops_observer = LiveOpsObserver(self.ops, every_s=self.cfg.ops_every_s,
+                                                    on_drift=self._on_drift)
                 observers.append(self.ops_observer)
         policy = GoodputPolicy(self.cfg.k) if self.cfg.adaptive_k else None
         config = EngineConfig(k=self.cfg.k, max_batch_size=self.cfg.max_batch_size)
@@ -409,10 +417,22 @@ class OnlineLoop:
         return Point(len(self.points), domain, len(tokens), wall, accept, version, output=tokens,
                      done_at=time.time())
 
+    def _on_drift(self, ev) -> None:
+        """A drift seen by serving (engine step thread): announced to the trainer, drawn in the demo."""
+        self._drifts.append({"event": "drift", "domain": ev.domain, "before": round(ev.before, 4),
+                             "now": round(ev.now, 4), "at": time.time()})
+        if self._drift_publisher is not None:
+            self._drift_publisher(ev)
+
     def _collect_events(self) -> None:
-        if self.swapper is None:
-            return
-        for e in self.swapper.events[len(self.events):]:
+        """The Swapper's events and serving's drifts, in arrival order, at the request they followed."""
+        new = []
+        if self.swapper is not None:
+            new += self.swapper.events[self._swapper_events_seen:]
+            self._swapper_events_seen += len(new)
+        while self._drifts:
+            new.append(self._drifts.pop(0))
+        for e in sorted(new, key=lambda e: e.get("at", 0.0)):
             self.events.append({**e, "request_index": len(self.points) - 1})  # "at": when it happened
 
     # ---- figures --------------------------------------------------------------------------
@@ -424,6 +444,10 @@ class OnlineLoop:
     @property
     def rollbacks(self) -> int:
         return self.swapper.rollbacks if self.swapper else 0
+
+    @property
+    def drifts(self) -> list[dict]:
+        return [e for e in self.events if e.get("event") == "drift"]
 
     def freshness_s(self) -> list[float]:
         """Per trace: seconds from its request finishing to the first swap after the trainer

@@ -42,7 +42,7 @@ def requests_to_recover(after, target_accept: float, window: int = 3) -> int | N
 
 
 def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollbacks=0,
-              freshness=None) -> dict:
+              freshness=None, drifts=None) -> dict:
     """``points``: the adapted run; ``baseline``: target-only Points on the same prompts;
     ``frozen``: Points of the drafter frozen at the shift on the post-shift prompts."""
     before, after = points[:shift], points[shift:]
@@ -54,6 +54,8 @@ def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollba
         "mean_accept_len_after": mean_accept(after),
         "swaps": swaps,
         "rollbacks": rollbacks,
+        "acceptance_drifts": len(drifts or []),
+        "drift_domains": ",".join(sorted({d["domain"] for d in drifts or []})) or "-",
         "failed_requests": sum(p.failed for p in points),
     }
     if baseline is not None:
@@ -94,4 +96,5 @@ def trainer_figures(loop: OnlineLoop, **extra) -> dict:
     return {"trainer_records_polled": st.records_polled, "trainer_rounds": st.rounds,
             "trainer_train_steps": st.train_steps, "trainer_promotions": st.promotions,
             "trainer_heldout_expected_acceptance": st.heldout_acceptance, "trainer_last_gate": st.last_decision,
+            "trainer_drifts_seen": st.drifts,
             "gate_costs": {k: round(v, 4) for k, v in loop.costs.items()}, **extra}

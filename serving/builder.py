@@ -63,6 +63,26 @@ def build_observers(
     return observers
 
 
+def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str):
+    """This replica's MLflow ops run and the observer feeding it (None without MLflow, with
+    ``ops_log`` off, or while MLflow is unreachable: never fatal). Drifts are also announced on
+    Redis when ``redis_url`` is set, for the trainer."""
+    if not (settings.mlflow_tracking_uri and settings.ops_log):
+        return None
+    from feedback.ops_log import open_run
+    from serving.ops_observer import DriftPublisher, LiveOpsObserver
+
+    run = open_run(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant, replica_id)
+    if run is None:
+        return None
+    on_drift = None
+    if settings.redis_url:
+        from feedback.control import ControlPlane, ControlSettings
+
+        on_drift = DriftPublisher(ControlPlane(ControlSettings(url=settings.redis_url)), settings.tenant, replica_id)
+    return LiveOpsObserver(run, every_s=settings.ops_every_s, on_drift=on_drift)
+
+
 def build_trace_sink(settings: ServingSettings) -> TraceSink | None:
     """The sink named by ``settings.trace_sink``; None for "none" (no trace capture at all)."""
     if settings.trace_sink == "none":

@@ -132,6 +132,11 @@ class ServingSettings(EngineChoice):
         "(or redis_url) the server hot-swaps drafters promoted for `tenant`.",
     )
     tenant: str = Field("default", description="Tenant whose drafter versions this server follows.")
+    ops_log: bool = Field(
+        True, description="With mlflow_tracking_uri: log this replica's live figures (acceptance and "
+        "tokens per verify per domain, k, speculation-off fraction, estimated speedup, drifts, drafter "
+        "changes) to an MLflow ops run, batched off the decode thread (serving/ops_observer.py).")
+    ops_every_s: float = Field(10.0, gt=0, description="Seconds between ops-run metric points.")
     api_keys: dict[str, str] = Field(
         default_factory=dict, repr=False,
         description="API key -> tenant (JSON in SPECLOOP_API_KEYS). When set, every /v1 request "

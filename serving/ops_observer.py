@@ -17,6 +17,7 @@ Requests with ``train: false`` are counted like any other (no content reaches ML
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -112,3 +113,24 @@ class LiveOpsObserver(BaseObserver):
         self.run.metrics(m, self.step)
         self.flushes += 1
         self._reset()
+
+
+class DriftPublisher:
+    """``on_drift`` callback that announces each drift on the Redis control plane, where trainers
+    of the tenant read it (trainer/loop.py ``apply_drifts``). Each publish runs on a short daemon
+    thread: drifts are rare, and a Redis call never runs on the decode thread."""
+
+    def __init__(self, control, tenant: str, replica_id: str):
+        self.control, self.tenant, self.replica_id = control, tenant, replica_id
+        self.published = 0
+
+    def __call__(self, ev) -> None:
+        from feedback.control import DriftAnnouncement
+
+        msg = DriftAnnouncement(tenant=self.tenant, domain=ev.domain, before=round(ev.before, 4),
+                                now=round(ev.now, 4), replica_id=self.replica_id)
+        threading.Thread(target=self._publish, args=(msg,), name="drift-publish", daemon=True).start()
+
+    def _publish(self, msg) -> None:
+        if self.control.announce_drift(msg):
+            self.published += 1

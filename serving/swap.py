@@ -471,7 +471,8 @@ class Swapper:
         if msg.kind == "swap":
             self._last_champion = msg.version
             self._try_swap(msg.version, "announcement")
-        elif msg.replica_id != self.config.replica_id and msg.from_version == self._current.version:
+        elif (msg.kind == "rollback" and msg.replica_id != self.config.replica_id
+              and msg.from_version == self._current.version):
             prev = self._previous
             if prev is not None and prev.version == msg.to_version:
                 try:

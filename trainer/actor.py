@@ -92,6 +92,7 @@ class TrainerActor:
         s = self.loop.stats
         return {"rounds": s.rounds, "paused_rounds": s.paused_rounds, "train_steps": s.train_steps,
                 "records_polled": s.records_polled, "promotions": s.promotions, "round_errors": s.round_errors,
+                "drifts": s.drifts,
                 "last_decision": s.last_decision, "champion_version": self.loop.champion_version,
                 "trace_tokens_seen": self.loop.replay.tokens_seen,
                 "curve": s.curve[-1:]}  # the latest held-out evaluation (the whole curve is in MLflow)

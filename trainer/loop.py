@@ -53,6 +53,10 @@ class LoopConfig:
     """Complete checkpoints kept (newest first; older ones are the fallback if the newest fails)."""
     lineage: dict = field(default_factory=dict)
     """Static lineage params logged with every candidate (topic, group, ...)."""
+    drift_boost: float = 4.0
+    """After serving reports a drift on a domain, its traces are sampled this many times more..."""
+    drift_rounds: int = 10
+    """...for this many trained rounds, and the next round ends with a gate."""
 
 
 @dataclass
@@ -63,6 +67,7 @@ class LoopStats:
     records_polled: int = 0
     promotions: int = 0
     round_errors: int = 0
+    drifts: int = 0
     last_decision: str = ""
     curve: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -115,8 +120,11 @@ class TrainerLoop:
         self._refused: dict[str, str] = {}
         """Rolled-back version -> digest of its weights: never re-promoted unchanged."""
         self._rollbacks: queue.SimpleQueue = queue.SimpleQueue()
-        self._subscription = rollbacks_from.subscribe(self.on_rollback) if rollbacks_from is not None else None
-        """``rollbacks_from``: a ControlPlane; its announcements reach ``on_rollback``."""
+        self._drifts: queue.Queue = queue.Queue()
+        self._focus_until: dict[str, int] = {}
+        self._gate_early = False
+        self._subscription = rollbacks_from.subscribe(self.on_announcement) if rollbacks_from is not None else None
+        """``rollbacks_from``: a ControlPlane; its rollbacks and drifts reach ``on_announcement``."""
         self.stats = LoopStats()
         self.health = LOOPS.register("trainer-rounds")
         """This loop's status: errors, up/down (feedback/supervise.py)."""
@@ -140,6 +148,7 @@ class TrainerLoop:
     # -- one round --------------------------------------------------------------------------
     def run_round(self) -> LoopStats:
         self.apply_rollbacks()
+        self.apply_drifts()
         self.apply_retention()
         recs = self.source.poll(self.cfg.poll_records, self.cfg.poll_timeout_s)
         self.stats.records_polled += len(recs)
@@ -161,7 +170,8 @@ class TrainerLoop:
         self.stats.rounds += 1
         self._trained_tokens = self.replay.tokens_seen
         self._log_round(res)
-        if self.stats.rounds % self.cfg.rounds_per_gate == 0:
+        if self.stats.rounds % self.cfg.rounds_per_gate == 0 or self._gate_early:
+            self._gate_early = False
             self.gate()
         self.save()
         self.source.commit()  # only now: the records are in a checkpointed replay and were trained on
@@ -180,6 +190,38 @@ class TrainerLoop:
         self.ops.metrics(m, st.rounds)
 
     # -- rollbacks ---------------------------------------------------------------------------
+    def on_announcement(self, msg) -> None:
+        """Control-plane announcements (any thread): rollbacks and drifts of this tenant."""
+        if getattr(msg, "tenant", self.cfg.tenant) != self.cfg.tenant:
+            return
+        if getattr(msg, "kind", None) == "drift":
+            self._drifts.put(msg)
+        else:
+            self.on_rollback(msg)
+
+    def apply_drifts(self) -> int:
+        """React to serving's drift reports: sample the drifted domain's traces ``drift_boost``
+        times more for ``drift_rounds`` trained rounds, and gate at the end of the next one (a
+        drafter that fits the new traffic should not wait for the regular gate)."""
+        n = 0
+        while True:
+            try:
+                msg = self._drifts.get_nowait()
+            except queue.Empty:
+                break
+            n += 1
+            self._focus_until[msg.domain] = self.stats.rounds + self.cfg.drift_rounds
+            self._gate_early = True
+            self.stats.drifts += 1
+            log.info("drift on %s (%.2f -> %.2f, %s): focusing training there", msg.domain,
+                     msg.before, msg.now, msg.replica_id)
+            if self.ops is not None:
+                self.ops.event("drift", self.stats.rounds, domain=msg.domain, before=msg.before,
+                               now=msg.now, replica=msg.replica_id)
+        self._focus_until = {d: r for d, r in self._focus_until.items() if r > self.stats.rounds}
+        self.replay.focus = {d: self.cfg.drift_boost for d in self._focus_until}
+        return n
+
     def on_rollback(self, msg) -> None:
         """A serving replica rolled ``msg.from_version`` back to ``msg.to_version`` (a
         RollbackAnnouncement; any thread). Applied at the start of the next round."""

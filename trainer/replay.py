@@ -69,6 +69,8 @@ class ReplayBuffer:
         """Why records were not added: duplicate | fingerprint | tenant."""
         self.tokens_seen = 0
         """Output tokens of every training trace ever added (the x-axis of the learning curve)."""
+        self.focus: dict[str, float] = {}
+        """Domain -> sampling boost (the trainer sets it when serving reports a drift there)."""
 
     def add(self, record: TraceRecord, heldout: bool | None = None) -> bool:
         """Add one trace; False (and counted in ``rejected``) when it is not for us or a duplicate.
@@ -162,11 +164,15 @@ class ReplayBuffer:
         return [e.record for e in self._heldout]
 
     def weights(self) -> np.ndarray:
-        """Recency weight of each training trace, oldest first (newest = 1)."""
+        """Sampling weight of each training trace, oldest first: recency (newest = 1) times the
+        ``focus`` boost of its domain."""
         seqs = np.array([e.seq for e in self._train], dtype=np.float64)  # [N]
         if seqs.size == 0:
             return seqs
-        return 0.5 ** ((self._seq - seqs) / self.half_life)
+        w = 0.5 ** ((self._seq - seqs) / self.half_life)  # [N]
+        if self.focus:
+            w = w * np.array([self.focus.get(e.record.domain or "default", 1.0) for e in self._train])
+        return w
 
     def sample(self, n: int, rng: np.random.Generator) -> list[TraceRecord]:
         """``n`` training traces drawn with probability proportional to recency weight (so the

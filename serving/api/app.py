@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -31,30 +33,30 @@ def create_app(
 
         swapper = build_swapper(settings, engine, registry=registry)
 
+    replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     reporter = None
     if settings.redis_url:  # serving's load heartbeats: the trainer trains on spare capacity
-        import os
-        import socket
-
         from feedback.control import ControlPlane, ControlSettings
         from serving.load_report import LoadReporter
 
-        replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         reporter = LoadReporter(engine, ControlPlane(ControlSettings(url=settings.redis_url)), replica,
                                 every_s=settings.heartbeat_s)
 
     follower = None
     if settings.trace_sink == "kafka" and settings.follow_traces:  # replicas share what they learn
-        import os
-        import socket
-
         from feedback.kafka_source import KafkaTraceSource
         from serving.trace_follow import TraceFollower
 
-        me = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         follower = TraceFollower(engine, lambda: KafkaTraceSource(
             bootstrap_servers=settings.kafka_bootstrap_servers, topic=settings.kafka_topic,
-            group_id=f"specloop-replica-{me}", auto_offset_reset="latest"), me)
+            group_id=f"specloop-replica-{replica}", auto_offset_reset="latest"), replica)
+
+    from serving.builder import build_ops_observer
+
+    fingerprint = getattr(engine, "fingerprint", None)
+    ops = build_ops_observer(settings, fingerprint, replica) if settings.mlflow_tracking_uri and fingerprint else None
+    if ops is not None:  # the operators' view in MLflow, from the first request (issue 15)
+        engine.observers.append(ops)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -75,6 +77,9 @@ def create_app(
             if swapper is not None:
                 await asyncio.to_thread(swapper.stop)
             await engine.stop()
+            if ops is not None:
+                ops.flush()
+                await asyncio.to_thread(ops.run.close)
 
     app = FastAPI(
         title="specloop", summary="OpenAI-compatible speculative decoding", lifespan=lifespan
@@ -83,6 +88,7 @@ def create_app(
     app.state.swapper = swapper
     app.state.load_reporter = reporter
     app.state.trace_follower = follower
+    app.state.ops_observer = ops
     app.state.metrics_registry = registry if registry is not None else REGISTRY
     app.state.admin_token = (
         settings.admin_token.get_secret_value() if settings.admin_token else None

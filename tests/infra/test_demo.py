@@ -89,10 +89,12 @@ def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, m
     fresh = loop.freshness_s()  # request done -> a drafter trained on its trace is live
     assert fresh and all(0 < f < 300 for f in fresh)
     shift = shift_index([d for _, d in stream])
-    summary = summarise(first, shift, swaps=loop.swaps, rollbacks=loop.rollbacks, freshness=fresh)
+    summary = summarise(first, shift, swaps=loop.swaps, rollbacks=loop.rollbacks, freshness=fresh,
+                        drifts=loop.drifts)
     assert summary["shift_at"] == 8 and summary["failed_requests"] == 0
-    drawn = markers(loop.events)  # the plot marks every swap and rollback, and nothing else
-    assert len(drawn) == loop.swaps + loop.rollbacks
+    drawn = markers(loop.events)  # the plot marks every swap, rollback and drift, and nothing else
+    assert len(drawn) == loop.swaps + loop.rollbacks + len(loop.drifts)
+    assert summary["acceptance_drifts"] == len(loop.drifts)
     assert sum(colour == MARKER_COLOURS["swap"] for _, colour, _ in drawn) == loop.swaps
     png = plot(loop.points, loop.events, shift, tmp_path / "demo.png")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
@@ -180,3 +182,25 @@ def test_run_demo_writes_its_summary_plot_and_per_request_points(kafka_broker, r
     assert json.loads((tmp_path / "summary.json").read_text())["requests"] == len(stream)
     assert isinstance(json.loads((tmp_path / "events.json").read_text()), list)
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_and_table_show_swaps_rollbacks_and_drifts(tmp_path):
+    from infra.demo import MARKER_COLOURS, _drift_row, markers, plot
+    from infra.loop import Point
+    from infra.loop_metrics import summarise
+
+    events = [{"event": "swap", "version": "3", "request_index": 4},
+              {"event": "kept", "version": "4", "request_index": 5},  # changes nothing live: not drawn
+              {"event": "drift", "domain": "code", "before": 0.61, "now": 0.22, "request_index": 9},
+              {"event": "rollback", "to_version": "3", "request_index": 11}]
+    drawn = markers(events)
+    assert [(x, c, label) for x, c, label in drawn] == [
+        (4.5, MARKER_COLOURS["swap"], "swap 3"), (9.5, MARKER_COLOURS["drift"], "drift code"),
+        (11.5, MARKER_COLOURS["rollback"], "rollback 3")]
+    drifts = [e for e in events if e["event"] == "drift"]
+    assert _drift_row(drifts) == "1 (last: code 0.61 -> 0.22)" and _drift_row([]) == "0"
+    points = [Point(i, "chat" if i < 6 else "code", 10, 1.0, 1.5, "v") for i in range(12)]
+    summary = summarise(points, 6, swaps=1, rollbacks=1, drifts=drifts)
+    assert summary["acceptance_drifts"] == 1 and summary["drift_domains"] == "code"
+    png = plot(points, events, 6, tmp_path / "demo.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -64,3 +64,35 @@ def test_prometheus_acceptance_by_position_k_and_speculation_off():
     assert val("specloop_spec_position_accepted_total", position="3") is None
     assert val("specloop_spec_off_rows_total") == 1
     assert val("specloop_spec_draft_length_count") == 3 and val("specloop_spec_draft_length_sum") == 5
+
+
+def test_specloop_serve_opens_its_replicas_ops_run(tmp_path):
+    """`specloop serve` with an MLflow URI logs the replica's live figures from the first request,
+    and closes the run when the server stops (issue 15)."""
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from feedback.sink import InProcessTraceSink
+    from serving.api.app import create_app
+    from serving.builder import build_engine
+    from serving.config import ServingSettings
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    target = tiny_target()
+    settings = ServingSettings(drafter="suffix", k=3, default_max_tokens=8, mlflow_tracking_uri=uri,
+                               tenant="acme", replica_id="replica-1", ops_every_s=0.05)
+    registry = CollectorRegistry()
+    engine = build_engine(settings, target=target, registry=registry, sink=InProcessTraceSink())
+    app = create_app(engine, settings, registry)
+    with TestClient(app) as client:
+        for _ in range(2):
+            r = client.post("/v1/chat/completions", json={
+                "model": settings.served_model_name, "max_tokens": 8,
+                "messages": [{"role": "user", "content": "one two three one two three"}]})
+            assert r.status_code == 200, r.text
+    assert app.state.ops_observer is not None
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"specloop/{target.fingerprint.key()}")
+    (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("role") == "serving"]
+    assert run.info.run_name == "serving-acme-replica-1" and run.info.status == "FINISHED"
+    assert {"tokens_per_verify", "k_mean", "event.drafter_change"} <= set(run.data.metrics)
