@@ -67,7 +67,7 @@ class _Path:
         sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        self.engine._forward(cache, ids)
+        self.engine.runner.forward(cache, ids)
         sync()
         return (time.perf_counter() - t0) * 1e3
 
@@ -76,11 +76,11 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     from serving.engine.batch_cache import RaggedKVCache
 
     cache = RaggedKVCache.for_model(engine.model, batch_size=1)
-    out = engine._forward(cache, torch.tensor([prompt]), logits_to_keep=1)
+    out = engine.runner.forward(cache, torch.tensor([prompt]), logits_to_keep=1)
     cache.commit([len(prompt)])
     toks = [int(out.logits[0, -1].argmax())]
     for _ in range(n - 1):
-        out = engine._forward(cache, torch.tensor([[toks[-1]]]))
+        out = engine.runner.forward(cache, torch.tensor([[toks[-1]]]))
         cache.commit([1])
         toks.append(int(out.logits[0, -1].argmax()))
     return toks
@@ -100,21 +100,21 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     fast = TorchEngine(target, config=EngineConfig(k=0, forward="auto"))
     with torch.inference_mode():
         warm = RaggedKVCache.for_model(target.model, batch_size=1)
-        fast._forward(warm, torch.zeros(1, 8, dtype=torch.long))
+        fast.runner.forward(warm, torch.zeros(1, 8, dtype=torch.long))
     startup_s = time.perf_counter() - t0
     ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
     vocab = fast.vocab_size
     paths = [_Path("fast", fast), _Path("reference", ref)]
     bw = read_bandwidth_gbs()
     weight_bytes = (
-        fast._fast.weight_bytes()
-        if fast._fast is not None
+        fast.runner.fast.weight_bytes()
+        if fast.runner.fast is not None
         else sum(p.numel() * p.element_size() for p in target.model.parameters())
     )
     times: dict[str, dict[int, list[float]]] = {p.name: {q: [] for q in (1,) + _QS} for p in paths}
     with torch.inference_mode():
         cache = RaggedKVCache.for_model(target.model, batch_size=1)
-        fast._forward(cache, torch.randint(0, vocab, (1, context)), logits_to_keep=1)
+        fast.runner.forward(cache, torch.randint(0, vocab, (1, context)), logits_to_keep=1)
         cache.commit([context])
         for p in paths:  # warm both paths at every width
             for q in (1,) + _QS:
@@ -149,7 +149,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         "bandwidth_gbs": round(bw, 2),
         "weight_bytes": weight_bytes,
         "bound_ms": round(weight_bytes / bw / 1e6, 2),
-        "forward": "llama_forward" if fast._fast is not None else "hf",
+        "forward": "llama_forward" if fast.runner.fast is not None else "hf",
         **figures("fast"),
         "startup_s": round(startup_s, 2),
         "lossless": lossless,

@@ -19,8 +19,9 @@ per step; ``both`` runs the two on the same prompts in one process and adds ``ad
 cuts them to the width that pays); ``nodes_per_row_step`` and ``tokens_per_verify`` report them.
 ``batches`` (e.g. 1,4,8): after the phases, the evaluation prompts of all domains run ``b`` at a
 time through a target-only engine and through the speculative engine (adaptive policy, drafter
-warmed as in the last phase), alternating A/B ``batch_repeats`` times in this process; ``by_batch``
-gives each speedup and ``never_slower`` (speedup >= 0.97).
+warmed as in the last phase), alternating A/B ``batch_repeats`` times in this process (as opted-out
+requests, so the drafter never learns from what it is measured on); ``by_batch`` gives each
+speedup and ``never_slower`` (speedup >= 0.97).
 """
 
 from __future__ import annotations
@@ -248,8 +249,10 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
         timer.reset()
         for _ in range(repeats):
             log.info("batch %d: target-only / speculative, %d prompts", b, len(evals))
-            r0 = await run_prompts(base_engine, ids(evals), max_tokens, concurrency=b)
-            r1 = await run_prompts(spec_engine, ids(evals), max_tokens, concurrency=b)
+            # train=False: the drafter does not index what it measures, so every repeat measures
+            # the same warmed state (else repeat 2 drafts from repeat 1's identical outputs)
+            r0 = await run_prompts(base_engine, ids(evals), max_tokens, concurrency=b, train=False)
+            r1 = await run_prompts(spec_engine, ids(evals), max_tokens, concurrency=b, train=False)
             base_s, base_tokens = base_s + r0.wall_s, base_tokens + r0.tokens
             spec_s, spec_tokens = spec_s + r1.wall_s, spec_tokens + r1.tokens
             lossless &= r0.outputs == r1.outputs and r1.failed == 0

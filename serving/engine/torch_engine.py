@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
-import dataclasses
 import logging
 import math
 import threading
@@ -39,17 +37,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
-from feedback.priority import lower_thread_priority
-from kernels.sampling import probs_from_logits
-from kernels.tree_verify import (
-    TreeVerifyResult,
-    greedy_tree_verify,
-    sampled_tree_verify,
-    tree_ancestors,
-    tree_depths,
-)
-from kernels.verify import rejection_verify
-from serving.drafters.base import Drafter, DraftRequestView
+from kernels.tree_verify import tree_ancestors, tree_depths
+from serving.drafters.base import Drafter
 from serving.engine.base import (
     GenerationChunk,
     GenerationRequest,
@@ -59,12 +48,13 @@ from serving.engine.base import (
 )
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.config import EngineConfig
+from serving.engine.drafter_swap import DrafterSwaps
 from serving.engine.drafting import DraftPlan, plan_from_proposal
-from serving.engine.llama_forward import LlamaForward
+from serving.engine.model_runner import ModelRunner
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
-from serving.engine.seeded import position_uniforms
 from serving.engine.tree import linear_view, trim_plan
+from serving.engine.verify_step import build_report, verify_rows
 from serving.observers import notify
 from serving.output import apply_stops, eos_token_ids
 from serving.target import Target
@@ -73,41 +63,13 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-_PREPARE_ROUNDS = 3
-"""Snapshots a prepared swap takes: each one prepares the requests that joined during the last."""
 
+class TorchEngine(DrafterSwaps):
+    """The embedded engine. Its rooms: this file schedules requests into rows and runs the step
+    loop; serving/engine/model_runner.py calls the target (forward, caches, features);
+    serving/engine/verify_step.py accepts drafts and builds the observers' report;
+    serving/engine/drafter_swap.py installs new drafters under a running batch."""
 
-@dataclasses.dataclass
-class _Snapshot:
-    """A running request as the step thread saw it between two steps (for a prepared swap)."""
-
-    row: Row  # identity only: the preparing thread reads nothing else of it
-    view: DraftRequestView  # frozen copy, no RNG
-    feature_chunks: list[torch.Tensor] | None
-    """The row's history features for the drafter's layers (chunks, never written to once made;
-    [len - 1, F] together), when it wants them and the row kept them."""
-
-    @property
-    def features(self) -> torch.Tensor | None:
-        c = self.feature_chunks
-        return None if c is None else c[0] if len(c) == 1 else torch.cat(c, dim=0)
-
-
-@dataclasses.dataclass
-class _SnapshotRequest:
-    layers: tuple[int, ...]
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    rows: list[_Snapshot] | None = None
-
-
-@dataclasses.dataclass
-class _PendingSwap:
-    drafter: Drafter | None
-    prepared: dict[str, tuple[Row, int]] = dataclasses.field(default_factory=dict)
-    """request id -> (its row, history length the drafter was prepared with)"""
-
-
-class TorchEngine:
     def __init__(
         self,
         target: Target,
@@ -128,24 +90,11 @@ class TorchEngine:
         self.max_context = min(cfg.max_context or target.max_context, target.max_context)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.device = target.device
-        attn = getattr(self.model.config, "_attn_implementation", "sdpa") or "sdpa"
-        if attn not in ("sdpa", "eager"):
-            raise ValueError(f"TorchEngine supports sdpa or eager attention, not {attn!r}")
-        self._additive_mask = attn == "eager"
-        self._fast = None  # our own forward (LlamaForward) when the model allows it
-        if cfg.forward == "auto" and attn == "sdpa" and LlamaForward.supports(self.model):
-            self._fast = LlamaForward(self.model)
+        self.runner = ModelRunner(self.model, self.device, cfg.forward)
         self.eos_ids = _eos_ids(target)
         self.observers = list(observers)
         self.policy: SpeculationPolicy = policy or FixedK(cfg.k)
-
-        self._drafter: Drafter | None = drafter
-        self._feature_layers = self._layers_for(drafter)
-        self._pending_swap: _PendingSwap | None = None
-        self._swap_lock = threading.Lock()  # _pending_swap, _swap_seq
-        self._swap_seq = 0  # swap_drafter calls so far: only the latest one is installed
-        self._preparer: concurrent.futures.ThreadPoolExecutor | None = None  # under _swap_lock
-        self._snapshot_wanted: list[_SnapshotRequest] = []  # under _cv
+        self._init_swaps(drafter)  # drafter_swap.py: the live drafter and pending swaps
 
         self._cv = threading.Condition()
         self._inbox: list[Submission] = []
@@ -157,7 +106,7 @@ class TorchEngine:
         # Owned by the step thread.
         self._waiting: collections.deque[Submission] = collections.deque()
         self._rows: list[Row] = []
-        self._cache = RaggedKVCache.for_model(self.model)
+        self._cache = self.runner.new_cache()
         self.steps = 0
         self.drafter_errors = 0
         self.refused_overload = 0  # requests refused by admission control (HTTP 429)
@@ -179,10 +128,7 @@ class TorchEngine:
             self._stopping = True
             self._cv.notify_all()
         await asyncio.to_thread(thread.join)
-        with self._swap_lock:
-            preparer, self._preparer = self._preparer, None
-        if preparer is not None:
-            preparer.shutdown(wait=False)
+        self._stop_preparer()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._validate(request)
@@ -229,163 +175,6 @@ class TorchEngine:
     async def abort(self, request_id: str) -> None:
         self._request_abort(request_id)
 
-    def swap_drafter(self, drafter: Drafter | None) -> None:
-        """Install ``drafter`` between two steps; running requests move to it (removed from the old
-        one) and keep going. The latest call wins.
-
-        A drafter with ``prepare_request`` (PreparableDrafter) is prepared off the step thread: the
-        step thread hands over a snapshot of the running requests between two steps, the drafter
-        builds their state (e.g. prefills its draft KV cache) on a low-priority helper thread
-        (``EngineConfig.swap_prepare_nice``; this call waits for it unless it is made from an event
-        loop), and the step thread then only installs it, catching each request up with the
-        tokens committed since the snapshot. Other drafters, and requests not prepared within
-        ``swap_prepare_timeout_s``, get their full history at install (``add_request``), with
-        target features rebuilt when the drafter wants them."""
-        with self._swap_lock:
-            self._swap_seq += 1
-            seq = self._swap_seq
-        if not self._preparable(drafter):
-            self._set_pending(seq, _PendingSwap(drafter))
-            return
-        done = self._preparer_pool().submit(self._prepare_swap, seq, drafter)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            done.result()  # never raises: a failed preparation installs unprepared
-
-    def _preparable(self, drafter: Drafter | None) -> bool:
-        thread = self._thread
-        return (
-            drafter is not None
-            and callable(getattr(drafter, "prepare_request", None))
-            and thread is not None
-            and thread.is_alive()
-            and thread is not threading.current_thread()
-            and drafter is not self._drafter  # in use by the step thread: rebuild it there
-        )
-
-    def _preparer_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._swap_lock:
-            if self._preparer is None:
-                self._preparer = concurrent.futures.ThreadPoolExecutor(
-                    1, "specloop-swap-prepare", initializer=self._lower_priority
-                )
-            return self._preparer
-
-    def _lower_priority(self) -> None:
-        """Preparer thread: nicer by ``swap_prepare_nice``."""
-        lower_thread_priority(self.config.swap_prepare_nice, "swap preparer")
-
-    def _set_pending(self, seq: int, pending: _PendingSwap) -> None:
-        with self._swap_lock:
-            if seq != self._swap_seq:  # a later swap_drafter call superseded this one
-                return
-            self._pending_swap = pending
-        with self._cv:
-            self._cv.notify_all()
-        if self._thread is None:  # not running: nothing in flight, apply now
-            self._apply_swap()
-
-    def _prepare_swap(self, seq: int, drafter: Drafter) -> None:
-        """Preparer thread: build ``drafter``'s state for the running requests, then hand it to the
-        step thread. ``drafter`` is not shared with the step thread until it is installed."""
-        pending = _PendingSwap(drafter)
-        t0 = time.perf_counter()
-        try:
-            with self._swap_lock:
-                live = self._drafter, self._pending_swap and self._pending_swap.drafter
-            if any(d is drafter for d in live):  # the step thread has it: rebuild it there
-                self._set_pending(seq, pending)
-                return
-            with torch.no_grad():
-                self._prepare_rows(seq, drafter, pending, t0 + self.config.swap_prepare_timeout_s)
-        except Exception:
-            log.exception("preparing drafter %s failed; rows are rebuilt at install", drafter.kind)
-        log.info(
-            "drafter %s %s prepared for %d requests in %.1f ms",
-            drafter.kind,
-            drafter.version,
-            len(pending.prepared),
-            (time.perf_counter() - t0) * 1e3,
-        )
-        self._set_pending(seq, pending)
-
-    def _prepare_rows(
-        self, seq: int, drafter: Drafter, pending: _PendingSwap, deadline: float
-    ) -> None:
-        layers = tuple(drafter.feature_layers or ())
-        for _ in range(_PREPARE_ROUNDS):
-            with self._swap_lock:
-                if seq != self._swap_seq:  # superseded: whatever follows replaces it
-                    return
-            snap = self._snapshot(layers)
-            if not snap:  # nothing running, or the engine stopped
-                return
-            todo = [
-                s for s in snap if pending.prepared.get(s.view.request_id, (None,))[0] is not s.row
-            ]
-            if not todo:
-                return
-            for s in todo:
-                if time.perf_counter() > deadline:
-                    log.warning(
-                        "drafter %s: preparation timed out; remaining requests are rebuilt at "
-                        "install",
-                        drafter.kind,
-                    )
-                    return
-                rid = s.view.request_id
-                pending.prepared.pop(rid, None)
-                if layers and s.feature_chunks is None:
-                    continue  # no history features to hand over: added at install
-                try:
-                    drafter.prepare_request(s.view, s.features)
-                except Exception:
-                    log.exception(
-                        "drafter %s failed to prepare %s; it is added at install", drafter.kind, rid
-                    )
-                    continue
-                pending.prepared[rid] = (s.row, len(s.view.token_ids))
-
-    def _snapshot(self, layers: tuple[int, ...]) -> list[_Snapshot] | None:
-        """The running requests, handed over by the step thread between two steps."""
-        req = _SnapshotRequest(layers)
-        with self._cv:
-            if self._stopping or self._thread is None:
-                return None
-            self._snapshot_wanted.append(req)
-            self._cv.notify_all()
-        while not req.done.wait(0.5):
-            thread = self._thread
-            if thread is None or not thread.is_alive():
-                return None
-        return req.rows
-
-    def _serve_snapshots(self, wanted: list[_SnapshotRequest]) -> None:
-        """Step thread, between two steps: copy what a prepared swap needs of each row."""
-        for req in wanted:
-            try:
-                rows = []
-                for row in self._rows:
-                    view = dataclasses.replace(
-                        row.view, token_ids=list(row.token_ids), generator=None
-                    )
-                    chunks = None
-                    if self._has_features(row, req.layers):
-                        chunks = list(row.features)  # the preparing thread concatenates them
-                    rows.append(_Snapshot(row, view, chunks))
-                req.rows = rows
-            finally:
-                req.done.set()
-
-    @staticmethod
-    def _has_features(row: Row, layers: tuple[int, ...]) -> bool:
-        """The row kept features for ``layers`` for its whole history (every token in the KV)."""
-        return (
-            bool(layers)
-            and row.features_layers == layers
-            and sum(int(f.shape[0]) for f in row.features) == len(row.token_ids) - 1
-        )
 
     # ---- thread plumbing ---------------------------------------------------------------------
 
@@ -519,7 +308,7 @@ class TorchEngine:
                 continue
             self._rows.append(row)
             if self._drafter is not None and self._drafter.feature_layers:
-                row.features, row.features_layers = [feats], self._feature_layers
+                row.features, row.features_layers = [feats], self.runner.feature_layers
             self._add_to_drafter(row, feats)
             self._notify_start(row, feats)
 
@@ -528,57 +317,9 @@ class TorchEngine:
         self._rows = [self._rows[i] for i in keep]
         self._cache.keep_rows(keep)
 
-    # ---- model calls -------------------------------------------------------------------------
-
-    def _forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0):
-        """One target forward of ``input_ids`` [B, q] appended to ``cache``."""
-        positions, mask = cache.prepare(input_ids.shape[1])  # [B, q], [B, 1, q, L]
-        if self._fast is not None:
-            return self._fast(
-                input_ids.to(self.device),
-                positions,
-                mask,
-                cache,
-                logits_to_keep=logits_to_keep,
-                hidden_layers=self._feature_layers,
-            )
-        if self._additive_mask:
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(self.model.dtype).min
-            )
-        return self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=bool(self._feature_layers),
-            logits_to_keep=logits_to_keep,
-        )
-
-    def _features(self, out) -> torch.Tensor | None:
-        if not self._feature_layers:
-            return None
-        return torch.cat([out.hidden_states[i] for i in self._feature_layers], dim=-1)  # [B, q, F]
-
     def _prefill(self, prompt_ids: list[int]) -> tuple[RaggedKVCache, torch.Tensor | None]:
-        """Batch-1 cache holding prompt[:-1], and its features [P-1, F] (None if not captured)."""
-        cache = RaggedKVCache.for_model(self.model, batch_size=1)
-        n = len(prompt_ids) - 1
-        if n == 0:
-            feats = None
-            if self._feature_layers:
-                feats = torch.zeros(
-                    0, self._feature_dim(), dtype=self.model.dtype, device=self.device
-                )
-            return cache, feats
-        out = self._forward(cache, torch.tensor([prompt_ids[:-1]]), logits_to_keep=1)
-        cache.commit([n])
-        feats = self._features(out)
-        return cache, None if feats is None else feats[0]
-
-    def _feature_dim(self) -> int:
-        return int(self.model.config.hidden_size) * len(self._feature_layers)
+        """Admission's prefill (model_runner.ModelRunner.prefill); a seam tests and bench swap time."""
+        return self.runner.prefill(prompt_ids)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -592,7 +333,7 @@ class TorchEngine:
             for row in self._rows:
                 self._fail(row, RequestError(f"engine step failed: {e}"))
             self._rows = []
-            self._cache = RaggedKVCache.for_model(self.model)
+            self._cache = self.runner.new_cache()
 
     def _step(self) -> None:
         rows = self._rows
@@ -613,9 +354,9 @@ class TorchEngine:
         parents = plan.node_parents()  # [B, K+1]
         if plan.is_tree():
             self._cache.set_tree(tree_depths(parents), tree_ancestors(parents))
-        out = self._forward(self._cache, inputs)
+        out = self.runner.forward(self._cache, inputs)
         logits = out.logits  # [B, K+1, V]
-        result = self._verify(rows, plan, parents, logits)
+        result = verify_rows(rows, plan, parents, logits)
         num_accepted = result.num_accepted.tolist()
         next_tokens = result.next_tokens.tolist()
         paths = [p[: a + 1] for p, a in zip(result.path.tolist(), num_accepted)]  # node indices
@@ -628,13 +369,17 @@ class TorchEngine:
 
         nodes = inputs.tolist()
         emitted = [[nodes[b][n] for n in p[1:]] + [next_tokens[b]] for b, p in enumerate(paths)]
-        feats = self._features(out)  # [B, K+1, F] or None
+        feats = self.runner.features(out)  # [B, K+1, F] or None
         if feats is not None and plan.is_tree():  # inputs along the path first: [B, K+1, F]
             index = result.path.clamp(min=0).to(feats.device)
             feats = feats.gather(1, index[:, :, None].expand(-1, -1, feats.shape[-1]))
         view_plan, view_logits, tried = linear_view(plan, parents, logits, paths)
-        report = self._report(
-            rows, view_plan, view_logits, emitted, num_accepted, feats, t1 - t0, t2 - t1
+        wants_topk = any(getattr(o, "wants_topk", False) for o in self.observers)
+        report = build_report(
+            rows, view_plan, view_logits, emitted, num_accepted, feats, t1 - t0, t2 - t1,
+            top_k=self.config.trace_topk if wants_topk else None,
+            drafter_version=drafter.version if drafter is not None else "none",
+            feature_layers=self.runner.feature_layers,
         )
         if plan.is_tree():
             valid = np.arange(plan.k)[None, :] < plan.lengths.numpy()[:, None]  # [B, K]
@@ -705,121 +450,6 @@ class TorchEngine:
                 k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, report.verify_ms
             )
 
-    def _verify(
-        self, rows: list[Row], plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor
-    ) -> TreeVerifyResult:
-        """Accept each row's longest path the target agrees with (a chain is a one-branch tree)."""
-        device = logits.device
-        batch, n = parents.shape
-        tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)
-        parents = parents.to(device)  # [B, K+1]
-        sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
-        if not sampled:
-            return greedy_tree_verify(tokens, parents, logits)
-        num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-        next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        path = torch.full((batch, n), -1, dtype=torch.long, device=device)
-        greedy = [b for b in range(batch) if rows[b].params.temperature == 0]
-        if greedy:
-            g = torch.tensor(greedy, device=device)
-            res = greedy_tree_verify(tokens[g], parents[g], logits[g])
-            num_accepted[g], next_tokens[g], path[g] = res.num_accepted, res.next_tokens, res.path
-        s = torch.tensor(sampled, device=device)
-        srows = [rows[b] for b in sampled]
-        probs = probs_from_logits(
-            logits[s],
-            torch.tensor([r.params.temperature for r in srows], device=device),
-            torch.tensor([r.params.top_k for r in srows], device=device),
-            torch.tensor([r.params.top_p for r in srows], device=device),
-        )  # [Bs, K+1, V]
-        if plan.dists is None:
-            depth = tree_depths(parents[s]).cpu().numpy()  # [Bs, K+1]
-            first = np.array([r.num_output for r in srows], dtype=np.int64)[:, None]
-            u = position_uniforms([r.seed for r in srows], first + depth)  # [Bs, K+1]
-            res = sampled_tree_verify(tokens[s], parents[s], probs, torch.from_numpy(u).to(device))
-            num_accepted[s], next_tokens[s], path[s] = res.num_accepted, res.next_tokens, res.path
-        else:  # chains of drafts with distributions: lossless rejection sampling
-            chain = rejection_verify(
-                plan.tokens.to(device)[s],
-                plan.lengths.to(device)[s],
-                plan.probs.to(device)[s],
-                plan.dists.to(device)[s],
-                probs,
-                [r.generator for r in srows],
-            )
-            steps = torch.arange(n, device=device)[None, :]  # [1, K+1]
-            num_accepted[s], next_tokens[s] = chain.num_accepted, chain.next_tokens
-            path[s] = torch.where(steps <= chain.num_accepted[:, None], steps, -1)
-        return TreeVerifyResult(num_accepted, next_tokens, path)
-
-    def _trace_topk(
-        self, rows: list[Row], plan: DraftPlan, logits: torch.Tensor
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Target top-k (ids, log-probs) at the verified positions of rows that are traced.
-
-        Only positions j <= num_drafted of rows with ``train`` set are computed (one gather, one
-        top-k, one logsumexp over [N, V]); the rest stay padded (-1 / -inf)."""
-        b, k1, vocab = logits.shape
-        t = min(self.config.trace_topk, vocab)
-        device = logits.device
-        verified = torch.arange(k1, device=device)[None, :] <= plan.lengths.to(device)[:, None]
-        traced = torch.tensor([r.request.train for r in rows], device=device)
-        keep = verified & traced[:, None]  # [B, K+1]
-        sel = logits[keep]  # [N, V]
-        values, ids = sel.topk(t, dim=-1)  # [N, T]
-        lp = values.float() - torch.logsumexp(sel.float(), dim=-1, keepdim=True)  # [N, T]
-        topk_ids = np.full((b, k1, t), -1, dtype=np.int32)
-        topk_lp = np.full((b, k1, t), -np.inf, dtype=np.float16)
-        mask = keep.cpu().numpy()
-        topk_ids[mask] = ids.to(torch.int32).cpu().numpy()
-        topk_lp[mask] = lp.to(torch.float16).cpu().numpy()
-        return topk_ids, topk_lp
-
-    def _report(
-        self,
-        rows: list[Row],
-        plan: DraftPlan,
-        logits: torch.Tensor,
-        emitted: list[list[int]],
-        num_accepted: list[int],
-        feats: torch.Tensor | None,
-        draft_s: float,
-        verify_s: float,
-    ) -> VerifyBatch:
-        """The step as observers see it (numpy, CPU)."""
-        k = plan.k
-        lengths = plan.lengths.numpy()
-        in_len = np.arange(k)[None, :] < lengths[:, None]  # [B, K]
-        topk_ids = topk_lp = None
-        if any(getattr(o, "wants_topk", False) for o in self.observers) and any(
-            r.request.train for r in rows
-        ):
-            topk_ids, topk_lp = self._trace_topk(rows, plan, logits)
-        features = None
-        if feats is not None:
-            bits = (
-                feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
-            )  # [B, K+1, F]
-            features = [bits[b, : a + 1] for b, a in enumerate(num_accepted)]
-        drafter = self._drafter
-        return VerifyBatch(
-            request_ids=[r.request_id for r in rows],
-            positions=np.array([r.num_output for r in rows], dtype=np.int32),
-            num_drafted=lengths.astype(np.int16),
-            num_accepted=np.asarray(num_accepted, dtype=np.int16),
-            source=plan.source,
-            draft_ids=np.where(in_len, plan.tokens.numpy(), -1).astype(np.int32),
-            draft_probs=np.where(in_len, plan.probs.numpy(), 0.0).astype(np.float32),
-            emitted=emitted,
-            target_topk_ids=topk_ids,
-            target_topk_logprobs=topk_lp,
-            features=features,
-            draft_ms=draft_s * 1000.0,
-            verify_ms=verify_s * 1000.0,
-            drafter_version=drafter.version if drafter is not None else "none",
-            feature_layers=self._feature_layers if feats is not None else (),
-        )
-
     def _commit(self, row: Row, emitted: list[int], feats: torch.Tensor | None) -> bool:
         """Apply one step's tokens to a row: stop tokens, stop strings, length. True if finished."""
         pushed = apply_stops(row.text, row.stop_ids, emitted)  # shared with SGLangEngine
@@ -867,120 +497,6 @@ class TorchEngine:
             except Exception:
                 log.exception("drafter.remove_request failed for %s", row.request_id)
         self._notify("on_request_finish", row.request, row.output_ids, "error", row.stats)
-
-    # ---- drafter management ------------------------------------------------------------------
-
-    def _layers_for(self, drafter: Drafter | None) -> tuple[int, ...]:
-        if drafter is not None and drafter.feature_layers:
-            return tuple(drafter.feature_layers)
-        return tuple(self.config.feature_layers) if self.config.capture_features else ()
-
-    def _add_to_drafter(self, row: Row, feats: torch.Tensor | None) -> None:
-        drafter = self._drafter
-        row.draft_ok = drafter is not None
-        if drafter is None:
-            return
-        try:
-            drafter.add_request(row.view, feats if drafter.feature_layers else None)
-        except Exception:
-            row.draft_ok = False
-            log.exception(
-                "drafter %s refused request %s; it decodes without drafts",
-                drafter.kind,
-                row.request_id,
-            )
-
-    def _apply_swap(self) -> None:
-        with self._swap_lock:
-            pending, self._pending_swap = self._pending_swap, None
-        if pending is None:
-            return
-        new, old = pending.drafter, self._drafter
-        for row in self._rows:
-            if old is not None and row.draft_ok:
-                try:
-                    old.remove_request(row.request_id, None)
-                except Exception:
-                    log.exception("old drafter failed to drop %s", row.request_id)
-        prepared = dict(pending.prepared)
-        running = {row.request_id: row for row in self._rows}
-        for rid, (row, _) in list(prepared.items()):
-            if running.get(rid) is not row:  # ended (or its id was reused) since the snapshot
-                del prepared[rid]
-                try:
-                    new.remove_request(rid, None)
-                except Exception:
-                    log.exception("new drafter failed to drop %s", rid)
-        self._drafter = new
-        self._feature_layers = self._layers_for(new)
-        wants = new is not None and bool(new.feature_layers)
-        caught_up = 0
-        for row in self._rows:
-            if not wants:  # nobody needs the history any more
-                row.features, row.features_layers = [], ()
-            done = prepared.get(row.request_id, (None, 0))[1]
-            if done and self._catch_up(row, done, self._feature_layers if wants else ()):
-                caught_up += 1
-                continue
-            self._add_to_drafter(row, self._history_features(row) if wants else None)
-        log.info(
-            "drafter swapped to %s %s (%d requests in flight, %d prepared off the step thread)",
-            new.kind if new else "none",
-            new.version if new else "-",
-            len(self._rows),
-            caught_up,
-        )
-        self._announce_drafter()
-
-    def _catch_up(self, row: Row, done: int, layers: tuple[int, ...]) -> bool:
-        """Feed a prepared row's tokens committed since its snapshot to the new drafter (True), or
-        give up (False: the row is then re-added with its full history)."""
-        tail = row.token_ids[done:]
-        feats = None
-        if layers and tail:
-            if not self._has_features(row, layers):
-                return False
-            need, parts = len(tail), []  # the inputs of the steps since the snapshot: the last
-            for chunk in reversed(row.features):  # len(tail) feature rows
-                parts.append(chunk[max(0, int(chunk.shape[0]) - need) :])
-                need -= parts[-1].shape[0]
-                if need == 0:
-                    break
-            feats = parts[0] if len(parts) == 1 else torch.cat(parts[::-1], dim=0)  # [len(tail), F]
-        try:
-            if tail:
-                self._drafter.on_verified(row.request_id, tail, feats)
-        except Exception:
-            log.exception("drafter %s failed to catch %s up", self._drafter.kind, row.request_id)
-            return False
-        row.draft_ok = True
-        return True
-
-    def _history_features(self, row: Row) -> torch.Tensor:
-        """Features of every token in the row's KV cache, for the current feature layers;
-        recomputed with one target forward when the history holds other layers (or none)."""
-        if row.features_layers == self._feature_layers and row.features:
-            feats = torch.cat(row.features, dim=0)  # [len-1, F]
-            if feats.shape[0] == len(row.token_ids) - 1:
-                row.features = [feats]
-                return feats
-        ids = row.token_ids[:-1]
-        if ids:
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
-                use_cache=False,
-                output_hidden_states=True,
-                logits_to_keep=1,
-            )
-            feats = self._features(out)[0]  # [len-1, F]
-        else:
-            feats = torch.zeros(0, self._feature_dim(), dtype=self.model.dtype, device=self.device)
-        row.features, row.features_layers = [feats], self._feature_layers
-        return feats
-
-    def _announce_drafter(self) -> None:
-        d = self._drafter
-        self._notify("on_drafter_change", d.kind if d else "none", d.version if d else "none")
 
     # ---- observers ---------------------------------------------------------------------------
 

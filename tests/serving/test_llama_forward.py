@@ -107,7 +107,7 @@ def test_real_model_greedy_outputs_equal_hf_reference():
     target = load_target(None)
     fast = TorchEngine(target, config=EngineConfig(k=0))
     ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
-    assert fast._fast is not None and ref._fast is None
+    assert fast.runner.fast is not None and ref.runner.fast is None
     tok = target.tokenizer
     for text in ("def fibonacci(n):", "The capital of France is", "Write a haiku about rain."):
         ids = tok.encode(text)

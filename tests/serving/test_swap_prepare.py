@@ -18,7 +18,7 @@ import torch
 
 from feedback.drafter_models import standalone_from_target
 from serving.drafters.standalone import StandaloneDrafter
-from serving.engine import torch_engine
+from serving.engine import drafter_swap
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig
 from serving.engine.reference import target_greedy_reference
@@ -93,7 +93,7 @@ def test_requests_joining_and_finishing_during_preparation_stay_lossless(
 ):
     """rounds=1: the late request joined after the only snapshot and is added at install;
     rounds=3: a second snapshot picks it up and it is prepared too."""
-    monkeypatch.setattr(torch_engine, "_PREPARE_ROUNDS", rounds)
+    monkeypatch.setattr(drafter_swap, "_PREPARE_ROUNDS", rounds)
     model = ids_target.model
     gate = threading.Event()
     new = GatedStandalone(standalone_from_target(model, num_layers=2), gate)

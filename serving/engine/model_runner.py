@@ -1,0 +1,91 @@
+"""ModelRunner: the target model behind TorchEngine, and the one place it is called.
+
+It owns the forward path (our LlamaForward when the model allows it, else the Hugging Face
+forward with a 4-D mask), the KV caches' shape, and the target features drafters may want (hidden
+states of ``feature_layers``, concatenated). The engine's step thread is its only caller.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from serving.engine.batch_cache import RaggedKVCache
+from serving.engine.llama_forward import LlamaForward
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, forward: str = "auto"):
+        self.model = model
+        self.device = device
+        attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        if attn not in ("sdpa", "eager"):
+            raise ValueError(f"TorchEngine supports sdpa or eager attention, not {attn!r}")
+        self._additive_mask = attn == "eager"
+        self.fast: LlamaForward | None = None
+        """Our own forward (serving/engine/llama_forward.py) when ``forward="auto"`` and the
+        model is a Llama-family model on sdpa; None runs the Hugging Face forward."""
+        if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
+            self.fast = LlamaForward(model)
+        self.feature_layers: tuple[int, ...] = ()
+        """Hidden-state layers the current drafter wants with every forward (() = none)."""
+
+    def new_cache(self, batch_size: int | None = None) -> RaggedKVCache:
+        if batch_size is None:
+            return RaggedKVCache.for_model(self.model)
+        return RaggedKVCache.for_model(self.model, batch_size=batch_size)
+
+    def forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0):
+        """One target forward of ``input_ids`` [B, q] appended to ``cache`` (uncommitted until the
+        caller commits); ``.logits`` [B, q or logits_to_keep, V], ``.hidden_states`` when
+        ``feature_layers`` are set."""
+        positions, mask = cache.prepare(input_ids.shape[1])  # [B, q], [B, 1, q, L]
+        if self.fast is not None:
+            return self.fast(input_ids.to(self.device), positions, mask, cache,
+                             logits_to_keep=logits_to_keep, hidden_layers=self.feature_layers)
+        if self._additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(self.model.dtype).min
+            )
+        return self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions,
+            attention_mask=mask,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=bool(self.feature_layers),
+            logits_to_keep=logits_to_keep,
+        )
+
+    def features(self, out) -> torch.Tensor | None:
+        """The drafter's features of a forward's inputs: [B, q, F], or None when none are wanted."""
+        if not self.feature_layers:
+            return None
+        return torch.cat([out.hidden_states[i] for i in self.feature_layers], dim=-1)  # [B, q, F]
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.model.config.hidden_size) * len(self.feature_layers)
+
+    def no_features(self) -> torch.Tensor:
+        return torch.zeros(0, self.feature_dim, dtype=self.model.dtype, device=self.device)  # [0, F]
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[RaggedKVCache, torch.Tensor | None]:
+        """A batch-1 cache holding prompt[:-1] (the last prompt token is the first verify step's
+        input), and its features [P-1, F] (None if not wanted)."""
+        cache = self.new_cache(batch_size=1)
+        n = len(prompt_ids) - 1
+        if n == 0:
+            return cache, (self.no_features() if self.feature_layers else None)
+        out = self.forward(cache, torch.tensor([prompt_ids[:-1]]), logits_to_keep=1)
+        cache.commit([n])
+        feats = self.features(out)
+        return cache, None if feats is None else feats[0]
+
+    def recompute_features(self, token_ids: list[int]) -> torch.Tensor:
+        """Features [len, F] of ``token_ids`` from one cache-less forward (a swapped-in drafter
+        wants layers the history was not captured with)."""
+        if not token_ids:
+            return self.no_features()
+        out = self.model(input_ids=torch.tensor([token_ids], device=self.device), use_cache=False,
+                         output_hidden_states=True, logits_to_keep=1)
+        return self.features(out)[0]  # [len, F]

@@ -1,0 +1,139 @@
+"""The accept and report stages of TorchEngine's step, as functions of what the step computed.
+
+``verify_rows``: each row's longest path the target agrees with (greedy, position-keyed sampling,
+or rejection sampling for chains with draft distributions). ``build_report``: the step as observers
+see it (a VerifyBatch, numpy on the CPU), with the target's top-k at verified positions of traced
+rows when an observer wants it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.sampling import probs_from_logits
+from kernels.tree_verify import (
+    TreeVerifyResult,
+    greedy_tree_verify,
+    sampled_tree_verify,
+    tree_depths,
+)
+from kernels.verify import rejection_verify
+from serving.engine.base import VerifyBatch
+from serving.engine.drafting import DraftPlan
+from serving.engine.rows import Row
+from serving.engine.seeded import position_uniforms
+
+
+def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor) -> TreeVerifyResult:
+    """Accept each row's longest path the target agrees with (a chain is a one-branch tree).
+    ``parents`` [B, K+1] (node 0 = the last committed token), ``logits`` [B, K+1, V]."""
+    device = logits.device
+    batch, n = parents.shape
+    tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)  # [B, K+1]
+    parents = parents.to(device)  # [B, K+1]
+    sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
+    if not sampled:
+        return greedy_tree_verify(tokens, parents, logits)
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+    path = torch.full((batch, n), -1, dtype=torch.long, device=device)
+    greedy = [b for b in range(batch) if rows[b].params.temperature == 0]
+    if greedy:
+        g = torch.tensor(greedy, device=device)
+        res = greedy_tree_verify(tokens[g], parents[g], logits[g])
+        num_accepted[g], next_tokens[g], path[g] = res.num_accepted, res.next_tokens, res.path
+    s = torch.tensor(sampled, device=device)
+    srows = [rows[b] for b in sampled]
+    probs = probs_from_logits(
+        logits[s],
+        torch.tensor([r.params.temperature for r in srows], device=device),
+        torch.tensor([r.params.top_k for r in srows], device=device),
+        torch.tensor([r.params.top_p for r in srows], device=device),
+    )  # [Bs, K+1, V]
+    if plan.dists is None:
+        depth = tree_depths(parents[s]).cpu().numpy()  # [Bs, K+1]
+        first = np.array([r.num_output for r in srows], dtype=np.int64)[:, None]
+        u = position_uniforms([r.seed for r in srows], first + depth)  # [Bs, K+1]
+        res = sampled_tree_verify(tokens[s], parents[s], probs, torch.from_numpy(u).to(device))
+        num_accepted[s], next_tokens[s], path[s] = res.num_accepted, res.next_tokens, res.path
+    else:  # chains of drafts with distributions: lossless rejection sampling
+        chain = rejection_verify(
+            plan.tokens.to(device)[s],
+            plan.lengths.to(device)[s],
+            plan.probs.to(device)[s],
+            plan.dists.to(device)[s],
+            probs,
+            [r.generator for r in srows],
+        )
+        steps = torch.arange(n, device=device)[None, :]  # [1, K+1]
+        num_accepted[s], next_tokens[s] = chain.num_accepted, chain.next_tokens
+        path[s] = torch.where(steps <= chain.num_accepted[:, None], steps, -1)
+    return TreeVerifyResult(num_accepted, next_tokens, path)
+
+
+def trace_topk(rows: list[Row], plan: DraftPlan, logits: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Target top-k (ids, log-probs) [B, K+1, T] at the verified positions of rows that are traced.
+
+    Only positions j <= num_drafted of rows with ``train`` set are computed (one gather, one
+    top-k, one logsumexp over [N, V]); the rest stay padded (-1 / -inf)."""
+    b, k1, vocab = logits.shape
+    t = min(top_k, vocab)
+    device = logits.device
+    verified = torch.arange(k1, device=device)[None, :] <= plan.lengths.to(device)[:, None]
+    traced = torch.tensor([r.request.train for r in rows], device=device)
+    keep = verified & traced[:, None]  # [B, K+1]
+    sel = logits[keep]  # [N, V]
+    values, ids = sel.topk(t, dim=-1)  # [N, T]
+    lp = values.float() - torch.logsumexp(sel.float(), dim=-1, keepdim=True)  # [N, T]
+    topk_ids = np.full((b, k1, t), -1, dtype=np.int32)
+    topk_lp = np.full((b, k1, t), -np.inf, dtype=np.float16)
+    mask = keep.cpu().numpy()
+    topk_ids[mask] = ids.to(torch.int32).cpu().numpy()
+    topk_lp[mask] = lp.to(torch.float16).cpu().numpy()
+    return topk_ids, topk_lp
+
+
+def build_report(
+    rows: list[Row],
+    plan: DraftPlan,
+    logits: torch.Tensor,
+    emitted: list[list[int]],
+    num_accepted: list[int],
+    feats: torch.Tensor | None,
+    draft_s: float,
+    verify_s: float,
+    *,
+    top_k: int | None,
+    drafter_version: str,
+    feature_layers: tuple[int, ...],
+) -> VerifyBatch:
+    """The step as observers see it (numpy, CPU). ``top_k``: trace the target's top-k of traced
+    rows (None: no observer wants it). ``plan``/``logits`` are the linear view of a tree step."""
+    k = plan.k
+    lengths = plan.lengths.numpy()
+    in_len = np.arange(k)[None, :] < lengths[:, None]  # [B, K]
+    topk_ids = topk_lp = None
+    if top_k is not None and any(r.request.train for r in rows):
+        topk_ids, topk_lp = trace_topk(rows, plan, logits, top_k)
+    features = None
+    if feats is not None:
+        bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [B, K+1, F]
+        features = [bits[b, : a + 1] for b, a in enumerate(num_accepted)]
+    return VerifyBatch(
+        request_ids=[r.request_id for r in rows],
+        positions=np.array([r.num_output for r in rows], dtype=np.int32),
+        num_drafted=lengths.astype(np.int16),
+        num_accepted=np.asarray(num_accepted, dtype=np.int16),
+        source=plan.source,
+        draft_ids=np.where(in_len, plan.tokens.numpy(), -1).astype(np.int32),
+        draft_probs=np.where(in_len, plan.probs.numpy(), 0.0).astype(np.float32),
+        emitted=emitted,
+        target_topk_ids=topk_ids,
+        target_topk_logprobs=topk_lp,
+        features=features,
+        draft_ms=draft_s * 1000.0,
+        verify_ms=verify_s * 1000.0,
+        drafter_version=drafter_version,
+        feature_layers=feature_layers if feats is not None else (),
+    )
