@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 import torch
+from trace_samples import assert_same_trace
 
 from feedback.kafka_sink import KafkaTraceSink
 from feedback.kafka_source import KafkaTraceSource
-from feedback.testing import assert_same_trace
 from feedback.trace import TraceRecord
 from serving.drafters.factory import build_drafter
 from serving.engine.base import GenerationRequest, SamplingParams

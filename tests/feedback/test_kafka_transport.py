@@ -6,11 +6,11 @@ import statistics
 import time
 
 import pytest
+from trace_samples import assert_same_trace, make_trace
 
 from feedback.codec import encode
 from feedback.kafka_sink import KafkaTraceSink
 from feedback.kafka_source import KafkaTraceSource
-from feedback.testing import assert_same_trace, make_trace
 from infra.stack import free_port
 
 FAST_GROUP = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 500}

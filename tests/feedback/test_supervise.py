@@ -7,10 +7,10 @@ import threading
 import time
 
 from prometheus_client import REGISTRY
+from trace_samples import make_trace
 
 from feedback.kafka_sink import KafkaTraceSink
 from feedback.supervise import Backoff, LoopRegistry, SupervisedThread
-from feedback.testing import make_trace
 
 
 def _wait(predicate, timeout=10.0):

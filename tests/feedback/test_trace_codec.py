@@ -4,6 +4,7 @@ import zlib
 
 import numpy as np
 import pytest
+from trace_samples import assert_same_trace, make_trace
 
 from feedback.codec import (
     CODEC_MAJOR,
@@ -14,7 +15,6 @@ from feedback.codec import (
     decode,
     encode,
 )
-from feedback.testing import assert_same_trace, make_trace
 
 PREFIX = struct.Struct("<4sBBHII")
 
@@ -162,15 +162,16 @@ def test_trace_written_by_codec_1_0_still_decodes():
     """tests/feedback/data/trace_v1_0.bin was encoded by the 1.0 codec (before tree arrays)."""
     from pathlib import Path
 
+    from trace_samples import make_trace as _make
+
     from feedback.codec import decode as _decode
-    from feedback.testing import make_trace as _make
 
     data = (Path(__file__).parent / "data" / "trace_v1_0.bin").read_bytes()
     assert data[4:6] == bytes([1, 0])
     record = _decode(data)
     assert record.steps.tree_ids is None and record.steps.tree_parents is None
     expected = _make(num_steps=6, k=3, topk=4, seed=11, with_hidden=True, hidden_dim=4)
-    from feedback.testing import assert_same_trace as _same
+    from trace_samples import assert_same_trace as _same
 
     _same(record, expected)
 
@@ -178,12 +179,12 @@ def test_trace_written_by_codec_1_0_still_decodes():
 def test_tree_arrays_round_trip_and_are_validated():
     import numpy as _np
     import pytest as _pytest
+    from trace_samples import assert_same_trace as _same
+    from trace_samples import make_trace as _make
 
     from feedback.codec import TraceDecodeError
     from feedback.codec import decode as _decode
     from feedback.codec import encode as _encode
-    from feedback.testing import assert_same_trace as _same
-    from feedback.testing import make_trace as _make
 
     rec = _make(num_steps=5, k=3, topk=4, seed=3)
     steps = rec.steps.model_copy(update={

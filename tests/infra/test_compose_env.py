@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import yaml
 from pydantic import AliasChoices
+from test_compose import COMPOSE_FILE, interpolate
 
 from feedback import endpoints
 from serving.config import ServingSettings
-from tests.infra.test_compose import COMPOSE_FILE, interpolate
 from trainer.config import TrainerSettings
 
 

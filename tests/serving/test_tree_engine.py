@@ -215,9 +215,10 @@ def test_tree_steps_are_traced_and_train(ids_target, refs, run):
     """Trace records of tree steps: the chain view (accepted path + first rejected node) with the
     target top-k at those nodes, the whole tree in tree_ids/parents; codec round trip; the
     trainer's examples build from them."""
+    from trace_samples import assert_same_trace
+
     from feedback.codec import decode, encode
     from feedback.sink import InProcessTraceSink
-    from feedback.testing import assert_same_trace
     from serving.observers import TraceRecorder
     from trainer.examples import build_examples
 

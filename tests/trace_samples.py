@@ -1,4 +1,4 @@
-"""Valid random TraceRecords for tests and benchmarks (no model needed)."""
+"""Valid random TraceRecords for tests (no model needed): tests import it as ``trace_samples``."""
 
 from __future__ import annotations
 
