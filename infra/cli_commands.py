@@ -16,6 +16,11 @@ def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -
     stack_app.command("down")(_stack.cmd_down)
     stack_app.command("status")(_stack.cmd_status)
 
+    from infra import topology as _topology  # light: yaml, pydantic, typer
+
+    app.command("up")(_topology.cmd_up)
+    app.command("down")(_topology.cmd_down)
+
     from serving import cli as serving_cli
 
     app.command("serve")(serving_cli.serve)

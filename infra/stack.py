@@ -68,7 +68,7 @@ class StackInfo(BaseModel):
         pairs = {
             "SPECLOOP_KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers,
             "SPECLOOP_REDIS_URL": self.redis_url,
-            "MLFLOW_TRACKING_URI": self.mlflow_uri,
+            "SPECLOOP_MLFLOW_TRACKING_URI": self.mlflow_uri,
         }
         return {k: v for k, v in pairs.items() if v}
 
@@ -233,6 +233,13 @@ class Stack:
             names = sorted(state, key=lambda n: SERVICES.index(n) if n in SERVICES else 0)
         return [name for name in names if self.stop(name)]
 
+    def start_process(self, name: str, cmd: list[str], port: int, url: str, env: dict[str, str],
+                      ready) -> ServiceInfo:
+        """Start any long-running process the same way (own process group, log in the run
+        directory, recorded in stack.json so ``down`` stops it); ``ready()`` is its health check.
+        infra/topology.py starts the serving replicas and the trainer with it."""
+        return self._start(name, cmd, port, url, env, ready)
+
     def _start(self, name, cmd, port, url, env, ready) -> ServiceInfo:
         if self.service(name) is not None:
             raise ServiceStartError(f"{name} is already running in {self.run_dir}; stop it first")
@@ -354,6 +361,10 @@ def _http_ok(url: str) -> bool:
 
 
 def _check(name: str, info: ServiceInfo) -> bool:
+    if name.startswith("serving"):
+        return _http_ok(f"{info.url}/health")
+    if name.startswith("trainer"):
+        return _alive(info.pid, info.start_time)  # no port: alive is healthy
     if name == "redis":
         return _redis_ping(info.port)
     if name == "mlflow":

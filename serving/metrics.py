@@ -20,7 +20,8 @@ Series (``row`` = one request in one verify step):
     specloop_spec_off_rows_total           rows verified with no draft (speculation off)
     (elsewhere: specloop_traces_shed_total{reason} in feedback/kafka_sink.py, specloop_drafter_swaps_total
     / _rollbacks_total in serving/swap.py, specloop_acceptance_drift_total{domain} in
-    serving/ops_observer.py, specloop_loop_errors_total{loop} in feedback/supervise.py)
+    serving/ops_observer.py, specloop_loop_errors_total{loop} in feedback/supervise.py,
+    specloop_traces_followed_total{result} in serving/trace_follow.py)
 
 PromQL:
     acceptance rate       rate(specloop_spec_accepted_tokens_total[5m])

@@ -13,9 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 
+from prometheus_client import Counter
+
 from feedback.supervise import SupervisedThread
 
 log = logging.getLogger(__name__)
+
+FOLLOWED = Counter("specloop_traces_followed", "Trace records read from the topic by this replica: "
+                   "indexed into its suffix index, or skipped (no suffix drafter live).", ["result"])
 
 
 def suffix_part(drafter):
@@ -52,9 +57,11 @@ class TraceFollower:
                 for rec in records:
                     if holder is None:
                         self.skipped += 1
+                        FOLLOWED.labels(result="skipped").inc()
                         continue
                     holder.observe_trace(rec)
                     self.indexed += 1
+                    FOLLOWED.labels(result="indexed").inc()
                 source.commit()
         finally:
             source.close()

@@ -74,6 +74,9 @@ class TrainerSettings(BaseSettings):
         "suffix/hybrid -> the learned drafter gated inside the hybrid with the suffix index (what "
         "serving installs); eagle/standalone -> that learned kind, gated alone.")
 
+    ops_log: bool = Field(True, description="Log each round, gate decision, drift, pause and promotion to "
+                          "the trainer's MLflow ops run (feedback/ops_log.py).")
+
     dev_mode: bool = Field(
         False, validation_alias=AliasChoices(ep.DEV_MODE, "dev_mode"),
         description="Local dev mode: allows the published default secrets (e.g. the `mlflow` "

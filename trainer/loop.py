@@ -123,6 +123,7 @@ class TrainerLoop:
         self._drifts: queue.Queue = queue.Queue()
         self._focus_until: dict[str, int] = {}
         self._gate_early = False
+        self._paused = False
         self._subscription = rollbacks_from.subscribe(self.on_announcement) if rollbacks_from is not None else None
         """``rollbacks_from``: a ControlPlane; its rollbacks and drifts reach ``on_announcement``."""
         self.stats = LoopStats()
@@ -162,7 +163,9 @@ class TrainerLoop:
             return self.stats
         if self.saturated():
             self.stats.paused_rounds += 1
+            self._note_pause(True)
             return self.stats
+        self._note_pause(False)
         res = self.distiller.fit(self.replay, self.cfg.steps_per_round, k=self.gate_cfg.k, should_stop=self.saturated)
         self.stats.train_steps += res.steps
         self.stats.losses.extend(res.losses)
@@ -176,6 +179,17 @@ class TrainerLoop:
         self.save()
         self.source.commit()  # only now: the records are in a checkpointed replay and were trained on
         return self.stats
+
+    def _note_pause(self, paused: bool) -> None:
+        """Operators see when training paused for serving's load, and when it resumed."""
+        if paused == self._paused:
+            return
+        self._paused = paused
+        log.info("training %s (serving %s)", "paused" if paused else "resumed",
+                 "saturated" if paused else "has spare capacity")
+        if self.ops is not None:
+            self.ops.event("paused" if paused else "resumed", self.stats.rounds,
+                           paused_rounds=self.stats.paused_rounds)
 
     def _log_round(self, res) -> None:
         if self.ops is None:

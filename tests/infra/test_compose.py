@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.topology import interpolate
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 TOOLS = Path(os.environ.get("SPECLOOP_TOOLS_CACHE", Path.home() / ".cache/specloop/tools"))
@@ -29,13 +31,6 @@ GPU_OF = {"serving": "0", "trainer": "1"}
 UNREACHABLE = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
                "ConnectTimeout", "ReadTimeout", "ProxyError", "Max retries exceeded",
                "Could not fetch URL", "No route to host", "Connection refused")
-
-
-def interpolate(text: str) -> str:
-    """Compose's `${NAME:-default}` with an empty environment (defaults only), `$$` -> `$`."""
-    text = re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
-    assert "${" not in text, "only ${NAME:-default} is used so that defaults always resolve"
-    return text.replace("$$", "$")
 
 
 @pytest.fixture(scope="module")

@@ -68,3 +68,28 @@ def test_drift_published_by_serving_reaches_the_trainer_over_redis(redis_server,
     finally:
         loop._subscription.close()
 
+
+
+def test_pause_and_resume_are_logged_once_each(tmp_path):
+    """Operators see when training paused for serving's load and when it resumed (issue 15)."""
+    from feedback.ops_log import OpsRun
+
+    busy = {"now": False}
+    ops = OpsRun(f"sqlite:///{tmp_path}/m.db", "specloop/x", "trainer-acme-g", flush_s=3600)
+    traces = [make_trace("a", seed=i, tenant="acme") for i in range(60)]
+    loop = TrainerLoop(ListTraceSource(traces), StandaloneStudent(tiny_lm(seed=0)), FP,
+                       loop=LoopConfig(tenant="acme", poll_records=10, min_train_traces=4, steps_per_round=2,
+                                       rounds_per_gate=1000),
+                       distill=DistillConfig(lr=3e-3, eval_every=100), gate=GateConfig(k=3, hybrid=False),
+                       saturated=lambda: busy["now"], ops=ops)
+    loop.run_round()
+    busy["now"] = True
+    loop.run_round()
+    loop.run_round()
+    busy["now"] = False
+    loop.run_round()
+    assert loop.stats.paused_rounds == 2
+    ops.flush()
+    got = ops.client.get_run(ops.run_id).data
+    assert got.metrics["event.paused"] == 1 and got.metrics["event.resumed"] == 1
+    ops.close()

