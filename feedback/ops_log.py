@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+# MLflow prints "View run ... at: URL" on stdout when a run over HTTP ends; our CLIs and benchmarks
+# print one JSON object there. The demo prints the operator's URL itself.
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 @dataclass
