@@ -35,6 +35,7 @@ EXTRA = {
     "SPECLOOP_TRAINER_POLL_TIMEOUT_S": "0.3",
     "SPECLOOP_TRAINER_NUM_CPUS": "1",
 }
+BURST = 40  # requests at once on replica A: 20x its batch size
 FAMILY = "Write a limerick about a {} who repairs old lighthouses on the northern coast."
 CONTROL = "List three facts about the orbit of {} and explain each in one sentence."
 
@@ -50,9 +51,15 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+def _model(url: str) -> str:
+    return httpx.get(f"{url}/health", timeout=30).json()["model"]
+
+
 def _chat(url: str, content: str, max_tokens: int = 24) -> dict:
+    """Sampled with a fixed seed: the same output on every replica (sampling is keyed by seed and
+    position), and no degenerate repetition of a random model for the suffix drafter to match."""
     r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": "any", "max_tokens": max_tokens, "temperature": 0,
+        "model": _model(url), "max_tokens": max_tokens, "temperature": 1.0, "seed": 7,
         "messages": [{"role": "user", "content": content}]})
     assert r.status_code == 200, r.text
     return r.json()["usage"]["spec"]
@@ -79,7 +86,7 @@ def _trainer_metrics(mlflow_uri: str, model_dir) -> dict[str, float]:
     return dict(runs[0].data.metrics) if runs else {}
 
 
-def _wait(what: str, predicate, timeout_s: float = 120.0, every_s: float = 0.5, act=None):
+def _wait(what: str, predicate, timeout_s: float = 120.0, every_s: float = 0.5, act=None, show=None):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = predicate()
@@ -88,11 +95,11 @@ def _wait(what: str, predicate, timeout_s: float = 120.0, every_s: float = 0.5, 
         if act is not None:
             act()
         time.sleep(every_s)
-    raise AssertionError(f"gave up waiting for {what}")
+    raise AssertionError(f"gave up waiting for {what}" + (f": {show()}" if show else ""))
 
 
 def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
-    topo = Topology(tmp_path / "run", replicas=2, model=str(tiny_model_dir), extra_env=EXTRA)
+    topo = Topology(tmp_path / "run", replicas=2, model=str(tiny_model_dir), drafter="suffix", extra_env=EXTRA)
     groups: list[int] = []
     try:
         info = topo.up()
@@ -102,7 +109,7 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
         a, b = info.replicas
         for url in (a, b):
             health = httpx.get(f"{url}/health", timeout=30).json()
-            assert health["status"] == "ok" and health["drafter"]["kind"] == "hybrid"
+            assert health["status"] == "ok" and health["drafter"]["kind"] == "suffix"
         sent = {"a": 0, "b": 0}
 
         def on_a(content: str, max_tokens: int = 24) -> dict:
@@ -127,29 +134,40 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
         assert family["acceptance_rate"] > control["acceptance_rate"] + 0.2, (family, control)
         assert family["mean_accept_len"] > control["mean_accept_len"]
 
+        # The trainer is consuming (its group joined): every trace so far reached it.
+        mlflow = info.stack.mlflow_uri
+        more = iter(range(1000))
+
+        def polled_all() -> bool:
+            return _trainer_metrics(mlflow, tiny_model_dir).get("records_polled", 0) >= sent["a"] + sent["b"]
+
+        _wait("the trainer to poll every trace", polled_all, every_s=3.0,  # a trained round logs the count
+              act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8),
+              show=lambda: (sent, _trainer_metrics(mlflow, tiny_model_dir)))
+
         # A load burst pauses training; it resumes once serving has spare capacity again.
         async def burst() -> None:
+            model = _model(a)
             async with httpx.AsyncClient(timeout=300) as client:
                 await asyncio.gather(*[client.post(f"{a}/v1/chat/completions", json={
-                    "model": "any", "max_tokens": 32, "temperature": 0,
+                    "model": model, "max_tokens": 48, "temperature": 0,
                     "messages": [{"role": "user", "content": f"Describe harbour number {i} in detail."}]})
-                    for i in range(12)])
+                    for i in range(BURST)])
 
         asyncio.run(burst())
-        sent["a"] += 12
-        mlflow = info.stack.mlflow_uri
+        sent["a"] += BURST
         _wait("the trainer to pause during the burst",
-              lambda: _trainer_metrics(mlflow, tiny_model_dir).get("event.paused", 0) >= 1, timeout_s=60)
+              lambda: _trainer_metrics(mlflow, tiny_model_dir).get("event.paused", 0) >= 1, timeout_s=60,
+              show=lambda: _trainer_metrics(mlflow, tiny_model_dir))
         tail = iter(range(1000))
         _wait("the trainer to resume after the burst",
               lambda: _trainer_metrics(mlflow, tiny_model_dir).get("event.resumed", 0) >= 1, every_s=2.0,
               act=lambda: on_b(f"Name a colour for boat {next(tail)}.", 8))
 
         # Traces from both replicas reached the trainer (one per request; dedup by request id).
-        more = iter(range(1000))
-        _wait("the trainer to poll every trace",  # a trained round logs the count: new traffic makes one
-              lambda: _trainer_metrics(mlflow, tiny_model_dir).get("records_polled", 0) >= sent["a"] + sent["b"],
-              every_s=3.0, act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8))
+        _wait("the trainer to poll every trace after the burst", polled_all, every_s=3.0,
+              act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8),
+              show=lambda: (sent, _trainer_metrics(mlflow, tiny_model_dir)))
         assert sent["a"] > 0 and sent["b"] > 0
     finally:
         if not groups:
