@@ -169,7 +169,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS, static: s
         loop, frozen = await adapted_and_frozen(target, stack, stream, LoopConfig(**{**cfg.__dict__, "drafter": kind}),
                                                 static=static)
         by_drafter[kind] = summarise(loop.points, shift, baseline=baseline, frozen=frozen, swaps=loop.swaps,
-                                     rollbacks=loop.rollbacks, freshness=loop.freshness_s())
+                                     rollbacks=loop.rollbacks, freshness=loop.freshness_s(), drifts=loop.drifts)
         base_after = tok_s(baseline[shift:])
         by_drafter[kind]["speedup_after_shift"] = tok_s(loop.points[shift:]) / base_after if base_after else None
         by_drafter[kind]["static_baseline"] = static if kind != "suffix" else "snapshot"
