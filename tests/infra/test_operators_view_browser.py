@@ -42,7 +42,10 @@ def test_mlflow_ui_shows_live_figures_and_the_drifting_domain(mlflow_server):
 
     fp = TargetFingerprint(model_id="browser-check", tokenizer_hash="t0", vocab_size=64)
     run = open_run(mlflow_server.url, fp, "serving", "acme", "r1", flush_s=0.1)
-    obs = LiveOpsObserver(run, every_s=0.0)
+    from feedback.drift import DriftDetector
+
+    fast = DriftDetector(fast_steps=4, slow_steps=64, min_steps=8, persist_steps=3, cooldown_steps=0)
+    obs = LiveOpsObserver(run, every_s=0.0, drift=fast)  # a drift within 80 steps, not thousands
     obs.on_drafter_change("suffix", "day0")
     for rid, dom in (("a", "chat"), ("b", "code")):
         obs.on_request_start(GenerationRequest(request_id=rid, prompt_ids=[1], params=SamplingParams(),
