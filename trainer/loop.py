@@ -312,8 +312,8 @@ class TrainerLoop:
                 self.run_round()
             self.stats.round_errors = self.health.errors
             n += 1
-        if self.ops is not None:
-            self.ops.flush()  # the worker may be killed right after: nothing logged is lost
+        if self.ops is not None:  # the worker may be killed right after: nothing logged is lost
+            self.ops.close() if stop and stop() else self.ops.flush()  # stopped: the run ends FINISHED
         return self.stats
 
     # -- gate and promotion -----------------------------------------------------------------

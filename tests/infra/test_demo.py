@@ -121,6 +121,7 @@ def _assert_operators_view(uri, fingerprint, timeout_s: float = 20.0):
     assert {"tokens_per_verify", "k_mean", "spec_off_fraction", "event.drafter_change"} <= set(serving.metrics)
     assert any(k.startswith("tokens_per_verify.") for k in serving.metrics)  # per domain
     assert int(serving.metrics["event.drafter_change"]) >= 2  # day 0, then the promoted version
+    assert runs["serving"].info.status == runs["trainer"].info.status == "FINISHED"  # both closed at stop
     trainer = runs["trainer"].data
     assert {"heldout_expected_acceptance", "event.gate", "gate_promote"} <= set(trainer.metrics)
     assert "reason" in trainer.tags["last_gate"]
