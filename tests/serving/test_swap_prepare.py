@@ -207,7 +207,15 @@ class FeatureRecorder:
 def test_prepared_features_and_caught_up_features_cover_the_history(ids_target, drafters):
     layers = (1, -1)
     model = ids_target.model
-    old = drafters.Recording(version="old", feature_layers=layers)  # rows keep these features
+    class SlowRecording(drafters.Recording):
+        """10 ms a step: the request is still running when the swap installs, even on a loaded
+        machine (else it may finish first and the test's premise fails, not the engine)."""
+
+        def propose(self, views, k):
+            time.sleep(0.01)
+            return super().propose(views, k)
+
+    old = SlowRecording(version="old", feature_layers=layers)  # rows keep these features
     new = FeatureRecorder(drafters.Recording(version="new", feature_layers=layers), layers)
     engine = TorchEngine(ids_target, old, EngineConfig(k=2))
     prompt = LONG[1]
