@@ -67,7 +67,7 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
                               max_tokens: int = 64, k: int = 4, concurrency: int = 4,
                               repeats: int = 3, features: bool = False,
                               dtype: str = "bfloat16") -> dict:
-    from feedback.kafka_sink import KafkaTraceSink
+    from feedback.bus.kafka_sink import KafkaTraceSink
     from infra.stack import Stack
     from serving.target import load_target, tiny_target
 

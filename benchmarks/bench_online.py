@@ -87,8 +87,8 @@ def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
     import tempfile
     from pathlib import Path
 
-    from feedback.artifact import save_drafter
-    from feedback.drafter_models import StandaloneConfig
+    from feedback.drafters.models import StandaloneConfig
+    from feedback.registry.artifact import save_drafter
     from infra.loop import (
         FrozenDrafter,
         learned_kind,

@@ -127,8 +127,8 @@ def _tiny_target():
 
 
 def _register_versions(target, tmp: Path, registry, tenant: str) -> list[str]:
-    from feedback.artifact import save_drafter
-    from feedback.drafter_models import StandaloneConfig, standalone_from_target
+    from feedback.drafters.models import StandaloneConfig, standalone_from_target
+    from feedback.registry.artifact import save_drafter
 
     vocab = int(target.model.get_output_embeddings().weight.shape[0])
     versions = []
@@ -153,7 +153,7 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
 
     import torch
 
-    from feedback.registry import DrafterRegistry
+    from feedback.registry.drafter_registry import DrafterRegistry
     from serving.drafters.factory import build_drafter
     from serving.engine.base import GenerationRequest, SamplingParams
     from serving.engine.config import EngineConfig

@@ -16,9 +16,9 @@ from pathlib import Path
 import typer
 
 from benchmarks.runner import median_ms
-from feedback import codec
-from feedback.sink import InProcessTraceSink
-from feedback.trace import TraceRecord
+from feedback.bus import codec
+from feedback.bus.sink import InProcessTraceSink
+from feedback.bus.trace import TraceRecord
 
 
 def generate_traces(
@@ -182,7 +182,7 @@ def run(args) -> dict:
 
     import torch
 
-    from feedback.drafter_models import (
+    from feedback.drafters.models import (
         day0_draft_vocab,
         default_feature_layers,
         eagle_from_target,
@@ -218,7 +218,7 @@ def run(args) -> dict:
         student = EagleStudent(eagle_from_target(target.model, feature_layers=layers, draft_vocab=dv),
                                depth=args.depth, max_len=args.max_len)
     elif args.student == "selfspec":
-        from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
+        from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
         from trainer.students import SelfSpecStudent
 
         dv = day0_draft_vocab(vocab, args.draft_vocab, special_token_ids(target.tokenizer, target.model.config),

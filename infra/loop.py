@@ -52,7 +52,7 @@ class LoopConfig:
     day0_init: str = "target-layers"
     """Day-0 learned drafter and student: "target-layers" (a standalone LM copying the target's first
     layers), "random", or "selfspec" (the target's own first layers + a trained adapter + its
-    lm_head; feedback/drafters_from_target.py)."""
+    lm_head; feedback/drafters/from_target.py)."""
     selfspec_exit_layer: int = 2
     """selfspec: target layers shared before the adapter."""
     selfspec_adapter_layers: int = 1
@@ -124,8 +124,8 @@ def make_selfspec_student(target, draft_vocab_size: int | None = None, exit_laye
                           adapter_layers: int = 1):
     """The trainer's selfspec student: serving's day-0 selfspec drafter (the target's first
     ``exit_layer`` layers shared, adapter = a copy of the next layer), same draft vocabulary."""
-    from feedback.drafter_models import day0_draft_vocab, special_token_ids
-    from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
+    from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
+    from feedback.drafters.models import day0_draft_vocab, special_token_ids
     from trainer.students import SelfSpecStudent
 
     vocab = None
@@ -141,7 +141,7 @@ def make_student(target, draft_vocab_size: int | None = None, init: str = "targe
     """The trainer's student: serving's day-0 standalone drafter (the target's embeddings, first two
     layers, norm and lm_head), read at the same draft vocabulary serving uses; embeddings copied
     from the target stay frozen, random ones train."""
-    from feedback.drafter_models import day0_draft_vocab, special_token_ids, standalone_from_target
+    from feedback.drafters.models import day0_draft_vocab, special_token_ids, standalone_from_target
     from trainer.students import StandaloneStudent
 
     model = standalone_from_target(target.model, init=init).float()
@@ -207,16 +207,16 @@ class TrainerWiring:
     rounds_per_gate: int
     batch_traces: int
     ops_log: bool = True
-    """Log each round and gate decision to the trainer's MLflow ops run (feedback/ops_log.py)."""
+    """Log each round and gate decision to the trainer's MLflow ops run (feedback/ops/ops_log.py)."""
 
 
 def build_trainer_loop(w: TrainerWiring, student):
     """The demo's TrainerLoop, built inside the trainer's worker: Kafka source (poll times kept for
     freshness), MLflow registry, Redis announcer, and a gate charging the measured costs."""
-    from feedback.control import ControlPlane
-    from feedback.kafka_source import KafkaTraceSource
-    from feedback.ops_log import open_run
-    from feedback.registry import DrafterRegistry
+    from feedback.bus.kafka_source import KafkaTraceSource
+    from feedback.control.plane import ControlPlane
+    from feedback.ops.ops_log import open_run
+    from feedback.registry.drafter_registry import DrafterRegistry
     from trainer.control import RedisAnnouncer
     from trainer.distill import DistillConfig
     from trainer.export import artifact_exporter
@@ -314,12 +314,12 @@ class OnlineLoop:
 
         observers: list = [SpecMetrics(self.metrics)]
         if self.cfg.train:
-            from feedback.kafka_sink import KafkaTraceSink
+            from feedback.bus.kafka_sink import KafkaTraceSink
 
             self.sink = KafkaTraceSink(bootstrap_servers=self.stack.bootstrap_servers, topic=self.topic)
             observers.append(TraceRecorder(self.sink, self.target.fingerprint))
         if self.stack is not None and self.cfg.ops_log:
-            from feedback.ops_log import open_run
+            from feedback.ops.ops_log import open_run
             from serving.ops_observer import LiveOpsObserver
 
             self.ops = open_run(self.stack.mlflow_uri, self.target.fingerprint, "serving", self.tenant,
@@ -338,12 +338,12 @@ class OnlineLoop:
         return TorchEngine(self.target, drafter, config=config, observers=observers, policy=policy)
 
     def _control(self):
-        from feedback.control import ControlPlane
+        from feedback.control.plane import ControlPlane
 
         return ControlPlane(url=self.stack.redis_url, namespace=self.control_namespace)
 
     def _build_swapper(self):
-        from feedback.registry import DrafterRegistry
+        from feedback.registry.drafter_registry import DrafterRegistry
         from serving.swap import ArtifactDrafterLoader, LiveAcceptance, SwapConfig, Swapper
 
         live = LiveAcceptance(registry=self.metrics)
@@ -362,7 +362,7 @@ class OnlineLoop:
             return  # nothing to train: the suffix index learns in the engine
         import functools
 
-        from feedback.drafter_models import StandaloneConfig
+        from feedback.drafters.models import StandaloneConfig
         from trainer.actor import RemoteTrainer
 
         c = self.cfg

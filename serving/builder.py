@@ -16,7 +16,7 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
-from feedback.sink import InProcessTraceSink, TraceSink
+from feedback.bus.sink import InProcessTraceSink, TraceSink
 from serving.config import ServingSettings
 from serving.target import Target
 
@@ -69,7 +69,7 @@ def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str):
     Redis when ``redis_url`` is set, for the trainer."""
     if not (settings.mlflow_tracking_uri and settings.ops_log):
         return None
-    from feedback.ops_log import open_run
+    from feedback.ops.ops_log import open_run
     from serving.ops_observer import DriftPublisher, LiveOpsObserver
 
     run = open_run(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant, replica_id)
@@ -77,7 +77,7 @@ def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str):
         return None
     on_drift = None
     if settings.redis_url:
-        from feedback.control import ControlPlane, ControlSettings
+        from feedback.control.plane import ControlPlane, ControlSettings
 
         on_drift = DriftPublisher(ControlPlane(ControlSettings(url=settings.redis_url)), settings.tenant, replica_id)
     return LiveOpsObserver(run, every_s=settings.ops_every_s, on_drift=on_drift)
@@ -89,7 +89,7 @@ def build_trace_sink(settings: ServingSettings) -> TraceSink | None:
         return None
     if settings.trace_sink == "memory":
         return InProcessTraceSink()
-    from feedback.kafka_sink import KafkaTraceSink
+    from feedback.bus.kafka_sink import KafkaTraceSink
 
     return KafkaTraceSink(
         bootstrap_servers=settings.kafka_bootstrap_servers, topic=settings.kafka_topic
@@ -245,11 +245,11 @@ def build_swapper(settings: ServingSettings, engine, *, target: Target | None = 
 
     control = drafters = None
     if settings.redis_url:
-        from feedback.control import ControlPlane, ControlSettings
+        from feedback.control.plane import ControlPlane, ControlSettings
 
         control = ControlPlane(ControlSettings(url=settings.redis_url))
     if settings.mlflow_tracking_uri:
-        from feedback.registry import DrafterRegistry
+        from feedback.registry.drafter_registry import DrafterRegistry
 
         drafters = DrafterRegistry(settings.mlflow_tracking_uri)
     live = LiveAcceptance(registry=registry)

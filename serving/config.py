@@ -62,7 +62,7 @@ class ServingSettings(EngineChoice):
         None,
         description="Drafter artifact directory (safetensors + config); None = day-0 init. "
         "engine=sglang: required, the day-0 draft in SGLang's layout (an EAGLE3 head exported with "
-        "feedback/eagle3_export.py, or a small Hugging Face LM on the target's vocabulary).",
+        "feedback/registry/eagle3_export.py, or a small Hugging Face LM on the target's vocabulary).",
     )
     k: int = Field(4, ge=0, le=32, description="Maximum drafted tokens per verify step (0 = off).")
     adaptive_k: bool = Field(

@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 import time
 
-from feedback.control import ControlPlane, LoadHeartbeat
-from feedback.supervise import SupervisedThread
+from feedback.background.supervise import SupervisedThread
+from feedback.control.plane import ControlPlane, LoadHeartbeat
 from serving.observers import BaseObserver
 
 

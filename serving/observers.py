@@ -16,9 +16,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from feedback.fingerprint import TargetFingerprint
-from feedback.sink import TraceSink
-from feedback.trace import StepArrays, TraceRecord
+from feedback.bus.sink import TraceSink
+from feedback.bus.trace import StepArrays, TraceRecord
+from feedback.target.fingerprint import TargetFingerprint
 from serving.engine.base import GenerationRequest, SpecStats, VerifyBatch
 
 log = logging.getLogger(__name__)

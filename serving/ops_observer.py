@@ -1,7 +1,7 @@
 """LiveOpsObserver: what serving did, per domain and over time, into the replica's MLflow ops run.
 
 Fed by the engine on its step thread (counts only: O(rows) per step); every ``every_s`` seconds it
-queues one batch of metrics on the OpsRun (feedback/ops_log.py), whose own thread sends them:
+queues one batch of metrics on the OpsRun (feedback/ops/ops_log.py), whose own thread sends them:
 
     acceptance.<domain>          accepted / drafted tokens since the last flush
     tokens_per_verify.<domain>   tokens emitted per row-step (1.0 = plain decoding)
@@ -10,7 +10,7 @@ queues one batch of metrics on the OpsRun (feedback/ops_log.py), whose own threa
     est_speedup                  tokens per verify x plain step ms / step ms, where plain step ms is
                                  the running average of steps that drafted nothing (probes and
                                  k = 0 steps); absent until one was seen
-    drift.<domain>               1 at a drift (feedback/drift.py), also an ``event.drift``
+    drift.<domain>               1 at a drift (feedback/ops/drift.py), also an ``event.drift``
 plus events for drafter changes (swaps, rollbacks: ``event.drafter_change`` with kind/version).
 Requests with ``train: false`` are counted like any other (no content reaches MLflow).
 """
@@ -23,7 +23,7 @@ from collections import defaultdict
 
 from prometheus_client import Counter
 
-from feedback.drift import DriftDetector
+from feedback.ops.drift import DriftDetector
 from serving.observers import BaseObserver
 
 DRIFTS = Counter("specloop_acceptance_drift", "Acceptance drifts detected, by domain.", ["domain"])
@@ -125,7 +125,7 @@ class DriftPublisher:
         self.published = 0
 
     def __call__(self, ev) -> None:
-        from feedback.control import DriftAnnouncement
+        from feedback.control.plane import DriftAnnouncement
 
         msg = DriftAnnouncement(tenant=self.tenant, domain=ev.domain, before=round(ev.before, 4),
                                 now=round(ev.now, 4), replica_id=self.replica_id)

@@ -2,7 +2,7 @@
 
 The ``Swapper`` learns of new drafter versions from the Redis control plane (announcements) with
 the MLflow ``champion`` alias polled as a fallback, downloads and validates the artifact (target
-fingerprint, checksum, shapes, finite weights: ``feedback.artifact.load_drafter``), and installs it
+fingerprint, checksum, shapes, finite weights: ``feedback.registry.artifact.load_drafter``), and installs it
 with ``Engine.swap_drafter`` (between decode steps; in-flight requests keep going). It only needs the
 Engine protocol and the StepObserver stream: ``LiveAcceptance`` (an observer the engine must be
 given) tracks each version's live acceptance.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from feedback.supervise import SupervisedThread
+from feedback.background.supervise import SupervisedThread
 from serving.engine.base import VerifyBatch
 from serving.observers import BaseObserver
 
@@ -224,7 +224,7 @@ class ArtifactDrafterLoader:
         self.target, self.kind, self.options = target, kind, dict(options or {})
 
     def load(self, artifact_dir: Path, current=None):
-        from feedback.artifact import read_meta
+        from feedback.registry.artifact import read_meta
         from serving.drafters.factory import build_drafter
 
         meta = read_meta(artifact_dir)  # DrafterArtifactError when absent or malformed
@@ -258,8 +258,8 @@ class _Installed:
 
 class Swapper:
     """See the module docstring. ``engine``: any Engine; ``live``: the LiveAcceptance observer the
-    engine reports to; ``registry``: feedback.registry.DrafterRegistry or None; ``control``:
-    feedback.control.ControlPlane or None; ``version``: the registry version of the drafter the
+    engine reports to; ``registry``: feedback.registry.drafter_registry.DrafterRegistry or None; ``control``:
+    feedback.control.plane.ControlPlane or None; ``version``: the registry version of the drafter the
     engine starts with (default: its own ``version`` attribute, e.g. "day0")."""
 
     def __init__(
@@ -375,7 +375,7 @@ class Swapper:
     def rollback(self, *, reason: str = "admin", live: float | None = None,
                  floor: float | None = None, from_version: str | None = None) -> dict:
         """Reinstall the previous drafter, move the alias back and announce it."""
-        from feedback.control import RollbackAnnouncement
+        from feedback.control.plane import RollbackAnnouncement
 
         with self._op_lock:
             bad, prev = self._current, self._previous
@@ -431,7 +431,7 @@ class Swapper:
     def _load_from(self, version: str, tmp: str):
         from mlflow.exceptions import MlflowException
 
-        from feedback.artifact import DrafterArtifactError
+        from feedback.registry.artifact import DrafterArtifactError
 
         try:
             path, _ = self.registry.download(self.config.tenant, version, tmp)

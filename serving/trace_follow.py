@@ -15,7 +15,7 @@ import threading
 
 from prometheus_client import Counter
 
-from feedback.supervise import SupervisedThread
+from feedback.background.supervise import SupervisedThread
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import uuid
 
 import numpy as np
 
-from feedback.fingerprint import TargetFingerprint
-from feedback.trace import DrafterKind, StepArrays, TraceRecord
+from feedback.bus.trace import DrafterKind, StepArrays, TraceRecord
+from feedback.target.fingerprint import TargetFingerprint
 
 TEST_TARGET = TargetFingerprint(model_id="test-target", tokenizer_hash="0" * 16, vocab_size=49_152)
 

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 
-from feedback.priority import lower_thread_priority
+from feedback.background.priority import lower_thread_priority
 from trainer.config import TrainerSettings
 from trainer.loop import LoopStats
 
@@ -29,16 +29,16 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
 
     s = settings
     if source is None:
-        from feedback.kafka_source import KafkaTraceSource  # written by the feedback-bus issue
+        from feedback.bus.kafka_source import KafkaTraceSource  # written by the feedback-bus issue
 
         source = KafkaTraceSource(bootstrap_servers=s.bootstrap_servers, topic=s.topic, group_id=s.group_id)
     registry = kw.pop("registry", None)
     if registry is None and s.tracking_uri:
-        from feedback.registry import DrafterRegistry
+        from feedback.registry.drafter_registry import DrafterRegistry
 
         registry = DrafterRegistry(s.tracking_uri)
     if s.redis_url and ("saturated" not in kw or "announcer" not in kw):
-        from feedback.control import ControlPlane
+        from feedback.control.plane import ControlPlane
         from trainer.control import RedisAnnouncer, ServingLoad
 
         control = ControlPlane(url=s.redis_url)
@@ -47,7 +47,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         kw.setdefault("deletions", control)  # tenant data deletion requests (the admin route)
         kw.setdefault("rollbacks_from", control)  # serving's rollbacks: the champion follows them
     if "ops" not in kw and s.ops_log and s.tracking_uri:
-        from feedback.ops_log import open_run
+        from feedback.ops.ops_log import open_run
 
         kw["ops"] = open_run(s.tracking_uri, fingerprint, "trainer", s.tenant, s.group_id)
     return TrainerLoop(

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from feedback import codec
+from feedback.bus import codec
 from trainer.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)

@@ -14,13 +14,13 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
     weights travel through the object store (on a cluster the path must exist on the worker)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from feedback.drafter_models import (
+    from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
+    from feedback.drafters.models import (
         day0_draft_vocab,
         eagle_from_target,
         special_token_ids,
         standalone_from_target,
     )
-    from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
     from trainer.eagle_student import EagleStudent
     from trainer.students import SelfSpecStudent, StandaloneStudent
 
@@ -64,8 +64,8 @@ def train(
 
     from transformers import AutoConfig
 
-    from feedback.drafter_models import StandaloneConfig
-    from feedback.target_model import model_fingerprint
+    from feedback.drafters.models import StandaloneConfig
+    from feedback.target.location import model_fingerprint
     from trainer.actor import start_actor
     from trainer.export import artifact_exporter
 
@@ -75,7 +75,7 @@ def train(
     config = AutoConfig.from_pretrained(model)
     export_cfg = StandaloneConfig.for_target(config) if settings.drafter == "standalone" else None
     if settings.drafter == "selfspec":
-        from feedback.drafters_from_target import SelfSpecConfig
+        from feedback.drafters.from_target import SelfSpecConfig
 
         export_cfg = SelfSpecConfig.for_target(config, settings.exit_layer, settings.adapter_layers,
                                                draft_vocab_size=settings.draft_vocab_size)
@@ -102,8 +102,8 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from feedback.artifact import save_drafter
-    from feedback.target_model import model_fingerprint
+    from feedback.registry.artifact import save_drafter
+    from feedback.target.location import model_fingerprint
     from trainer.config import TrainerSettings
     from trainer.distill import DistillConfig
     from trainer.offline import generate_traces, read_prompts, train_offline
@@ -127,7 +127,7 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
     fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=cfg)
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
     if config is None:
-        from feedback.drafter_models import StandaloneConfig
+        from feedback.drafters.models import StandaloneConfig
 
         config = StandaloneConfig.for_target(student.model.config)
     version = f"static-{int(time.time())}"
@@ -136,7 +136,7 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
               "generation_s": gen_s, **fit}
     if {"SPECLOOP_TRAINER_TRACKING_URI", "SPECLOOP_MLFLOW_TRACKING_URI"} & set(os.environ):
-        from feedback.registry import DrafterRegistry
+        from feedback.registry.drafter_registry import DrafterRegistry
 
         reg = DrafterRegistry(settings.tracking_uri)
         run_id = reg.log_candidate(fp, out, params={"offline_prompts": str(prompts), "drafter": settings.drafter},

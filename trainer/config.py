@@ -75,7 +75,7 @@ class TrainerSettings(BaseSettings):
         "serving installs); eagle/standalone -> that learned kind, gated alone.")
 
     ops_log: bool = Field(True, description="Log each round, gate decision, drift, pause and promotion to "
-                          "the trainer's MLflow ops run (feedback/ops_log.py).")
+                          "the trainer's MLflow ops run (feedback/ops/ops_log.py).")
 
     dev_mode: bool = Field(
         False, validation_alias=AliasChoices(ep.DEV_MODE, "dev_mode"),

@@ -1,4 +1,4 @@
-"""The trainer's side of the Redis control plane (feedback/control.py): it trains only on spare
+"""The trainer's side of the Redis control plane (feedback/control/plane.py): it trains only on spare
 serving capacity, and announces promotions.
 
 ``ServingLoad`` is the loop's ``saturated()``: true while any live replica's heartbeat reports more
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from feedback.control import ControlPlane, SwapAnnouncement
+from feedback.control.plane import ControlPlane, SwapAnnouncement
 
 
 class ServingLoad:

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from feedback.trace import TraceRecord
+from feedback.bus.trace import TraceRecord
 from trainer.examples import build_examples
 from trainer.gate import GateConfig, score
 from trainer.replay import ReplayBuffer

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from feedback.trace import TraceRecord
+from feedback.bus.trace import TraceRecord
 
 
 @dataclass

@@ -1,17 +1,17 @@
-"""Student -> drafter artifact directory (feedback/artifact.py format), for the registry."""
+"""Student -> drafter artifact directory (feedback/registry/artifact.py format), for the registry."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from feedback.fingerprint import TargetFingerprint
+from feedback.target.fingerprint import TargetFingerprint
 
 
 def artifact_exporter(config=None, version_prefix: str = "cand"):
     """Exporter for TrainerLoop: writes ``student.model`` with its drafter ``config``
     (StandaloneConfig, or None for an EagleHead, which carries its own) via
-    ``feedback.artifact.save_drafter``."""
-    from feedback.artifact import save_drafter
+    ``feedback.registry.artifact.save_drafter``."""
+    from feedback.registry.artifact import save_drafter
 
     counter = {"n": 0}
 

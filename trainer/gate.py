@@ -10,7 +10,7 @@ Two measures, both must beat the champion by a margin:
   beats plain decoding), count tokens per target forward, and charge each step with serving's
   cost model in target-step units (verify cost growing linearly with the drafted length up to the
   measured k+1-token verify, plus the learned drafter's per-token cost).
-The suffix proposals and their confidences are serving's own (feedback/suffix_draft.py, the core
+The suffix proposals and their confidences are serving's own (feedback/suffix/draft.py, the core
 of serving's SuffixDrafter): per-tenant indexes fed with the training traces as serving feeds
 them, prompt lookup in each held-out request, the same match, confidences and cut-off.
 The simulation assumes greedy verification against the recorded tokens (exact for temperature-0
@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from feedback.bus.trace import TraceRecord
 from feedback.goodput import CostModel, best_k, expected_tokens
-from feedback.suffix_draft import SuffixConfig, SuffixProposer
-from feedback.trace import TraceRecord
+from feedback.suffix.draft import SuffixConfig, SuffixProposer
 
 
 @dataclass

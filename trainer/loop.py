@@ -22,8 +22,8 @@ from typing import Protocol
 
 import torch
 
-from feedback.fingerprint import TargetFingerprint
-from feedback.supervise import LOOPS
+from feedback.background.supervise import LOOPS
+from feedback.target.fingerprint import TargetFingerprint
 from trainer import checkpoint
 from trainer.distill import DistillConfig, Distiller
 from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge
@@ -37,7 +37,7 @@ class Announcer(Protocol):
 
 
 Exporter = Callable[[object, Path, TargetFingerprint], None]
-"""(student, out_dir, fingerprint) -> writes a drafter artifact directory (feedback/artifact.py)."""
+"""(student, out_dir, fingerprint) -> writes a drafter artifact directory (feedback/registry/artifact.py)."""
 
 
 @dataclass
@@ -98,7 +98,7 @@ class TrainerLoop:
         rollbacks_from=None,
     ):
         """``deletions``: data deletion requests (``pending_deletions(tenant) -> [tenant]``,
-        ``complete_deletion(tenant)``): feedback.control.ControlPlane; None = ``delete_tenant`` only."""
+        ``complete_deletion(tenant)``): feedback.control.plane.ControlPlane; None = ``delete_tenant`` only."""
         self.source = source
         self.fingerprint = fingerprint
         self.cfg = loop or LoopConfig()
@@ -111,7 +111,7 @@ class TrainerLoop:
         self.saturated = saturated or (lambda: False)
         self.deletions = deletions
         self.ops = ops
-        """The trainer's MLflow ops run (feedback/ops_log.py): each round's figures, each gate
+        """The trainer's MLflow ops run (feedback/ops/ops_log.py): each round's figures, each gate
         decision with its reason. None: not logged."""
         self.champion = None
         self.champion_version: str | None = None
@@ -128,7 +128,7 @@ class TrainerLoop:
         """``rollbacks_from``: a ControlPlane; its rollbacks and drifts reach ``on_announcement``."""
         self.stats = LoopStats()
         self.health = LOOPS.register("trainer-rounds")
-        """This loop's status: errors, up/down (feedback/supervise.py)."""
+        """This loop's status: errors, up/down (feedback/background/supervise.py)."""
         self._lineage_restored: dict[int, tuple[int, int]] = {}
         """Offsets consumed since the last registration, as checkpointed before a restart."""
         self.checkpoint_fault: Callable[[str], None] | None = None
@@ -374,7 +374,7 @@ class TrainerLoop:
         window = getattr(self.source, "lineage_window", None)
         if window is None:
             return None
-        from feedback.kafka_source import merge_windows
+        from feedback.bus.kafka_source import merge_windows
 
         return merge_windows(self._lineage_restored, window)
 
@@ -382,7 +382,7 @@ class TrainerLoop:
         window = self._lineage_window()
         if window is None:
             return {}
-        from feedback.kafka_source import format_window
+        from feedback.bus.kafka_source import format_window
 
         topic = getattr(getattr(self.source, "settings", None), "topic", self.cfg.lineage.get("topic", "traces"))
         return {"trace_offsets": format_window(topic, window),

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from feedback.fingerprint import TargetFingerprint
+from feedback.bus.trace import StepArrays, TraceRecord
 from feedback.jsonl import iter_jsonl
-from feedback.trace import StepArrays, TraceRecord
+from feedback.target.fingerprint import TargetFingerprint
 
 
 @dataclass

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from feedback.fingerprint import TargetFingerprint
-from feedback.trace import TraceRecord
+from feedback.bus.trace import TraceRecord
+from feedback.target.fingerprint import TargetFingerprint
 from trainer.examples import trace_key
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import time
 
-from feedback.trace import TraceRecord
+from feedback.bus.trace import TraceRecord
 
 
 class ListTraceSource:

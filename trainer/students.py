@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from feedback.trace import TraceRecord
+from feedback.bus.trace import TraceRecord
 from trainer.examples import SequenceExample, build_examples
 from trainer.packing import batch_tensors, pack_examples
 
@@ -196,14 +196,14 @@ class StandaloneStudent(Student):
 
 
 class SelfSpecStudent(StandaloneStudent):
-    """A self-speculative drafter assembled on the target (feedback/drafters_from_target.py): only
+    """A self-speculative drafter assembled on the target (feedback/drafters/from_target.py): only
     its adapter layers and norm train; the shared target layers, embeddings and lm_head are frozen
     (they are the target's own tensors), and the lm_head is read at the adapter's draft vocabulary."""
 
     kind = "selfspec"
 
     def __init__(self, model: torch.nn.Module, config, max_len: int = 512):
-        from feedback.drafters_from_target import shared_parameters
+        from feedback.drafters.from_target import shared_parameters
 
         super().__init__(model, max_len, head_vocab=getattr(model, "selfspec_draft_vocab", None),
                          train_embeddings=False)

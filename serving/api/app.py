@@ -36,7 +36,7 @@ def create_app(
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     reporter = None
     if settings.redis_url:  # serving's load heartbeats: the trainer trains on spare capacity
-        from feedback.control import ControlPlane, ControlSettings
+        from feedback.control.plane import ControlPlane, ControlSettings
         from serving.load_report import LoadReporter
 
         reporter = LoadReporter(engine, ControlPlane(ControlSettings(url=settings.redis_url)), replica,
@@ -44,7 +44,7 @@ def create_app(
 
     follower = None
     if settings.trace_sink == "kafka" and settings.follow_traces:  # replicas share what they learn
-        from feedback.kafka_source import KafkaTraceSource
+        from feedback.bus.kafka_source import KafkaTraceSource
         from serving.trace_follow import TraceFollower
 
         follower = TraceFollower(engine, lambda: KafkaTraceSource(

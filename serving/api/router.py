@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from feedback.supervise import LOOPS
+from feedback.background.supervise import LOOPS
 from serving.api.openai_serving import OpenAIServing
 from serving.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 

@@ -4,7 +4,7 @@ With ``api_keys`` configured (``SPECLOOP_API_KEYS='{"sk-...": "acme"}'``) every 
 ``Authorization: Bearer <key>`` (401 in OpenAI's shape without a known key); the request's tenant
 is its key's, and a body naming another tenant is refused (403). Without keys (local dev) the body's
 ``tenant`` is taken as given, ``default`` when absent. The tenant selects the per-tenant suffix
-index (feedback/suffix_index.py) and the tenant's traces; the learned drafter is per server (each
+index (feedback/suffix/index.py) and the tenant's traces; the learned drafter is per server (each
 server follows ``settings.tenant``'s registry versions).
 """
 

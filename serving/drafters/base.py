@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from feedback.drafter_models import EagleHead
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
+from feedback.drafters.models import EagleHead
 from serving.drafters.base import DraftRequestView
 from serving.drafters.learned import LearnedDrafter, RowState
 

@@ -27,7 +27,7 @@ def build_drafter(
       ``learned_options`` (dict, as above), ``suffix`` (an existing suffix drafter to keep its
       index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict).
 
-    With ``artifact_dir`` the learned model is loaded through feedback.artifact.load_drafter, which
+    With ``artifact_dir`` the learned model is loaded through feedback.registry.artifact.load_drafter, which
     refuses an artifact built for another target.
     """
     if kind == "suffix":
@@ -51,7 +51,7 @@ def _suffix(options: dict):
 
 
 def _load(target: Target, artifact_dir, kind: str):
-    from feedback.artifact import load_drafter
+    from feedback.registry.artifact import load_drafter
 
     model, meta = load_drafter(
         artifact_dir, expected_fingerprint=target.fingerprint, device=target.device
@@ -71,7 +71,7 @@ def _eagle(
     frequencies=None,
     seed: int = 0,
 ):
-    from feedback.drafter_models import (
+    from feedback.drafters.models import (
         DEFAULT_DRAFT_VOCAB_SIZE,
         day0_draft_vocab,
         eagle_from_target,
@@ -103,7 +103,7 @@ def _standalone(
     seed: int = 0,
     draft_vocab_size: int | None = None,
 ):
-    from feedback.drafter_models import day0_draft_vocab, special_token_ids, standalone_from_target
+    from feedback.drafters.models import day0_draft_vocab, special_token_ids, standalone_from_target
     from serving.drafters.standalone import StandaloneDrafter
 
     if artifact_dir is not None:
@@ -132,8 +132,8 @@ def _selfspec(
     adapter_init: str = "next",
     draft_vocab_size: int | None = 16384,
 ):
-    from feedback.drafter_models import day0_draft_vocab, special_token_ids
-    from feedback.drafters_from_target import assemble, selfspec_adapter_from_target
+    from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
+    from feedback.drafters.models import day0_draft_vocab, special_token_ids
     from serving.drafters.standalone import SelfSpecDrafter
 
     if artifact_dir is not None:
@@ -161,7 +161,7 @@ def _hybrid(
     suffix_options: dict | None = None,
     policy=None,
 ):
-    from feedback.artifact import read_meta
+    from feedback.registry.artifact import read_meta
     from serving.drafters.hybrid import HybridDrafter, HybridPolicy
 
     if learned is None:

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
+from feedback.bus.trace import DrafterKind
 from feedback.goodput import AcceptanceEstimate, CostModel, best_k, expected_tokens
-from feedback.trace import DrafterKind
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 from serving.drafters.base import DraftProposal, DraftRequestView
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from feedback.drafter_models import attend
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
+from feedback.drafters.models import attend
 from serving.drafters.base import DraftRequestView
 from serving.drafters.learned import LearnedDrafter
 
@@ -91,7 +91,7 @@ class StandaloneDrafter(LearnedDrafter):
 
 class SelfSpecDrafter(StandaloneDrafter):
     """The target's first layers + a trained adapter + its norm and lm_head
-    (feedback/drafters_from_target.py): drafted like a standalone LM whose shared layers are the
+    (feedback/drafters/from_target.py): drafted like a standalone LM whose shared layers are the
     target's own modules, reading the lm_head only at the adapter's draft vocabulary."""
 
     kind = "selfspec"

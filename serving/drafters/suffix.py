@@ -1,12 +1,12 @@
 """The model-free suffix drafter (SuffixDecoding / prompt lookup): the day-0 baseline.
 
-Two sources of speculation, each a suffix automaton (feedback/suffix_index.py):
+Two sources of speculation, each a suffix automaton (feedback/suffix/index.py):
 
 - the request's own context (prompt + output so far): repeats of the prompt, loops in the output;
 - a per-tenant index of recent finished outputs, fed by ``remove_request`` on this replica and by
   ``observe`` for outputs other replicas served (a consumer of the trace topic calls it).
 
-How a draft and its per-token confidences are chosen lives in feedback/suffix_draft.py
+How a draft and its per-token confidences are chosen lives in feedback/suffix/draft.py
 (``SuffixProposer``), torch-free, so that the trainer's gate simulates exactly these proposals;
 this module is the Drafter-protocol adapter around it: per-request state kept in step with the
 engine's views, a lock against trace-consumer threads, and the batched tensors. Drafts are point
@@ -23,9 +23,9 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from feedback.suffix_draft import CountPrior, Draft, SuffixConfig, SuffixProposer, SuffixRequest
-from feedback.suffix_index import SuffixIndex
-from feedback.trace import DrafterKind, TraceRecord
+from feedback.bus.trace import DrafterKind, TraceRecord
+from feedback.suffix.draft import CountPrior, Draft, SuffixConfig, SuffixProposer, SuffixRequest
+from feedback.suffix.index import SuffixIndex
 from serving.drafters.base import DraftProposal, DraftRequestView
 
 __all__ = ["CountPrior", "Draft", "SuffixConfig", "SuffixDrafter"]

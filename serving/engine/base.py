@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from pydantic import BaseModel, Field
 
-from feedback.fingerprint import TargetFingerprint
+from feedback.target.fingerprint import TargetFingerprint
 
 
 class SamplingParams(BaseModel):
@@ -77,7 +77,7 @@ class GenerationChunk:
 @dataclass
 class VerifyBatch:
     """One verify step over a batch, already on the CPU (numpy). Engines emit it; observers
-    (trace recorder, metrics, live acceptance) consume it. Shapes as in feedback/trace.py, with
+    (trace recorder, metrics, live acceptance) consume it. Shapes as in feedback/bus/trace.py, with
     B = rows in this step. ``draft_ids``/``draft_probs`` hold ``num_drafted`` valid entries per row."""
 
     request_ids: list[str]

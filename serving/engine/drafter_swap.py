@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from feedback.priority import lower_thread_priority
+from feedback.background.priority import lower_thread_priority
 from serving.drafters.base import Drafter, DraftRequestView
 from serving.engine.rows import Row
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 from serving.drafters.base import DraftProposal
 
 

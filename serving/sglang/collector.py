@@ -14,7 +14,7 @@ from multiprocessing.connection import Client, Listener
 
 import numpy as np
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 from serving.engine.base import VerifyBatch
 from serving.sglang.exporter import ENV_ADDRESS, ENV_AUTHKEY, StepMessage
 

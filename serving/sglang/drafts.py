@@ -3,7 +3,7 @@
 SGLang owns the draft model; specloop only replaces its weights (draft-only weight session, see
 draft_weights.py). So a "drafter" here is a set of named tensors under SGLang's names, read either
 from an SGLang-layout directory (the day-0 draft the engine starts with, kept so that a rollback can
-reinstall it) or converted from a trainer artifact (``feedback.artifact``: validated against the
+reinstall it) or converted from a trainer artifact (``feedback.registry.artifact``: validated against the
 target fingerprint, checksums, shapes and finite weights before anything reaches the GPU).
 
 ``SGLangDraftLoader`` has the interface of serving.swap.ArtifactDrafterLoader (``load(dir,
@@ -39,7 +39,7 @@ class SGLangDraft:
 def artifact_tensors(model, kind: str) -> NamedTensors:
     """A validated artifact model's tensors under SGLang's names."""
     if kind == "eagle":
-        from feedback.eagle3_export import eagle3_state
+        from feedback.registry.eagle3_export import eagle3_state
 
         return sorted(eagle3_state(model).items())  # EagleHead names are EAGLE3's already
     # standalone: a transformers LlamaForCausalLM, whose names SGLang's Llama loader reads
@@ -67,7 +67,7 @@ class SGLangDraftLoader:
         self.engine = engine
 
     def load(self, artifact_dir: Path, current=None) -> SGLangDraft:
-        from feedback.artifact import load_drafter
+        from feedback.registry.artifact import load_drafter
 
         fingerprint = self.engine.fingerprint
         if fingerprint is None:

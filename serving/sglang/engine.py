@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from feedback.fingerprint import TargetFingerprint
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
+from feedback.target.fingerprint import TargetFingerprint
 from serving.engine.base import (
     GenerationChunk,
     GenerationRequest,
@@ -293,7 +293,7 @@ class SGLangEngine:
             return
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from feedback.fingerprint import fingerprint_for
+        from feedback.target.fingerprint import fingerprint_for
 
         path = self.config.model_path
         hf_config = AutoConfig.from_pretrained(path)

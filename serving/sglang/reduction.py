@@ -5,7 +5,7 @@ the last committed token; every other node is a drafted token. For each request 
 one chain of depth D (= speculative_num_steps): the accepted path, continued past the first
 rejection along first children (the top draft branch, the "discarded" positions the target
 scored anyway). Row j of the target top-k is the target's distribution after path node j, i.e.
-for output position ``root + 1 + j`` given the path so far -- the layout of feedback/trace.py.
+for output position ``root + 1 + j`` given the path so far -- the layout of feedback/bus/trace.py.
 
 Everything here is a pure function of tensors (CPU tensors work too); the plugin adds the
 sampling, the single host copy and the export.

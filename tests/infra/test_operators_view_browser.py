@@ -35,14 +35,14 @@ def _render(url: str) -> str:
 def test_mlflow_ui_shows_live_figures_and_the_drifting_domain(mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    from feedback.fingerprint import TargetFingerprint
-    from feedback.ops_log import open_run
+    from feedback.ops.ops_log import open_run
+    from feedback.target.fingerprint import TargetFingerprint
     from serving.engine.base import GenerationRequest, SamplingParams
     from serving.ops_observer import LiveOpsObserver
 
     fp = TargetFingerprint(model_id="browser-check", tokenizer_hash="t0", vocab_size=64)
     run = open_run(mlflow_server.url, fp, "serving", "acme", "r1", flush_s=0.1)
-    from feedback.drift import DriftDetector
+    from feedback.ops.drift import DriftDetector
 
     fast = DriftDetector(fast_steps=4, slow_steps=64, min_steps=8, persist_steps=3, cooldown_steps=0)
     obs = LiveOpsObserver(run, every_s=0.0, drift=fast)  # a drift within 80 steps, not thousands

@@ -80,7 +80,7 @@ def _trainer_runs(mlflow_uri: str, model_dir) -> list:
     """The trainer's MLflow ops runs, newest first (one per start of the trainer)."""
     from mlflow.tracking import MlflowClient
 
-    from feedback.target_model import model_fingerprint
+    from feedback.target.location import model_fingerprint
 
     client = MlflowClient(tracking_uri=mlflow_uri)
     exp = client.get_experiment_by_name(f"specloop/{model_fingerprint(str(model_dir))[1].key()}")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 from serving.drafters.base import DraftProposal, DraftRequestView
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.target import Target, tiny_target

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from feedback.sink import InProcessTraceSink
+from feedback.bus.sink import InProcessTraceSink
 from serving.api.app import create_app
 from serving.builder import build_engine
 from serving.config import ServingSettings

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 from prometheus_client import CollectorRegistry
 
-from feedback.supervise import LoopRegistry
+from feedback.background.supervise import LoopRegistry
 from serving.api.app import create_app
 from serving.builder import build_engine
 from serving.config import ServingSettings

@@ -5,14 +5,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from feedback.artifact import DrafterArtifactError, save_drafter
-from feedback.drafter_models import (
+from feedback.bus.trace import DrafterKind
+from feedback.drafters.models import (
     StandaloneConfig,
     eagle_from_target,
     gather_features,
     standalone_from_target,
 )
-from feedback.trace import DrafterKind
+from feedback.registry.artifact import DrafterArtifactError, save_drafter
 from serving.drafters import build_drafter
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
 from serving.drafters.eagle import EagleDrafter

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from feedback.control import ControlPlane, ControlSettings
+from feedback.control.plane import ControlPlane, ControlSettings
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig
 from serving.engine.torch_engine import TorchEngine

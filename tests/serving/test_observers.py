@@ -9,8 +9,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from feedback import codec
-from feedback.sink import InProcessTraceSink
+from feedback.bus import codec
+from feedback.bus.sink import InProcessTraceSink
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig
 from serving.engine.reference import target_greedy_reference

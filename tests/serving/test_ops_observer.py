@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from feedback.ops_log import open_run
+from feedback.ops.ops_log import open_run
 from serving.drafters.suffix import SuffixDrafter
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig
@@ -72,7 +72,7 @@ def test_specloop_serve_opens_its_replicas_ops_run(tmp_path):
     from fastapi.testclient import TestClient
     from prometheus_client import CollectorRegistry
 
-    from feedback.sink import InProcessTraceSink
+    from feedback.bus.sink import InProcessTraceSink
     from serving.api.app import create_app
     from serving.builder import build_engine
     from serving.config import ServingSettings

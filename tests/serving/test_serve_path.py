@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from feedback.artifact import save_drafter
-from feedback.drafter_models import StandaloneConfig, standalone_from_target
+from feedback.drafters.models import StandaloneConfig, standalone_from_target
+from feedback.registry.artifact import save_drafter
 from serving.builder import build_draft_loader, build_engine
 from serving.config import ServingSettings
 from serving.drafters.hybrid import HybridDrafter

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 from serving.drafters.base import Drafter, DraftRequestView
 from serving.drafters.suffix import SuffixConfig, SuffixDrafter
 
@@ -241,8 +241,8 @@ def test_incremental_state_agrees_with_a_rebuild():
 
 
 def _trace(request_id, tenant, prompt, output):
-    from feedback.fingerprint import TargetFingerprint
-    from feedback.trace import StepArrays, TraceRecord
+    from feedback.bus.trace import StepArrays, TraceRecord
+    from feedback.target.fingerprint import TargetFingerprint
 
     s = len(output)  # one verify step per token, nothing drafted
     steps = StepArrays(

@@ -15,11 +15,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from feedback.artifact import save_drafter
-from feedback.control import ControlPlane, ControlSettings, SwapAnnouncement
-from feedback.drafter_models import StandaloneConfig, standalone_from_target
-from feedback.fingerprint import TargetFingerprint
-from feedback.registry import DrafterRegistry
+from feedback.control.plane import ControlPlane, ControlSettings, SwapAnnouncement
+from feedback.drafters.models import StandaloneConfig, standalone_from_target
+from feedback.registry.artifact import save_drafter
+from feedback.registry.drafter_registry import DrafterRegistry
+from feedback.target.fingerprint import TargetFingerprint
 from serving.drafters.factory import build_drafter
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig

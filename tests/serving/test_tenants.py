@@ -12,8 +12,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from feedback.bus.sink import InProcessTraceSink
 from feedback.secrets import DefaultSecretError
-from feedback.sink import InProcessTraceSink
 from serving.api.app import create_app
 from serving.builder import build_engine
 from serving.config import ServingSettings

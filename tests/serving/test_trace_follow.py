@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from feedback.kafka_sink import KafkaTraceSink
-from feedback.kafka_source import KafkaTraceSource
+from feedback.bus.kafka_sink import KafkaTraceSink
+from feedback.bus.kafka_source import KafkaTraceSource
 from serving.drafters.suffix import SuffixDrafter
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 from serving.drafters.base import DraftProposal, DraftRequestView
 from serving.drafters.suffix import SuffixConfig, SuffixDrafter
 from serving.engine.base import GenerationRequest, SamplingParams
@@ -217,8 +217,8 @@ def test_tree_steps_are_traced_and_train(ids_target, refs, run):
     trainer's examples build from them."""
     from trace_samples import assert_same_trace
 
-    from feedback.codec import decode, encode
-    from feedback.sink import InProcessTraceSink
+    from feedback.bus.codec import decode, encode
+    from feedback.bus.sink import InProcessTraceSink
     from serving.observers import TraceRecorder
     from trainer.examples import build_examples
 

@@ -22,7 +22,7 @@ def _student():
 @pytest.mark.integration
 def test_redis_heartbeats_pause_training_and_promotions_are_announced(redis_server, redis_namespace, tmp_path,
                                                                         monkeypatch):
-    from feedback.control import ControlPlane, LoadHeartbeat, SwapAnnouncement
+    from feedback.control.plane import ControlPlane, LoadHeartbeat, SwapAnnouncement
     from trainer.actor import build_loop
     from trainer.sources import ListTraceSource
 
@@ -58,7 +58,7 @@ def _ids(loop) -> set[str]:
 @pytest.mark.integration
 def test_trainer_killed_mid_training_resumes_from_checkpoint_and_committed_offsets(kafka_broker, kafka_topic, tmp_path,
                                                                                     monkeypatch):
-    from feedback.kafka_sink import KafkaTraceSink
+    from feedback.bus.kafka_sink import KafkaTraceSink
     from trainer.actor import build_loop
 
     # short group timings (read by the KafkaTraceSource that build_loop makes): a restarted member

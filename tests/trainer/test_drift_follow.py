@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from trainer_tracegen import FP, make_trace, tiny_lm
 
-from feedback.control import ControlPlane, ControlSettings, DriftAnnouncement
-from feedback.drift import DriftEvent
+from feedback.control.plane import ControlPlane, ControlSettings, DriftAnnouncement
+from feedback.ops.drift import DriftEvent
 from trainer.distill import DistillConfig
 from trainer.gate import GateConfig
 from trainer.loop import LoopConfig, TrainerLoop
@@ -72,7 +72,7 @@ def test_drift_published_by_serving_reaches_the_trainer_over_redis(redis_server,
 
 def test_pause_and_resume_are_logged_once_each(tmp_path):
     """Operators see when training paused for serving's load and when it resumed (issue 15)."""
-    from feedback.ops_log import OpsRun
+    from feedback.ops.ops_log import OpsRun
 
     busy = {"now": False}
     ops = OpsRun(f"sqlite:///{tmp_path}/m.db", "specloop/x", "trainer-acme-g", flush_s=3600)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from trainer_tracegen import make_trace
 
-from feedback.suffix_draft import SuffixConfig
+from feedback.suffix.draft import SuffixConfig
 from serving.drafters.base import DraftRequestView
 from serving.drafters.suffix import SuffixDrafter
 from trainer.gate import GateConfig, build_suffix_index, simulate

@@ -33,7 +33,7 @@ def _produce(url, topic, records) -> dict[str, tuple[int, int]]:
     """request id -> (partition, offset) the broker acknowledged."""
     from kafka import KafkaProducer
 
-    from feedback.codec import encode
+    from feedback.bus.codec import encode
 
     producer = KafkaProducer(bootstrap_servers=[url], acks="all", enable_idempotence=False)
     futures = {r.request_id: producer.send(topic, value=encode(r), key=r.tenant.encode()) for r in records}
@@ -63,7 +63,7 @@ def _parse(param: str) -> dict[int, tuple[int, int]]:
 @pytest.mark.integration
 def test_each_version_records_the_offsets_of_the_traces_since_the_previous_one(kafka_broker, kafka_topic,
                                                                                tmp_path):
-    from feedback.kafka_source import KafkaTraceSource
+    from feedback.bus.kafka_source import KafkaTraceSource
 
     first_batch = [make_trace("a", seed=i) for i in range(30)]
     where = _produce(kafka_broker.url, kafka_topic, first_batch)

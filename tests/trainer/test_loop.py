@@ -69,7 +69,7 @@ class _Announcer:
 def test_loop_promotes_registers_and_announces(tmp_path):
     from safetensors.torch import load_file
 
-    from feedback.registry import DrafterRegistry
+    from feedback.registry.drafter_registry import DrafterRegistry
 
     reg = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
     ann = _Announcer()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from feedback.artifact import DrafterArtifactError, read_meta
+from feedback.registry.artifact import DrafterArtifactError, read_meta
 from serving.drafters import build_drafter
 from serving.target import tiny_target
 from trainer.examples import build_examples

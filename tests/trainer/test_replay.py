@@ -1,7 +1,7 @@
 import numpy as np
 from trainer_tracegen import make_trace
 
-from feedback.fingerprint import TargetFingerprint
+from feedback.target.fingerprint import TargetFingerprint
 from trainer.replay import ReplayBuffer, is_heldout
 
 

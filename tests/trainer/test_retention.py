@@ -9,7 +9,7 @@ import time
 import pytest
 from trainer_tracegen import FP, make_trace, tiny_lm
 
-from feedback import codec
+from feedback.bus import codec
 from trainer import checkpoint
 from trainer.distill import DistillConfig
 from trainer.gate import GateConfig
@@ -101,7 +101,7 @@ def test_a_tenant_deletion_request_empties_its_traces_everywhere(tmp_path):
 
 @pytest.mark.integration
 def test_control_plane_carries_deletion_requests(redis_server, redis_namespace):
-    from feedback.control import ControlPlane
+    from feedback.control.plane import ControlPlane
 
     control = ControlPlane(url=redis_server.url, namespace=redis_namespace)
     assert control.request_deletion("acme") and control.request_deletion("beta")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from trainer_tracegen import FP, make_trace, tiny_lm
 
-from feedback.control import ControlPlane, ControlSettings, RollbackAnnouncement
+from feedback.control.plane import ControlPlane, ControlSettings, RollbackAnnouncement
 from trainer.distill import DistillConfig
 from trainer.gate import GateConfig
 from trainer.loop import LoopConfig, TrainerLoop, _digest

@@ -50,7 +50,7 @@ def engine_setup():
 
 
 def _loop(student, traces, tmp_path, fp, exporter):
-    from feedback.registry import DrafterRegistry
+    from feedback.registry.drafter_registry import DrafterRegistry
     from trainer.replay import ReplayBuffer
 
     reg = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
@@ -77,7 +77,7 @@ def test_engine_traces_carry_features_and_rejections(engine_setup):
 
 @pytest.mark.parametrize("kind", ["standalone", "eagle"])
 def test_trainer_raises_heldout_acceptance_gate_promotes_and_version_reloads(engine_setup, tmp_path, kind):
-    from feedback.drafter_models import (
+    from feedback.drafters.models import (
         StandaloneConfig,
         day0_draft_vocab,
         eagle_from_target,

@@ -13,8 +13,8 @@ import itertools
 import numpy as np
 import torch
 
-from feedback.fingerprint import TargetFingerprint
-from feedback.trace import DrafterKind, StepArrays, TraceRecord
+from feedback.bus.trace import DrafterKind, StepArrays, TraceRecord
+from feedback.target.fingerprint import TargetFingerprint
 
 NOT_SUFFIX_TEXT = """Tests that check the learned drafter's promotion gate it alone (hybrid=False):
 serving's hybrid rule weighs the suffix drafter's confidences, which are calibrated on SmolLM2 text

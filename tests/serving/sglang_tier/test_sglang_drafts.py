@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from feedback.artifact import DrafterArtifactError, save_drafter
-from feedback.drafter_models import StandaloneConfig, build_standalone, eagle_from_target
-from feedback.fingerprint import TargetFingerprint
+from feedback.drafters.models import StandaloneConfig, build_standalone, eagle_from_target
+from feedback.registry.artifact import DrafterArtifactError, save_drafter
+from feedback.target.fingerprint import TargetFingerprint
 from serving.sglang.drafts import SGLangDraft, SGLangDraftLoader, artifact_tensors
 from serving.target import tiny_target
 

@@ -397,8 +397,8 @@ def step_message(rid, prompt_len, root_pos, drafts, accepted, emitted, top_k=2):
 
 @pytest.mark.parametrize("sample_rate, traced", [(1.0, True), (0.0, False)])
 def test_traces_are_complete_even_when_steps_arrive_after_the_finish(sample_rate, traced):
-    from feedback.fingerprint import TargetFingerprint
-    from feedback.sink import InProcessTraceSink
+    from feedback.bus.sink import InProcessTraceSink
+    from feedback.target.fingerprint import TargetFingerprint
     from serving.observers import TraceRecorder
 
     fp = TargetFingerprint(model_id="m", tokenizer_hash="ids", vocab_size=100)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from sglang_fakes import logits_preferring, make_verify_step
 
-from feedback.trace import DrafterKind
+from feedback.bus.trace import DrafterKind
 from serving.sglang.collector import TraceCollector, to_verify_batch
 from serving.sglang.exporter import ExportConfig, StepExporter
 from serving.sglang.reduction import StepLayout, from_sglang, reduce_verify_step, summarize_target

@@ -1,0 +1,1 @@
+"""Background work that must never hold up decoding: supervised loops and per-thread priority."""

@@ -1,0 +1,267 @@
+"""The drafter artifact: what the trainer publishes and serving loads.
+
+A directory with two files, no pickle anywhere:
+
+    config.json        DrafterMeta: kind, model config, draft vocabulary (size + sha256), target
+                       fingerprint, version, parent version, created_at, sha256 of each weight file
+    model.safetensors  the model's state dict (tied tensors stored once; the EAGLE head's token
+                       embedding is the target's and is not stored; a selfspec drafter stores
+                       only its adapter: the layers, embeddings and lm_head it shares with the
+                       target are pinned by the fingerprint, never copied)
+
+``load_drafter`` validates everything before it returns a model: target fingerprint, checksums,
+tensor names and shapes against the config, finite weights, draft-vocabulary consistency. Anything
+wrong raises ``DrafterArtifactError`` with a message that says what and where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from feedback.drafters.from_target import SelfSpecAdapter, adapter_of, check_draft_vocab
+from feedback.drafters.kinds import DrafterConfig, build_model, kind_of, parse_config
+from feedback.drafters.models import EagleHead
+from feedback.target.fingerprint import TargetFingerprint
+
+ARTIFACT_FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class DrafterArtifactError(Exception):
+    """A drafter artifact that must not be served (wrong target, corrupt, inconsistent, NaN)."""
+
+
+class DrafterMeta(BaseModel):
+    """Contents of an artifact's config.json."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = ARTIFACT_FORMAT_VERSION
+    kind: str
+    """eagle | standalone | selfspec (selfspec stores only its adapter; see drafters_from_target)"""
+    version: str
+    parent_version: str | None = None
+    created_at: float = Field(default_factory=time.time)
+    target: TargetFingerprint
+    config: dict
+    """The model config (EagleHeadConfig or StandaloneConfig fields)."""
+    dtype: str
+    draft_vocab_size: int | None = None
+    draft_vocab_sha256: str | None = None
+    """sha256 of the draft vocabulary's target ids (int64 little-endian), eagle only."""
+    files: dict[str, str]
+    """file name -> sha256 hex of its bytes"""
+    extra: dict = Field(default_factory=dict)
+    """Free-form lineage (trace offsets, metrics); not validated."""
+
+    def model_cfg(self) -> DrafterConfig:
+        return parse_config(self.kind, self.config)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _vocab_hash(ids: torch.Tensor) -> str:
+    return hashlib.sha256(
+        ids.to(torch.int64).cpu().contiguous().numpy().astype("<i8").tobytes()
+    ).hexdigest()
+
+
+def _stored_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with tied tensors kept once (first name wins)."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().cpu().contiguous()
+    return out
+
+
+def _non_finite(state: dict[str, torch.Tensor]) -> list[str]:
+    return [
+        n for n, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+
+
+def save_drafter(
+    model: nn.Module,
+    config: DrafterConfig,
+    fingerprint: TargetFingerprint,
+    directory: str | Path,
+    *,
+    version: str,
+    parent_version: str | None = None,
+    extra: dict | None = None,
+    overwrite: bool = False,
+) -> DrafterMeta:
+    """Write ``model`` as an artifact directory (atomically: a temp sibling renamed into place)."""
+    directory = Path(directory)
+    kind = kind_of(config)
+    if kind == "selfspec" and not isinstance(model, SelfSpecAdapter):
+        model = adapter_of(model, config)  # an assembled drafter: store its adapter only
+    if isinstance(model, EagleHead) and model.config != config:
+        raise ValueError("model.config differs from the config being saved")
+    state = _stored_state(model)
+    bad = _non_finite(state)
+    if bad:
+        raise ValueError(f"refusing to save non-finite weights: {bad}")
+    if directory.exists() and not overwrite and any(directory.iterdir()):
+        raise FileExistsError(f"{directory} exists and is not empty")
+    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / WEIGHTS_FILE), metadata={"kind": kind, "version": version})
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    meta = DrafterMeta(
+        kind=kind,
+        version=version,
+        parent_version=parent_version,
+        target=fingerprint,
+        config=config.model_dump(mode="json"),
+        dtype=",".join(sorted(dtypes)),
+        files={WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)},
+        extra=dict(extra or {}),
+    )
+    if isinstance(model, EagleHead):
+        meta.draft_vocab_size = int(model.d2t.numel())
+        meta.draft_vocab_sha256 = _vocab_hash(model.draft_vocab())
+    (tmp / CONFIG_FILE).write_text(json.dumps(meta.model_dump(mode="json"), indent=2))
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, directory)
+    return meta
+
+
+def read_meta(directory: str | Path) -> DrafterMeta:
+    """Parse config.json only (no weights, no validation beyond the schema)."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise DrafterArtifactError(f"{directory}: no {CONFIG_FILE}")
+    try:
+        return DrafterMeta.model_validate(json.loads(path.read_text()))
+    except (ValidationError, json.JSONDecodeError) as e:
+        raise DrafterArtifactError(f"{path}: invalid artifact config: {e}") from e
+
+
+def load_drafter(
+    directory: str | Path,
+    expected_fingerprint: TargetFingerprint,
+    *,
+    device: str | torch.device = "cpu",
+) -> tuple[nn.Module, DrafterMeta]:
+    """Validate and load an artifact. An EagleHead comes back without embeddings: attach the
+    target's with ``attach_embeddings``. Raises DrafterArtifactError on any problem."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    if meta.format_version != ARTIFACT_FORMAT_VERSION:
+        raise DrafterArtifactError(
+            f"{directory}: artifact format {meta.format_version}, expected {ARTIFACT_FORMAT_VERSION}"
+        )
+    if not meta.target.matches(expected_fingerprint):
+        raise DrafterArtifactError(
+            f"{directory}: drafter {meta.version} was built for target {meta.target.key()} "
+            f"({meta.target.model_dump()}) but this server runs {expected_fingerprint.key()} "
+            f"({expected_fingerprint.model_dump()}); refusing to load it"
+        )
+    if WEIGHTS_FILE not in meta.files:
+        raise DrafterArtifactError(f"{directory}: config lists no checksum for {WEIGHTS_FILE}")
+    for name, digest in meta.files.items():
+        path = directory / name
+        if not path.is_file():
+            raise DrafterArtifactError(f"{directory}: missing file {name}")
+        actual = sha256_file(path)
+        if actual != digest:
+            raise DrafterArtifactError(
+                f"{path}: checksum mismatch (sha256 {actual[:12]}…, config says {digest[:12]}…)"
+            )
+    try:
+        cfg = meta.model_cfg()
+    except (ValidationError, ValueError) as e:
+        raise DrafterArtifactError(f"{directory}: invalid {meta.kind} model config: {e}") from e
+    try:
+        state = load_file(str(directory / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as e:
+        raise DrafterArtifactError(
+            f"{directory / WEIGHTS_FILE}: unreadable safetensors: {e}"
+        ) from e
+
+    model = build_model(cfg)
+    expected = _stored_state(model)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise DrafterArtifactError(
+            f"{directory}: tensors missing {missing}, unexpected {unexpected}"
+        )
+    wrong = [
+        f"{n}: {tuple(state[n].shape)} vs config {tuple(t.shape)}"
+        for n, t in expected.items()
+        if state[n].shape != t.shape
+    ]
+    if wrong:
+        raise DrafterArtifactError(f"{directory}: tensor shapes disagree with the config: {wrong}")
+    kinds = [
+        n for n, t in expected.items() if state[n].is_floating_point() != t.is_floating_point()
+    ]
+    if kinds:
+        raise DrafterArtifactError(f"{directory}: tensors of the wrong type: {kinds}")
+    bad = _non_finite(state)
+    if bad:
+        raise DrafterArtifactError(f"{directory}: non-finite values (NaN/inf) in {bad}")
+    if isinstance(model, EagleHead):
+        _check_vocab(directory, meta, cfg, state)
+    if isinstance(model, SelfSpecAdapter):
+        try:
+            check_draft_vocab(cfg, state.get("draft_vocab"))
+        except ValueError as e:
+            raise DrafterArtifactError(f"{directory}: {e}") from e
+
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    model = model.to(dtype)
+    model.load_state_dict(state, strict=False)  # completeness checked above; tied aliases follow
+    return model.to(device).eval(), meta
+
+
+def _check_vocab(directory: Path, meta: DrafterMeta, cfg, state: dict[str, torch.Tensor]) -> None:
+    d2t, t2d = state["d2t"].to(torch.long), state["t2d"].to(torch.bool)
+    ids = torch.arange(d2t.numel()) + d2t  # [Vd] target ids
+    ok = (
+        bool((ids >= 0).all())
+        and bool((ids < cfg.target_vocab_size).all())
+        and (ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()))
+    )
+    if not ok:
+        raise DrafterArtifactError(
+            f"{directory}: d2t maps outside the target vocabulary or is not increasing"
+        )
+    if int(t2d.sum()) != ids.numel() or not bool(t2d[ids].all()):
+        raise DrafterArtifactError(f"{directory}: t2d disagrees with d2t")
+    if meta.draft_vocab_size is not None and meta.draft_vocab_size != ids.numel():
+        raise DrafterArtifactError(
+            f"{directory}: draft_vocab_size {meta.draft_vocab_size} but d2t has {ids.numel()}"
+        )
+    if meta.draft_vocab_sha256 is not None and meta.draft_vocab_sha256 != _vocab_hash(ids):
+        raise DrafterArtifactError(
+            f"{directory}: draft vocabulary differs from the one recorded in config.json"
+        )

@@ -1,0 +1,1 @@
+"""The suffix drafter without torch: suffix automata, best-first token trees, and proposals per tenant."""

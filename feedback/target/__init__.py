@@ -1,0 +1,1 @@
+"""Which target model a drafter or trace belongs to: where it lives, and its fingerprint."""

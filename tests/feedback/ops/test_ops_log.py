@@ -1,0 +1,81 @@
+"""Operators' ops runs: drift is detected per domain; an MLflow outage loses metrics, never raises."""
+
+from __future__ import annotations
+
+import time
+
+from feedback.ops.drift import DriftDetector
+from feedback.ops.ops_log import OpsRun, open_run
+from serving.target import tiny_target
+
+
+def test_drift_detector_fires_once_per_drop_and_rearms():
+    d = DriftDetector(threshold=0.3, fast_steps=4, slow_steps=64, min_steps=8, persist_steps=3, cooldown_steps=0)
+    events = [d.observe("code", 4, 3) for _ in range(40)]  # steady 0.75
+    assert not any(events)
+    events = [d.observe("code", 4, 0) for _ in range(10)]  # collapse
+    fired = [e for e in events if e is not None]
+    assert len(fired) == 1 and fired[0].domain == "code" and fired[0].drop > 0.3
+    assert not any(d.observe("chat", 4, 0) for _ in range(40))  # another domain: its own level
+    for _ in range(20):
+        d.observe("code", 4, 3)  # recovers: re-armed
+    assert any(d.observe("code", 4, 0) for _ in range(10))
+
+
+def _traffic(rng, steps: int, scale: float = 1.0, request_steps: int = 60):
+    """Row-steps of live traffic: k in 1..4, a chain accepted until its first miss, and every
+    request (``request_steps`` steps) with its own acceptance in [0.2, 0.6], times ``scale``."""
+    import numpy as np
+
+    out, p = [], 0.0
+    for i in range(steps):
+        if i % request_steps == 0:
+            p = rng.uniform(0.2, 0.6) * scale
+        k = int(rng.integers(1, 5))
+        hits = rng.random(k) < p
+        out.append((k, int(np.argmin(hits)) if not hits.all() else k))
+    return out
+
+
+def test_drift_detector_ignores_noisy_traffic_and_catches_a_real_drop():
+    """Per-request swings are not drift (the demo's 80 requests used to raise 34 alarms): on this
+    traffic about one false alarm per ~270 requests (3 in 8 x 100 requests). A drop of the whole
+    domain's acceptance to 40% is caught within a few hundred steps (75-410 over those seeds)."""
+    import numpy as np
+
+    false = 0
+    for seed in range(4):  # 100 requests each, traffic unchanged
+        d = DriftDetector()
+        false += sum(1 for k, a in _traffic(np.random.default_rng(seed), 6000) if d.observe("chat", k, a))
+    assert false <= 1
+    rng = np.random.default_rng(2)
+    d = DriftDetector()
+    assert not [k for k, a in _traffic(rng, 3000) if d.observe("chat", k, a)]
+    fired_at = [i for i, (k, a) in enumerate(_traffic(rng, 1000, scale=0.4)) if d.observe("chat", k, a)]
+    assert fired_at and fired_at[0] < 500
+
+
+def test_mlflow_outage_drops_and_counts_never_raises(tmp_path):
+    run = OpsRun(f"sqlite:///{tmp_path}/m.db", "specloop/x", "serving-t-r", flush_s=0.05)
+    run.client.log_batch = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("mlflow down"))
+    for i in range(50):
+        run.metrics({"acceptance.code": 0.5}, step=i)
+        run.event("drift", i, domain="code")
+    time.sleep(0.3)
+    run.close()
+    assert run.errors >= 1 and run.sent == 0
+    assert open_run(None, tiny_target(vocab_size=32).fingerprint, "trainer", "t", "r") is None
+
+
+def test_flush_sends_everything_queued_before_the_next_tick(tmp_path):
+    """A trainer flushes when it stops: its worker may be killed right after (issue 15)."""
+    run = OpsRun(f"sqlite:///{tmp_path}/m.db", "specloop/x", "trainer-t-r", flush_s=3600)
+    for i in range(2500):  # more than one log_batch
+        run.metrics({"train_loss": 1.0 / (i + 1)}, step=i)
+    run.event("gate", 3, promote=True, reason="better")
+    run.flush()
+    assert run.sent == 2501 and run.errors == 0
+    data = run.client.get_run(run.run_id).data
+    assert data.metrics["event.gate"] == 1 and "better" in data.tags["last_gate"]
+    assert len(run.client.get_metric_history(run.run_id, "train_loss")) == 2500
+    run.close()

@@ -1,0 +1,169 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from feedback.drafters.models import (
+    EagleHead,
+    StandaloneConfig,
+    eagle_from_target,
+    standalone_from_target,
+)
+from feedback.registry.artifact import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    DrafterArtifactError,
+    load_drafter,
+    read_meta,
+    save_drafter,
+    sha256_file,
+)
+from feedback.target.fingerprint import TargetFingerprint
+from serving.target import tiny_target
+
+V = 256
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab_size=V, hidden_size=64, num_layers=4, dtype=torch.bfloat16)
+
+
+@pytest.fixture()
+def eagle(target):
+    vocab = torch.tensor(sorted({*range(40), 97, 255}))
+    return eagle_from_target(target.model, draft_vocab=vocab, feature_layers=(1, 2, 3))
+
+
+def _rewrite_weights(path, edit):
+    """Edit the stored tensors and fix the recorded checksum (a consistent but bad artifact)."""
+    state = load_file(str(path / WEIGHTS_FILE))
+    edit(state)
+    save_file(state, str(path / WEIGHTS_FILE))
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    meta["files"][WEIGHTS_FILE] = sha256_file(path / WEIGHTS_FILE)
+    (path / CONFIG_FILE).write_text(json.dumps(meta))
+
+
+def test_eagle_round_trip_is_bit_identical(target, eagle, tmp_path):
+    meta = save_drafter(
+        eagle,
+        eagle.config,
+        target.fingerprint,
+        tmp_path / "a",
+        version="v2",
+        parent_version="v1",
+        extra={"offsets": [1, 2]},
+    )
+    loaded, meta2 = load_drafter(tmp_path / "a", expected_fingerprint=target.fingerprint)
+    assert isinstance(loaded, EagleHead) and loaded.config == eagle.config
+    a, b = eagle.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert torch.equal(loaded.draft_vocab(), eagle.draft_vocab())
+    assert meta2.version == "v2" and meta2.parent_version == "v1" and meta2.kind == "eagle"
+    assert meta2.target == target.fingerprint and meta2.files == meta.files
+    assert meta2.draft_vocab_size == 42 and meta2.extra == {"offsets": [1, 2]}
+    assert loaded.embed_weight is None  # the target's embedding is attached by the caller
+
+
+def test_standalone_round_trip_keeps_tied_weights(target, tmp_path):
+    model = standalone_from_target(target.model, num_layers=2)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=2, vocab_size=V)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1")
+    stored = load_file(str(tmp_path / "s" / WEIGHTS_FILE))
+    assert (
+        "lm_head.weight" not in stored or "model.embed_tokens.weight" not in stored
+    )  # tied: stored once
+    loaded, meta = load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
+    assert meta.kind == "standalone"
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, loaded.state_dict()[name]), name
+    ids = torch.randint(0, V, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_artifact_for_another_target_is_refused_naming_both(target, eagle, tmp_path):
+    save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v1")
+    other = TargetFingerprint(
+        model_id="other-model", tokenizer_hash="ffff0000ffff0000", vocab_size=V
+    )
+    with pytest.raises(DrafterArtifactError) as err:
+        load_drafter(tmp_path / "a", expected_fingerprint=other)
+    msg = str(err.value)
+    assert target.fingerprint.key() in msg and other.key() in msg
+
+
+def test_corrupted_weights_are_refused(target, eagle, tmp_path):
+    save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v1")
+    path = tmp_path / "a" / WEIGHTS_FILE
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DrafterArtifactError, match="checksum"):
+        load_drafter(tmp_path / "a", expected_fingerprint=target.fingerprint)
+
+
+def test_nan_weights_are_refused(target, eagle, tmp_path):
+    save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v1")
+
+    def poison(state):
+        state["midlayer.mlp.up_proj.weight"][3, 5] = float("nan")
+
+    _rewrite_weights(tmp_path / "a", poison)
+    with pytest.raises(DrafterArtifactError, match="non-finite.*up_proj"):
+        load_drafter(tmp_path / "a", expected_fingerprint=target.fingerprint)
+    bad = eagle_from_target(target.model, draft_vocab_size=16)
+    with torch.no_grad():
+        bad.fc.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        save_drafter(bad, bad.config, target.fingerprint, tmp_path / "b", version="v1")
+
+
+def test_missing_tensor_is_refused(target, eagle, tmp_path):
+    save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v1")
+    _rewrite_weights(tmp_path / "a", lambda state: state.pop("norm.weight"))
+    with pytest.raises(DrafterArtifactError, match="missing.*norm.weight"):
+        load_drafter(tmp_path / "a", expected_fingerprint=target.fingerprint)
+
+
+def test_shapes_that_disagree_with_the_config_are_refused(target, eagle, tmp_path):
+    save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v1")
+    meta = json.loads((tmp_path / "a" / CONFIG_FILE).read_text())
+    meta["config"]["intermediate_size"] = 96
+    (tmp_path / "a" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DrafterArtifactError, match="shapes disagree"):
+        load_drafter(tmp_path / "a", expected_fingerprint=target.fingerprint)
+
+
+def test_inconsistent_draft_vocabulary_is_refused(target, eagle, tmp_path):
+    save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v1")
+
+    def shift(state):
+        state["t2d"][200] = True
+
+    _rewrite_weights(tmp_path / "a", shift)
+    with pytest.raises(DrafterArtifactError, match="t2d"):
+        load_drafter(tmp_path / "a", expected_fingerprint=target.fingerprint)
+
+
+def test_save_refuses_to_clobber_and_leaves_no_temp_dirs(target, eagle, tmp_path):
+    save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v1")
+    with pytest.raises(FileExistsError):
+        save_drafter(eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v2")
+    save_drafter(
+        eagle, eagle.config, target.fingerprint, tmp_path / "a", version="v2", overwrite=True
+    )
+    assert read_meta(tmp_path / "a").version == "v2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+
+
+def test_missing_config_is_refused(target, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DrafterArtifactError, match="config.json"):
+        load_drafter(tmp_path / "empty", expected_fingerprint=target.fingerprint)
