@@ -24,13 +24,18 @@ def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -
 
     app.command("restart-policy")(_restart.cmd_restart_policy)
 
+    from infra import (
+        root as _root,  # light: pydantic settings; heavy imports happen inside commands
+    )
     from serving import cli as serving_cli
 
+    serving_cli.use_settings(_root.serving_settings)  # one settings tree for every process
     app.command("serve")(serving_cli.serve)
     app.command("generate")(serving_cli.generate)
 
     from trainer import cli as trainer_cli  # light: heavy imports happen inside the command
 
+    trainer_cli.use_settings(_root.trainer_settings)
     app.command("train")(trainer_cli.train)
 
     from benchmarks import bench_train  # light: heavy imports happen inside the command

@@ -4,10 +4,11 @@
          ^                                                                          | Redis announce
          +------------------------------ Swapper (validate, swap, watch, roll back) <---+
 
-Serving runs in this process; the trainer runs in a local Ray actor (trainer/actor.py), a process
-of its own at lower priority, so its Python never holds serving's GIL. It builds its loop inside
-the worker (``build_trainer_loop``): its own Kafka consumer, registry client and Redis announcer,
-the same objects ``specloop train`` runs.
+Both halves are built from one settings tree (``loop_settings``: the environment's, pointed at the
+local stack, with a topic, Redis namespace and tenant of the loop's own) through the composition
+root (infra/root.py): serving runs in this process, built as ``specloop serve`` builds it; the
+trainer runs in a local Ray actor (trainer/actor.py), a process of its own at lower priority, so
+its Python never holds serving's GIL, and builds the loop ``specloop train`` runs inside the worker.
 
 Requests are served one after another (latency-bound decoding, where speculation pays), each one a
 ``Point`` (tokens, wall time, tokens per verify step, live drafter version).
@@ -186,63 +187,27 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
     return {"target_step_ms": step_ms, "verify_cost": verify_ms / step_ms, "draft_cost": draft_ms / step_ms}
 
 
-@dataclass
-class TrainerWiring:
-    """What the trainer's process needs to build its loop; crosses into the Ray worker pickled."""
+def loop_settings(cfg: LoopConfig, stack, tag: str):
+    """The settings tree of one loop: the environment's, pointed at ``stack`` (None: no services)
+    under a topic, Redis namespace and tenant of the loop's own, with ``cfg``'s serving and
+    training choices."""
+    from infra.root import load_settings
 
-    tenant: str
-    topic: str
-    group_id: str
-    bootstrap_servers: str
-    redis_url: str
-    redis_namespace: str
-    mlflow_uri: str
-    fingerprint: object
-    export_config: object
-    k: int
-    hybrid: bool
-    costs: dict
-    min_train_traces: int
-    steps_per_round: int
-    rounds_per_gate: int
-    batch_traces: int
-    ops_log: bool = True
-    """Log each round and gate decision to the trainer's MLflow ops run (feedback/ops/ops_log.py)."""
-
-
-def build_trainer_loop(w: TrainerWiring, student):
-    """The demo's TrainerLoop, built inside the trainer's worker: Kafka source (poll times kept for
-    freshness), MLflow registry, Redis announcer, and a gate charging the measured costs."""
-    from feedback.bus.kafka_source import KafkaTraceSource
-    from feedback.control.plane import ControlPlane
-    from feedback.ops.ops_log import open_run
-    from feedback.registry.drafter_registry import DrafterRegistry
-    from trainer.control import RedisAnnouncer
-    from trainer.distill import DistillConfig
-    from trainer.export import artifact_exporter
-    from trainer.gate import GateConfig
-    from trainer.loop import LoopConfig as TrainerLoopConfig
-    from trainer.loop import TrainerLoop
-    from trainer.sources import TimedSource
-
-    source = TimedSource(KafkaTraceSource(bootstrap_servers=w.bootstrap_servers, topic=w.topic, group_id=w.group_id,
-                                          session_timeout_ms=2000, heartbeat_interval_ms=500))
-    return TrainerLoop(
-        source, student, w.fingerprint,
-        loop=TrainerLoopConfig(tenant=w.tenant, poll_records=32, poll_timeout_s=0.5,
-                               min_train_traces=w.min_train_traces, steps_per_round=w.steps_per_round,
-                               rounds_per_gate=w.rounds_per_gate,
-                               lineage={"topic": w.topic, "group_id": w.group_id}),
-        distill=DistillConfig(lr=3e-3, batch_traces=w.batch_traces),
-        gate=GateConfig(k=w.k, hybrid=w.hybrid, draft_cost=w.costs["draft_cost"], verify_cost=w.costs["verify_cost"]),
-        registry=DrafterRegistry(w.mlflow_uri),
-        rollbacks_from=ControlPlane(url=w.redis_url, namespace=w.redis_namespace),
-        announcer=RedisAnnouncer(ControlPlane(url=w.redis_url, namespace=w.redis_namespace),
-                                 getattr(student, "kind", "standalone"),
-                                 w.fingerprint.key()),
-        exporter=artifact_exporter(w.export_config),
-        ops=open_run(w.mlflow_uri, w.fingerprint, "trainer", w.tenant, w.group_id) if w.ops_log else None,
-    )
+    served = cfg.drafter if cfg.drafter in ("hybrid", "suffix") else learned_kind(cfg)
+    serving = {"drafter": served, "k": cfg.k, "adaptive_k": cfg.adaptive_k, "max_batch_size": cfg.max_batch_size,
+               "trace_sink": "none", "follow_traces": False, "swap_watch_steps": cfg.swap_watch_steps,
+               "rollback_floor_ratio": cfg.rollback_floor_ratio, "swap_poll_interval_s": 10.0,
+               "ops_log": cfg.ops_log, "ops_every_s": cfg.ops_every_s}
+    trainer = {"serve_drafter": served, "group_id": f"trainer-{tag}", "k": cfg.k,
+               "min_train_traces": cfg.min_train_traces, "steps_per_round": cfg.steps_per_round,
+               "rounds_per_gate": cfg.rounds_per_gate, "batch_traces": cfg.batch_traces, "lr": 3e-3,
+               "poll_records": 32, "poll_timeout_s": 0.5, "checkpoint_dir": None, "record_poll_times": True,
+               "ops_log": cfg.ops_log}
+    tree = load_settings(serving=serving, trainer=trainer)
+    if stack is None:
+        return tree.with_changes(serving={"ops_log": False}, trainer={"ops_log": False})
+    return tree.on_stack(stack, kafka_topic=f"specloop.traces.{tag}", redis_namespace=f"specloop-{tag}",
+                         tenant=f"demo-{tag}")
 
 
 class OnlineLoop:
@@ -254,10 +219,9 @@ class OnlineLoop:
         the day-0 drafter of ``cfg.drafter`` (e.g. ``frozen_drafter()``)."""
         self.target, self.stack, self.cfg, self.run_dir = target, stack, cfg, run_dir
         self.tag = tag or uuid.uuid4().hex[:8]
-        self.tenant = f"demo-{self.tag}"
-        self.topic = f"specloop.traces.{self.tag}"
-        self.control_namespace = f"specloop-{self.tag}"
-        """Redis namespace shared by this loop's Swapper and its trainer's announcer."""
+        self.settings = loop_settings(cfg, stack, self.tag)
+        """The settings tree this loop's serving and trainer are built from (infra/root.py)."""
+        self.tenant = self.settings.endpoints.tenant
         self.metrics = CollectorRegistry()
         self.engine = self.sink = self.swapper = self.trainer = None
         self.ops = self.ops_observer = None
@@ -269,7 +233,6 @@ class OnlineLoop:
         """Swaps, rollbacks (the Swapper's) and acceptance drifts (serving's), in order."""
         self._swapper_events_seen = 0
         self._drifts: list[dict] = []
-        self._drift_publisher = None
         """Swaps and rollbacks with the request index they happened at."""
         self.served: list[tuple[list[int], list[int]]] = []
         """(prompt, output) of every finished request, to rebuild a frozen suffix index."""
@@ -281,15 +244,29 @@ class OnlineLoop:
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self.engine = self._build_engine()
-        await self.engine.start()
+        from infra.root import build_serving
+
+        drafter = self._drafter
+        if drafter is None and self.cfg.k > 0:
+            drafter = day0_drafter(self.cfg.drafter, self.target, self.cfg.draft_vocab_size, self.cfg.day0_init,
+                                   {"exit_layer": self.cfg.selfspec_exit_layer,
+                                    "adapter_layers": self.cfg.selfspec_adapter_layers})
+        sink = None
         if self.cfg.train:
-            self.swapper = self._build_swapper()
+            from feedback.bus.kafka_sink import KafkaTraceSink
+
+            s = self.settings.serving
+            self.sink = sink = KafkaTraceSink(bootstrap_servers=s.kafka_bootstrap_servers, topic=s.kafka_topic)
+        parts = build_serving(self.settings, target=self.target, drafter=drafter, registry=self.metrics,
+                              sink=sink, swapper=self.cfg.train, replica_id=self.tag, on_drift=self._on_drift,
+                              ops_flush_s=1.0)
+        self.engine, self.swapper, self.ops_observer = parts.engine, parts.swapper, parts.ops_observer
+        self.ops = self.ops_observer.run if self.ops_observer is not None else None
+        await self.engine.start()
+        if self.swapper is not None:
             self.swapper.start()
             self.swapper.wait_subscribed(5.0)
-            from serving.ops_observer import DriftPublisher
-
-            self._drift_publisher = DriftPublisher(self._control(), self.tenant, f"demo-{self.tag}")
+        if self.cfg.train:
             self._start_trainer()
 
     async def stop(self) -> None:
@@ -305,64 +282,11 @@ class OnlineLoop:
             self.ops_observer.flush()
             self.ops.close()
 
-    def _build_engine(self):
-        from serving.engine.config import EngineConfig
-        from serving.engine.goodput_policy import GoodputPolicy
-        from serving.engine.torch_engine import TorchEngine
-        from serving.metrics import SpecMetrics
-        from serving.observers import TraceRecorder
-
-        observers: list = [SpecMetrics(self.metrics)]
-        if self.cfg.train:
-            from feedback.bus.kafka_sink import KafkaTraceSink
-
-            self.sink = KafkaTraceSink(bootstrap_servers=self.stack.bootstrap_servers, topic=self.topic)
-            observers.append(TraceRecorder(self.sink, self.target.fingerprint))
-        if self.stack is not None and self.cfg.ops_log:
-            from feedback.ops.ops_log import open_run
-            from serving.ops_observer import LiveOpsObserver
-
-            self.ops = open_run(self.stack.mlflow_uri, self.target.fingerprint, "serving", self.tenant,
-                                self.tag, flush_s=1.0)
-            if self.ops is not None:
-                self.ops_observer = LiveOpsObserver(self.ops, every_s=self.cfg.ops_every_s,
-                                                    on_drift=self._on_drift)
-                observers.append(self.ops_observer)
-        policy = GoodputPolicy(self.cfg.k) if self.cfg.adaptive_k else None
-        config = EngineConfig(k=self.cfg.k, max_batch_size=self.cfg.max_batch_size)
-        drafter = self._drafter
-        if drafter is None and self.cfg.k > 0:
-            drafter = day0_drafter(self.cfg.drafter, self.target, self.cfg.draft_vocab_size, self.cfg.day0_init,
-                                   {"exit_layer": self.cfg.selfspec_exit_layer,
-                                    "adapter_layers": self.cfg.selfspec_adapter_layers})
-        return TorchEngine(self.target, drafter, config=config, observers=observers, policy=policy)
-
-    def _control(self):
-        from feedback.control.plane import ControlPlane
-
-        return ControlPlane(url=self.stack.redis_url, namespace=self.control_namespace)
-
-    def _build_swapper(self):
-        from feedback.registry.drafter_registry import DrafterRegistry
-        from serving.swap import ArtifactDrafterLoader, LiveAcceptance, SwapConfig, Swapper
-
-        live = LiveAcceptance(registry=self.metrics)
-        self.engine.observers.append(live)
-        kind = "hybrid" if self.cfg.drafter == "hybrid" else learned_kind(self.cfg)
-        vocab = {"draft_vocab_size": self.cfg.draft_vocab_size}
-        options = {"learned": learned_kind(self.cfg), "learned_options": vocab} if kind == "hybrid" else vocab
-        config = SwapConfig(tenant=self.tenant, watch_steps=self.cfg.swap_watch_steps,
-                            floor_ratio=self.cfg.rollback_floor_ratio, poll_interval_s=10.0)
-        return Swapper(self.engine, ArtifactDrafterLoader(self.target, kind, options), live,
-                       registry=DrafterRegistry(self.stack.mlflow_uri), control=self._control(),
-                       config=config, metrics_registry=self.metrics)
-
     def _start_trainer(self) -> None:
         if self.cfg.drafter == "suffix":
             return  # nothing to train: the suffix index learns in the engine
-        import functools
-
         from feedback.drafters.models import StandaloneConfig
+        from infra.root import trainer_loop_factory
         from trainer.actor import RemoteTrainer
 
         c = self.cfg
@@ -373,16 +297,11 @@ class OnlineLoop:
             student = make_student(self.target, c.draft_vocab_size, c.day0_init)
         self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(self.target, student, c.k)
         log.info("gate costs (x one target step): %s", self.costs)
-        wiring = TrainerWiring(
-            tenant=self.tenant, topic=self.topic, group_id=f"trainer-{self.tag}",
-            bootstrap_servers=self.stack.bootstrap_servers, redis_url=self.stack.redis_url,
-            redis_namespace=self.control_namespace, mlflow_uri=self.stack.mlflow_uri,
-            fingerprint=self.target.fingerprint,
-            export_config=getattr(student, "config", None) or StandaloneConfig.for_target(self.target.model.config),
-            k=c.k, hybrid=c.drafter == "hybrid", costs=self.costs, min_train_traces=c.min_train_traces,
-            steps_per_round=c.steps_per_round, rounds_per_gate=c.rounds_per_gate, batch_traces=c.batch_traces)
+        self.settings = self.settings.with_changes(trainer={"draft_cost": self.costs["draft_cost"],
+                                                            "verify_cost": self.costs["verify_cost"]})
+        export_config = getattr(student, "config", None) or StandaloneConfig.for_target(self.target.model.config)
         # The student travels to the worker pickled (tens of MB with frozen target embeddings).
-        factory = functools.partial(build_trainer_loop, wiring, student)
+        factory = trainer_loop_factory(self.settings, student, self.target.fingerprint, export_config)
         self.trainer = RemoteTrainer(factory, threads=torch.get_num_threads(), nice=c.trainer_nice).start()
 
     # ---- serving --------------------------------------------------------------------------
@@ -418,11 +337,10 @@ class OnlineLoop:
                      done_at=time.time())
 
     def _on_drift(self, ev) -> None:
-        """A drift seen by serving (engine step thread): announced to the trainer, drawn in the demo."""
+        """A drift seen by serving (engine step thread; serving's builder also announces it to the
+        trainer): drawn in the demo."""
         self._drifts.append({"event": "drift", "domain": ev.domain, "before": round(ev.before, 4),
                              "now": round(ev.now, 4), "at": time.time()})
-        if self._drift_publisher is not None:
-            self._drift_publisher(ev)
 
     def _collect_events(self) -> None:
         """The Swapper's events and serving's drifts, in arrival order, at the request they followed."""

@@ -63,24 +63,36 @@ def build_observers(
     return observers
 
 
-def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str):
+def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str, *, also_on_drift=None,
+                       **run_options):
     """This replica's MLflow ops run and the observer feeding it (None without MLflow, with
     ``ops_log`` off, or while MLflow is unreachable: never fatal). Drifts are also announced on
-    Redis when ``redis_url`` is set, for the trainer."""
+    Redis when ``redis_url`` is set, for the trainer, and passed to ``also_on_drift``.
+    ``run_options``: OpsRun options (e.g. ``flush_s``)."""
     if not (settings.mlflow_tracking_uri and settings.ops_log):
         return None
     from feedback.ops.ops_log import open_run
     from serving.ops_observer import DriftPublisher, LiveOpsObserver
 
-    run = open_run(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant, replica_id)
+    run = open_run(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant, replica_id,
+                   **run_options)
     if run is None:
         return None
-    on_drift = None
-    if settings.redis_url:
-        from feedback.control.plane import ControlPlane, ControlSettings
+    callbacks = [c for c in (DriftPublisher(build_control_plane(settings), settings.tenant, replica_id)
+                             if settings.redis_url else None, also_on_drift) if c is not None]
 
-        on_drift = DriftPublisher(ControlPlane(ControlSettings(url=settings.redis_url)), settings.tenant, replica_id)
-    return LiveOpsObserver(run, every_s=settings.ops_every_s, on_drift=on_drift)
+    def on_drift(ev) -> None:
+        for callback in callbacks:
+            callback(ev)
+
+    return LiveOpsObserver(run, every_s=settings.ops_every_s, on_drift=on_drift if callbacks else None)
+
+
+def build_control_plane(settings: ServingSettings):
+    """The Redis control plane at ``redis_url`` under ``redis_namespace`` (the trainer's too)."""
+    from feedback.control.plane import ControlPlane, ControlSettings
+
+    return ControlPlane(ControlSettings(url=settings.redis_url, namespace=settings.redis_namespace))
 
 
 def build_trace_sink(settings: ServingSettings) -> TraceSink | None:
@@ -102,6 +114,7 @@ def build_engine(
     target: Target | None = None,
     registry: CollectorRegistry | None = None,
     sink: TraceSink | None = None,
+    drafter=None,
 ):
     """The engine ``settings.engine`` names (not started).
 
@@ -109,10 +122,12 @@ def build_engine(
     TorchEngine only).
     ``registry``: Prometheus registry for the engine's metrics (default: the process registry).
     ``sink``: trace sink to use instead of the one ``settings.trace_sink`` names.
+    ``drafter``: serve with this drafter instead of the one ``settings.drafter`` names (TorchEngine;
+    e.g. the demo's frozen snapshot, or a hybrid's suffix-only day 0).
     """
     if settings.engine == "sglang":
-        if target is not None:
-            raise ValueError("target= is for TorchEngine: SGLang loads the model itself")
+        if target is not None or drafter is not None:
+            raise ValueError("target= and drafter= are for TorchEngine: SGLang loads its models itself")
         return build_sglang_engine(settings, registry=registry, sink=sink)
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
@@ -125,7 +140,8 @@ def build_engine(
         torch.set_num_threads(settings.num_threads)  # before loading: conversion uses it too
     if target is None:
         target = load_target(settings.model, dtype=settings.torch_dtype, device=settings.device)
-    drafter = build_drafter(settings.drafter, target, settings.drafter_dir)
+    if drafter is None and (settings.k > 0 or settings.drafter_dir is not None):  # k=0: plain decoding
+        drafter = build_drafter(settings.drafter, target, settings.drafter_dir)
 
     sink = sink if sink is not None else build_trace_sink(settings)
     observers = build_observers(settings, target.fingerprint, registry=registry, sink=sink)
@@ -245,9 +261,7 @@ def build_swapper(settings: ServingSettings, engine, *, target: Target | None = 
 
     control = drafters = None
     if settings.redis_url:
-        from feedback.control.plane import ControlPlane, ControlSettings
-
-        control = ControlPlane(ControlSettings(url=settings.redis_url))
+        control = build_control_plane(settings)
     if settings.mlflow_tracking_uri:
         from feedback.registry.drafter_registry import DrafterRegistry
 

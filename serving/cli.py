@@ -1,7 +1,7 @@
 """``specloop serve`` and ``specloop generate``.
 
 Options left unset fall back to ``SPECLOOP_*`` environment variables, then to ServingSettings'
-defaults. Heavy modules (torch, the engine, uvicorn) are imported inside the commands so
+defaults; the settings come from infra's settings tree when run as ``specloop`` (``use_settings``). Heavy modules (torch, the engine, uvicorn) are imported inside the commands so
 ``specloop --help`` stays fast.
 """
 
@@ -24,13 +24,28 @@ _ENGINE = typer.Option(
     "settings are SPECLOOP_SGLANG_* variables, see README).")
 
 
+def _default_loader(overrides: dict):
+    from serving.config import ServingSettings
+
+    return ServingSettings(**overrides)
+
+
+_loader = _default_loader
+
+
+def use_settings(loader) -> None:
+    """Where these commands get their settings: ``loader(overrides) -> ServingSettings``. The
+    ``specloop`` CLI installs infra's settings tree (infra/root.py) here, so a served replica's
+    endpoints are the ones every other process reads."""
+    global _loader
+    _loader = loader
+
+
 def _settings(**overrides):
     from pydantic import ValidationError
 
-    from serving.config import ServingSettings
-
     try:
-        return ServingSettings(**{k: v for k, v in overrides.items() if v is not None})
+        return _loader({k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise typer.BadParameter(_first_error(exc)) from exc
 

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from feedback import endpoints as ep
 from feedback.secrets import check_secret, check_uri_password
 from serving.target import DEFAULT_MODEL
 
@@ -91,9 +92,9 @@ class ServingSettings(EngineChoice):
         "queue, for the embedded loop) or `kafka`.",
     )
     kafka_bootstrap_servers: str = Field(
-        "127.0.0.1:9092", description="Kafka bootstrap servers (trace_sink=kafka)."
+        ep.DEFAULT_KAFKA_BOOTSTRAP_SERVERS, description="Kafka bootstrap servers (trace_sink=kafka)."
     )
-    kafka_topic: str = Field("specloop.traces", description="Trace topic (trace_sink=kafka).")
+    kafka_topic: str = Field(ep.DEFAULT_KAFKA_TOPIC, description="Trace topic (trace_sink=kafka).")
     trace_features: bool = Field(
         False,
         description="Record the target's hidden states in traces (needed to train EAGLE heads; "
@@ -112,6 +113,9 @@ class ServingSettings(EngineChoice):
     redis_url: str | None = Field(
         None,
         description="Redis control plane (drafter versions, swaps, load heartbeats); optional.",
+    )
+    redis_namespace: str = Field(
+        ep.DEFAULT_REDIS_NAMESPACE, description="Control-plane key prefix (shared with the trainer)."
     )
     follow_traces: bool = Field(
         True,

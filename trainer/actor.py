@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **kw):
-    """TrainerLoop from settings; ``source`` defaults to the Kafka source of feedback/."""
+    """TrainerLoop from settings; ``source`` defaults to the Kafka source of feedback/. What
+    ``specloop train``, the demo and ``bench online`` all run (inside the trainer's Ray worker)."""
     from trainer.distill import DistillConfig
     from trainer.gate import GateConfig
     from trainer.loop import LoopConfig, TrainerLoop
@@ -32,6 +33,10 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         from feedback.bus.kafka_source import KafkaTraceSource  # written by the feedback-bus issue
 
         source = KafkaTraceSource(bootstrap_servers=s.bootstrap_servers, topic=s.topic, group_id=s.group_id)
+        if s.record_poll_times:
+            from trainer.sources import TimedSource
+
+            source = TimedSource(source)
     registry = kw.pop("registry", None)
     if registry is None and s.tracking_uri:
         from feedback.registry.drafter_registry import DrafterRegistry
@@ -41,7 +46,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         from feedback.control.plane import ControlPlane
         from trainer.control import RedisAnnouncer, ServingLoad
 
-        control = ControlPlane(url=s.redis_url)
+        control = ControlPlane(url=s.redis_url, namespace=s.redis_namespace)
         kw.setdefault("saturated", ServingLoad(control, s.max_queue_depth, s.max_utilisation))
         kw.setdefault("announcer", RedisAnnouncer(control, getattr(student, "kind", None), fingerprint.key()))
         kw.setdefault("deletions", control)  # tenant data deletion requests (the admin route)
@@ -60,7 +65,8 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
                               ce_weight=s.ce_weight, lr=s.lr, weight_decay=s.weight_decay,
                               batch_traces=s.batch_traces, max_len=s.max_len),
         gate=GateConfig(k=s.k, acceptance_margin=s.acceptance_margin, speedup_margin=s.speedup_margin,
-                        draft_cost=s.draft_cost, hybrid=s.hybrid),
+                        draft_cost=s.draft_cost, hybrid=s.hybrid,
+                        **({"verify_cost": s.verify_cost} if s.verify_cost is not None else {})),
         replay=ReplayBuffer(capacity=s.replay_capacity, heldout_fraction=s.heldout_fraction,
                             heldout_size=s.heldout_size, half_life=s.half_life, fingerprint=fingerprint,
                             tenant=s.tenant, max_age_s=s.trace_max_age_s),

@@ -8,6 +8,26 @@ from pathlib import Path
 import typer
 
 
+def _default_loader(overrides: dict):
+    from trainer.config import TrainerSettings
+
+    return TrainerSettings(**overrides)
+
+
+_loader = _default_loader
+
+
+def use_settings(loader) -> None:
+    """Where ``specloop train`` gets its settings: ``loader(overrides) -> TrainerSettings``. The
+    ``specloop`` CLI installs infra's settings tree (infra/root.py) here."""
+    global _loader
+    _loader = loader
+
+
+def _settings(**overrides):
+    return _loader(overrides)
+
+
 def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
                  draft_vocab_size: int | None = 8192, adapter_layers: int = 1):
     """Build the day-0 student from the target directory. Runs inside the Ray worker, so no model
@@ -55,9 +75,7 @@ def train(
     ``--offline`` train a static drafter once from prompts and save (and register) it."""
     import json
 
-    from trainer.config import TrainerSettings
-
-    model = model or TrainerSettings().model
+    model = model or _settings().model
     if offline is not None:
         print(json.dumps(run_offline(model, offline, out, model_id, max_new_tokens, steps)))
         return
@@ -69,7 +87,7 @@ def train(
     from trainer.actor import start_actor
     from trainer.export import artifact_exporter
 
-    settings = TrainerSettings()
+    settings = _settings()
     path, fp = model_fingerprint(model)  # the same fingerprint serving gives this target's traces
     model = str(path)
     config = AutoConfig.from_pretrained(model)
@@ -104,11 +122,10 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
 
     from feedback.registry.artifact import save_drafter
     from feedback.target.location import model_fingerprint
-    from trainer.config import TrainerSettings
     from trainer.distill import DistillConfig
     from trainer.offline import generate_traces, read_prompts, train_offline
 
-    settings = TrainerSettings()
+    settings = _settings()
     t0 = time.perf_counter()
     path, fp = model_fingerprint(model)
     model = str(path)

@@ -28,15 +28,18 @@ class TrainerSettings(BaseSettings):
     adapter_layers: int = Field(1, description="selfspec: trainable adapter layers after the shared ones.")
     draft_vocab_size: int | None = Field(8192, description="selfspec: lm_head rows read (lowest ids + specials); None = all.")
     source: Literal["kafka", "inprocess"] = Field("kafka", description="Where traces come from.")
-    bootstrap_servers: str = Field("127.0.0.1:9092", validation_alias=ep.shared("bootstrap_servers", ep.KAFKA_BOOTSTRAP_SERVERS, _OWN), description="Kafka bootstrap servers.")
-    topic: str = Field("specloop.traces", validation_alias=ep.shared("topic", ep.KAFKA_TOPIC, _OWN), description="Trace topic.")
+    bootstrap_servers: str = Field(ep.DEFAULT_KAFKA_BOOTSTRAP_SERVERS, validation_alias=ep.shared("bootstrap_servers", ep.KAFKA_BOOTSTRAP_SERVERS, _OWN), description="Kafka bootstrap servers.")
+    topic: str = Field(ep.DEFAULT_KAFKA_TOPIC, validation_alias=ep.shared("topic", ep.KAFKA_TOPIC, _OWN), description="Trace topic.")
     group_id: str = Field("specloop-trainer", validation_alias=ep.shared("group_id", ep.KAFKA_GROUP, _OWN), description="Kafka consumer group (offsets are committed per group).")
     redis_url: str | None = Field(None, validation_alias=ep.shared("redis_url", ep.REDIS_URL, _OWN), description="Control plane; None = no heartbeats (always train), no announcements.")
+    redis_namespace: str = Field(ep.DEFAULT_REDIS_NAMESPACE, validation_alias=ep.shared("redis_namespace", ep.REDIS_NAMESPACE, _OWN), description="Control-plane key prefix (shared with serving).")
     tracking_uri: str = Field("sqlite:///specloop-mlflow.db", validation_alias=ep.shared("tracking_uri", ep.MLFLOW_TRACKING_URI, _OWN), description="MLflow tracking + registry URI.")
-    checkpoint_dir: str = Field("./specloop-trainer-ckpt", description="Model + optimizer + replay checkpoints.")
+    checkpoint_dir: str | None = Field("./specloop-trainer-ckpt", description="Model + optimizer + replay checkpoints; None = none (a restart starts over).")
     ray_address: str | None = Field(None, description="Ray cluster address; None starts a local Ray with num_cpus.")
     num_cpus: int = Field(2, description="CPUs for a local Ray.")
 
+    record_poll_times: bool = Field(False, description="Remember when each request's trace first reached "
+                                    "the trainer (freshness figures of the demo and benchmarks; grows with traffic).")
     poll_records: int = Field(64, description="Max traces per poll.")
     poll_timeout_s: float = Field(1.0, description="Poll wait.")
     min_train_traces: int = Field(16, description="Training traces needed before the first step.")
@@ -66,13 +69,15 @@ class TrainerSettings(BaseSettings):
     acceptance_margin: float = Field(0.005, description="Absolute expected-acceptance margin to promote.")
     speedup_margin: float = Field(0.0, description="Relative simulated-speedup margin to promote.")
     draft_cost: float = Field(0.16, description="Learned draft token cost relative to a target step.")
+    verify_cost: float | None = Field(None, description="Verify cost of k+1 tokens relative to a target step "
+                                      "(as measured where serving runs); None = the gate's default.")
     hybrid: bool = Field(True, description="Gate inside the hybrid policy with the suffix drafter.")
-    serve_drafter: Literal["suffix", "eagle", "standalone", "hybrid"] | None = Field(
+    serve_drafter: Literal["suffix", "eagle", "standalone", "selfspec", "hybrid"] | None = Field(
         None, validation_alias=AliasChoices(ep.DRAFTER, "serve_drafter"),
         description="The drafter kind serving runs (the one setting both sides read: "
         "SPECLOOP_DRAFTER). When set it decides what is trained and how it is gated: "
         "suffix/hybrid -> the learned drafter gated inside the hybrid with the suffix index (what "
-        "serving installs); eagle/standalone -> that learned kind, gated alone.")
+        "serving installs); eagle/standalone/selfspec -> that learned kind, gated alone.")
 
     ops_log: bool = Field(True, description="Log each round, gate decision, drift, pause and promotion to "
                           "the trainer's MLflow ops run (feedback/ops/ops_log.py).")
@@ -91,7 +96,7 @@ class TrainerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _follow_serving(self) -> TrainerSettings:
-        if self.serve_drafter in ("eagle", "standalone"):
+        if self.serve_drafter in ("eagle", "standalone", "selfspec"):
             self.drafter, self.hybrid = self.serve_drafter, False
         elif self.serve_drafter in ("suffix", "hybrid"):
             self.hybrid = True

@@ -266,7 +266,9 @@ class TrainerLoop:
                         msg.to_version, msg.reason, self.champion_version or "none")
             if self.ops is not None:
                 self.ops.event("rollback", self.stats.rounds, from_version=msg.from_version,
-                               to_version=msg.to_version, reason=msg.reason)
+                               to_version=msg.to_version, reason=msg.reason,
+                               champion=self.champion_version or "none")
+                self.ops.tag("champion_version", self.champion_version or "none")
 
     # -- retention --------------------------------------------------------------------------
     def apply_retention(self) -> int:
@@ -331,10 +333,11 @@ class TrainerLoop:
             d.reason = "unchanged since it was rolled back in serving: not re-promoted"
             self.stats.last_decision = d.reason
         if d.promote:
+            parent = self.champion_version
             version = self.promote(d)
             if self.ops is not None:
-                self.ops.event("promotion", self.stats.rounds, version=version,
-                               parent=self.champion_version)
+                self.ops.event("promotion", self.stats.rounds, version=version, parent=parent)
+                self.ops.tag("champion_version", self.champion_version)
         return d
 
     def promote(self, d: GateDecision) -> str | None:

@@ -36,10 +36,10 @@ def create_app(
     replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
     reporter = None
     if settings.redis_url:  # serving's load heartbeats: the trainer trains on spare capacity
-        from feedback.control.plane import ControlPlane, ControlSettings
+        from serving.builder import build_control_plane
         from serving.load_report import LoadReporter
 
-        reporter = LoadReporter(engine, ControlPlane(ControlSettings(url=settings.redis_url)), replica,
+        reporter = LoadReporter(engine, build_control_plane(settings), replica,
                                 every_s=settings.heartbeat_s)
 
     follower = None

@@ -6,12 +6,16 @@ service (loopback addresses for service names, TorchEngine for SGLang, a tiny ra
 real tokenizer for speed; EXTRA only shrinks batch sizes and training rounds). With the real
 broker, Redis and MLflow it shows: a prompt family served only on replica A raises replica B's
 acceptance on it (trace following); a load burst pauses training and training resumes after it;
-traces from both replicas reach the trainer; ``down`` leaves no process behind.
+traces from both replicas reach the trainer; a promoted drafter goes live on both replicas, and a
+forced rollback on A reverts the trainer's champion; ``kill -9`` of the trainer is restarted and
+resumes from its checkpoint; a 30 s broker outage fails no request; ``down`` leaves no process
+behind.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -35,6 +39,11 @@ EXTRA = {
     "SPECLOOP_TRAINER_MAX_QUEUE_DEPTH": "1",
     "SPECLOOP_TRAINER_POLL_TIMEOUT_S": "0.3",
     "SPECLOOP_TRAINER_NUM_CPUS": "1",
+    # A tiny random target sampled at T=1 teaches no drafter anything worth promoting (expected
+    # acceptance ~0.001): negative margins let every gate promote, so promotions, swaps and a
+    # forced rollback can be watched across processes.
+    "SPECLOOP_TRAINER_ACCEPTANCE_MARGIN": "-1",
+    "SPECLOOP_TRAINER_SPEEDUP_MARGIN": "-0.5",
 }
 BURST = 40  # requests at once on replica A: 20x its batch size
 FAMILY = "Write a limerick about a {} who repairs old lighthouses on the northern coast."
@@ -193,6 +202,37 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
               act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8),
               show=lambda: (sent, _trainer_metrics(mlflow, tiny_model_dir)))
         assert sent["a"] > 0 and sent["b"] > 0
+
+        # A promoted drafter goes live on both replicas; a forced rollback on A reverts the
+        # trainer's champion to the version A went back to.
+        admin = {"Authorization": f"Bearer {topo.admin_token()}"}
+
+        def drafter(url: str) -> dict:
+            return httpx.get(f"{url}/admin/drafter", headers=admin, timeout=30).json()
+
+        def same_promoted_version_on_both() -> dict | None:
+            da, db = drafter(a), drafter(b)
+            promoted_twice = str(da.get("previous_version") or "").isdigit()  # A can go back to a version
+            ok = da["version"] == db["version"] and da["kind"] == "hybrid" and promoted_twice
+            return da if ok else None
+
+        _wait("a promoted drafter live on both replicas", same_promoted_version_on_both, every_s=2.0,
+              timeout_s=240, act=lambda: on_b(f"Name a star over cape {next(more)}.", 8),
+              show=lambda: (drafter(a), drafter(b), _trainer_metrics(mlflow, tiny_model_dir)))
+        r = httpx.post(f"{a}/admin/drafter/rollback", headers=admin, timeout=60)
+        assert r.status_code == 200, r.text
+        rolled = r.json()
+        assert drafter(a)["version"] == rolled["to_version"] and rolled["to_version"].isdigit()
+
+        def trainer_followed() -> dict | None:
+            runs = _trainer_runs(mlflow, tiny_model_dir)
+            last = json.loads(runs[0].data.tags.get("last_rollback", "{}")) if runs else {}
+            return last if last.get("from_version") == rolled["from_version"] else None
+
+        followed = _wait("the trainer to follow the rollback", trainer_followed, every_s=2.0, timeout_s=90,
+                         act=lambda: on_b(f"Name a reef near cape {next(more)}.", 8))
+        assert followed["to_version"] == rolled["to_version"] and followed["reason"].endswith("admin")
+        assert followed["champion"] == rolled["to_version"]  # the trainer's champion reverted
 
         # kill -9 of the trainer: compose's restart policy (specloop restart-policy) starts it again,
         # and it resumes from its checkpoint: its first round continues the step count the

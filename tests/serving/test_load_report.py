@@ -33,7 +33,7 @@ def test_heartbeats_pause_training_under_load_and_resume_after(redis_server, red
         try:
             assert not saturated()  # idle replica
             reqs = [GenerationRequest(request_id=f"r{i}", prompt_ids=[1, 2, 3],
-                                      params=SamplingParams(max_tokens=40)) for i in range(8)]
+                                      params=SamplingParams(max_tokens=120)) for i in range(16)]
 
             async def drain(req):
                 async for _ in engine.generate(req):
