@@ -61,13 +61,40 @@ class CostModel:
             self.draft_ms_per_token = (1 - self.ema) * self.draft_ms_per_token + self.ema * per_token
 
 
+def learned_goodput(acceptance: float, k: int, costs: CostModel) -> float:
+    """Expected tokens per unit cost of a learned draft of ``k`` tokens at per-token
+    ``acceptance``: its draft time plus the verify of k + 1 positions."""
+    return expected_tokens(acceptance, k) / (k * costs.draft_ms_per_token + costs.verify_ms(k))
+
+
+def suffix_goodput(expected_accepted: float, k: int, costs: CostModel) -> float:
+    """Expected tokens per unit cost of a model-free draft of ``k`` tokens (drafting is free)
+    expected to have ``expected_accepted`` of them accepted."""
+    return (1.0 + expected_accepted) / costs.verify_ms(k)
+
+
 def best_k(acceptance: float, k_max: int, costs: CostModel) -> int:
     """k in 0..k_max with the highest expected goodput."""
-    rates = [
-        expected_tokens(acceptance, k) / (k * costs.draft_ms_per_token + costs.verify_ms(k))
-        for k in range(k_max + 1)
-    ]
-    return int(np.argmax(rates))
+    return int(np.argmax([learned_goodput(acceptance, k, costs) for k in range(k_max + 1)]))
+
+
+def suffix_preferred(suffix_len: int, g_suffix: float, g_learned: float) -> bool:
+    """The hybrid keeps the suffix draft, without asking the learned drafter, when it has one and
+    it promises at least the learned drafter's goodput."""
+    return suffix_len > 0 and g_suffix >= g_learned
+
+
+def hybrid_choice(suffix_len: int, g_suffix: float, g_learned: float, g_none: float) -> str:
+    """The hybrid drafter's rule, per request and step: ``"suffix"``, ``"learned"`` or ``"none"``
+    (plain decoding). Serving's HybridDrafter drafts by it and the trainer's gate simulates it.
+
+    ``g_*``: expected tokens per unit cost of the suffix draft of ``suffix_len`` tokens, of the
+    learned draft (0 without one) and of plain decoding. The learned drafter is asked only where
+    the suffix draft is not preferred and it beats both the suffix draft and plain decoding; a
+    suffix draft is used only where it beats plain decoding."""
+    if not suffix_preferred(suffix_len, g_suffix, g_learned) and g_learned > max(g_suffix, g_none):
+        return "learned"
+    return "suffix" if suffix_len > 0 and g_suffix > g_none else "none"
 
 
 @dataclass

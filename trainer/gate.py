@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import TraceRecord
-from feedback.goodput import CostModel, best_k, expected_tokens
+from feedback.goodput import CostModel, best_k, hybrid_choice, learned_goodput, suffix_goodput
 from feedback.suffix.draft import SuffixConfig, SuffixProposer
 
 
@@ -170,16 +170,14 @@ def simulate(
             acceptance = learned_acceptance([accept_at], cfg.k)
         if length is None:
             length = learned_length(acceptance, cfg)
-        g_learned = expected_tokens(acceptance, length) / (costs.verify_ms(length) + cfg.draft_cost * length)
+        g_learned = learned_goodput(acceptance, length, costs)
     while p < n:
         remaining = n - p - 1  # the bonus token is always emitted
         use = "learned" if accept_at is not None else "none"
         if req is not None:
             draft = suffix.draft(req, cfg.k)
-            g_suffix = (1.0 + draft.expected_accepted) / costs.verify_ms(len(draft.tokens)) if draft.tokens else 1.0
-            use_suffix = bool(draft.tokens) and g_suffix > 1.0  # beats plain decoding
-            if draft.tokens and g_suffix >= g_learned or not (accept_at is not None and g_learned > max(g_suffix, 1.0)):
-                use = "suffix" if use_suffix else "none"
+            g_suffix = suffix_goodput(draft.expected_accepted, len(draft.tokens), costs) if draft.tokens else 1.0
+            use = hybrid_choice(len(draft.tokens), g_suffix, g_learned, g_none=1.0)  # serving's rule
         if use == "suffix":
             a = match_len(draft.tokens, output[p : p + cfg.k])
             cost += costs.verify_ms(len(draft.tokens))

@@ -33,7 +33,15 @@ import torch
 from pydantic import BaseModel, Field
 
 from feedback.bus.trace import DrafterKind
-from feedback.goodput import AcceptanceEstimate, CostModel, best_k, expected_tokens
+from feedback.goodput import (
+    AcceptanceEstimate,
+    CostModel,
+    best_k,
+    hybrid_choice,
+    learned_goodput,
+    suffix_goodput,
+    suffix_preferred,
+)
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
 
 
@@ -138,20 +146,24 @@ class HybridDrafter:
         e_suffix = expected_accepted(conf, sp.lengths)  # [B]
         g_none = 1.0 / self.costs.verify_ms(0)
         g_suffix = torch.tensor(
-            [(1 + float(e)) / self.costs.verify_ms(int(n)) for e, n in zip(e_suffix, sp.lengths)]
+            [suffix_goodput(float(e), int(n), self.costs) for e, n in zip(e_suffix, sp.lengths)]
         )
         # The learned drafter drafts only as far as pays at its live acceptance (best_k): where
         # verifying costs much more per extra token (a CPU), a mediocre drafter still earns with
         # one or two tokens and would lose with k.
         k_learned = self.learned_length(k)
         g_learned = self.learned_prior_goodput(k_learned)
+        lengths = [int(n) for n in sp.lengths]
         if self.policy.suffix_threshold is not None:
             confident = e_suffix >= self.policy.suffix_threshold
-        else:
-            confident = (sp.lengths > 0) & (g_suffix >= g_learned)
-        worth = (g_learned > g_suffix) & (g_learned > g_none)
+            ask = ~confident & (g_learned > g_suffix) & (g_learned > g_none)
+        else:  # the rule the trainer's gate simulates (feedback/goodput.py)
+            confident = torch.tensor([suffix_preferred(n, float(g), g_learned)
+                                      for n, g in zip(lengths, g_suffix)], dtype=torch.bool)
+            ask = torch.tensor([hybrid_choice(n, float(g), g_learned, g_none) == "learned"
+                                for n, g in zip(lengths, g_suffix)], dtype=torch.bool)
         explore = torch.from_numpy(self._rng.random(batch) < self.policy.explore)
-        need = (~confident & (worth | explore)).nonzero().flatten().tolist()
+        need = (ask | (~confident & explore)).nonzero().flatten().tolist()
 
         out = sp
         use_suffix = (sp.lengths > 0) & (g_suffix > g_none)  # [B]
@@ -194,8 +206,7 @@ class HybridDrafter:
         return best_k(self.acceptance.value, k, self.costs)
 
     def learned_prior_goodput(self, k: int) -> float:
-        tokens = expected_tokens(self.acceptance.value, k)
-        return tokens / (k * self.costs.draft_ms_per_token + self.costs.verify_ms(k))
+        return learned_goodput(self.acceptance.value, k, self.costs)
 
     def _learned_source(self) -> np.uint8:
         return np.uint8(DrafterKind.parse(self.learned.kind))

@@ -42,3 +42,24 @@ def test_costs_and_acceptance_are_learned_online():
     est = AcceptanceEstimate(value=0.5, ema=1.0)
     est.observe(np.array([4, 4, 0]), np.array([4, 1, 0]))  # 5 successes, 1 failure
     assert abs(est.value - 5 / 6) < 1e-9
+
+
+def test_hybrid_choice_is_the_rule_both_sides_use():
+    from feedback.goodput import hybrid_choice
+
+    g_none = 1.0
+    assert hybrid_choice(3, 1.8, 1.5, g_none) == "suffix"  # a confident suffix draft is kept
+    assert hybrid_choice(3, 1.2, 1.5, g_none) == "learned"  # the learned draft promises more
+    assert hybrid_choice(0, g_none, 1.5, g_none) == "learned"  # no suffix match
+    assert hybrid_choice(0, g_none, 0.9, g_none) == "none"  # nothing pays: plain decoding
+    assert hybrid_choice(2, 0.95, 0.9, g_none) == "none"  # a suffix draft that does not pay
+    assert hybrid_choice(2, 0.95, 0.0, g_none) == "none"  # no learned drafter, still not worth it
+
+
+def test_gate_and_hybrid_drafter_import_the_same_rule():
+    from feedback import goodput
+    from serving.drafters import hybrid
+    from trainer import gate
+
+    assert hybrid.hybrid_choice is goodput.hybrid_choice is gate.hybrid_choice
+    assert hybrid.learned_goodput is goodput.learned_goodput is gate.learned_goodput
