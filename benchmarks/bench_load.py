@@ -48,15 +48,15 @@ def _serve(port: int, tiny: bool, max_batch_size: int, max_waiting: int, k: int,
 
     import uvicorn
 
+    from infra.root import load_settings
     from serving.api.app import create_app
     from serving.builder import build_engine
-    from serving.config import ServingSettings
     from serving.target import tiny_target
 
     logging.basicConfig(level=logging.WARNING)
-    settings = ServingSettings(served_model_name="load", drafter="suffix", k=k, num_threads=threads,
-                               max_batch_size=max_batch_size,
-                               max_waiting=None if max_waiting < 0 else max_waiting)
+    settings = load_settings(serving={"served_model_name": "load", "drafter": "suffix", "k": k,
+                                      "num_threads": threads, "max_batch_size": max_batch_size,
+                                      "max_waiting": None if max_waiting < 0 else max_waiting}).serving
     target = tiny_target(hidden_size=256, num_layers=4) if tiny else None
     engine = build_engine(settings, target=target)
     uvicorn.run(create_app(engine, settings), host="127.0.0.1", port=port, log_level="error",

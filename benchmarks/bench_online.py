@@ -202,7 +202,7 @@ def bench_online(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
-    from infra.stack import Stack
+    from infra.root import build_stack, load_settings
     from serving.target import load_target
 
     torch.set_num_threads(threads)
@@ -210,7 +210,7 @@ def bench_online(
     stream = encode(stream_items(prompts, chat, code), target.tokenizer)
     cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned)
     with tempfile.TemporaryDirectory(prefix="specloop-bench-online-") as tmp:
-        stack = Stack(tmp)
+        stack = build_stack(load_settings(), tmp)
         try:
             info = stack.up()
             out = asyncio.run(run_all(target, info, stream, cfg, tuple(drafter), static))

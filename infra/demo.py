@@ -182,7 +182,7 @@ def demo(
 
     from infra.loop import LoopConfig
     from infra.prompts import encode, stream_items
-    from infra.stack import Stack
+    from infra.root import build_stack, load_settings
     from serving.target import load_target
 
     logging.basicConfig(level=logging.WARNING)
@@ -191,7 +191,7 @@ def demo(
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}")
     torch.set_num_threads(threads)
-    stack = Stack(run_dir / "stack")
+    stack = build_stack(load_settings(), run_dir / "stack")
     try:
         info = stack.up()
         console.print(f"stack up: kafka {info.bootstrap_servers}, {info.redis_url}, mlflow {info.mlflow_uri}")

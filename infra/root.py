@@ -71,10 +71,8 @@ def trainer_loop_factory(tree: SpecloopSettings, student, fingerprint, export_co
                              exporter=artifact_exporter(export_config))
 
 
-def start_stack(tree: SpecloopSettings, run_dir=None):
-    """The local stack (broker, Redis, MLflow) of ``tree.stack``, started; returns the Stack."""
+def build_stack(tree: SpecloopSettings, run_dir=None):
+    """The local stack (broker, Redis, MLflow) of ``tree.stack``, not started (``.up()``)."""
     from infra.stack import Stack
 
-    stack = Stack(run_dir, tree.stack)
-    stack.up()
-    return stack
+    return Stack(run_dir, tree.stack)
