@@ -274,6 +274,7 @@ class OnlineLoop:
             self.trainer.stop()  # keeps its last stats and poll times for the figures
         if self.swapper is not None:
             self.swapper.stop()
+            self._collect_events()  # a swap after the last request is still one (counted in ``swaps``)
         if self.engine is not None:
             await self.engine.stop()
         if self.sink is not None:

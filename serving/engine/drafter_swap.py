@@ -277,6 +277,8 @@ class DrafterSwaps:
                 except Exception:
                     log.exception("new drafter failed to drop %s", rid)
         self._drafter = new
+        if self.policy is not None and hasattr(self.policy, "on_drafter_change"):
+            self.policy.on_drafter_change()  # acceptance evidence was about the old drafter
         self.runner.feature_layers = self._layers_for(new)
         wants = new is not None and bool(new.feature_layers)
         caught_up = 0

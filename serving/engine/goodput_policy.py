@@ -11,9 +11,14 @@ The goodput model is feedback/goodput.py (``best_k`` over an ``AcceptanceEstimat
   cost is inferred from the measured widths with the CostModel's slope, so the prior of another
   machine cannot make speculation look better or worse than it is here.
 
-k = 0 is sticky (no drafts, so no acceptance evidence), so every ``probe_every`` consecutive k = 0
-steps one step drafts ``probe_k`` tokens to refresh the estimate: a drafter that got better (a swap,
-a suffix index that learned the new domain) is noticed within a few probes.
+k = 0 is sticky (no drafts, so no acceptance evidence), so now and then one step drafts ``probe_k``
+tokens to refresh the estimate: a drafter that got better (a suffix index that learned the new
+domain) is noticed within a few probes. Probes are spaced so that they cost at most
+``probe_budget`` of serving time (``probe_interval``; at least every ``probe_every`` steps): a
+costly drafter that does not pay (an untrained learned drafter on a CPU, ~0.6 of a target step
+per drafted token) then costs about that much, not a probe every 16 steps (~9 %). A new drafter
+(``on_drafter_change``, called by the engine at a swap) starts from the prior and is probed at
+the next step that would not draft.
 
 Width (token trees, and chains with per-token confidences): after the draft, ``choose_width`` cuts
 the proposal to the node count W in 0..K with the highest expected tokens per verify millisecond
@@ -29,6 +34,8 @@ acceptance estimate.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -47,6 +54,7 @@ class GoodputPolicy:
         *,
         probe_every: int = 16,
         probe_k: int | None = None,
+        probe_budget: float = 0.02,
         acceptance: AcceptanceEstimate | None = None,
         costs: CostModel | None = None,
         remeasure_every: int = 64,
@@ -58,6 +66,9 @@ class GoodputPolicy:
         self.k_max = k_max
         self.probe_every = probe_every
         self.probe_k = min(k_max, probe_k if probe_k is not None else 2)
+        if not 0 < probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
+        self.probe_budget = probe_budget
         self.acceptance = acceptance or AcceptanceEstimate()
         self.costs = costs or CostModel()
         self.off_streak = 0
@@ -76,6 +87,8 @@ class GoodputPolicy:
         self._probing = False
         """Consecutive drafts that ``choose_width`` cut to nothing."""
         self._since_plain: dict[int, int] = {}  # batch size -> width choices since the last W = 0
+        self._probe_new = False
+        """Probe at the next k = 0 decision: a new drafter (``on_drafter_change``)."""
         self.remeasure_every = remeasure_every
 
     def choose_k(self, state: BatchState) -> int:
@@ -99,7 +112,8 @@ class GoodputPolicy:
         k = best_k(self.acceptance.value, k_max, self.costs) if k_max > 0 else 0
         if k == 0 and k_max > 0:
             self.off_streak += 1
-            if self.off_streak >= self.probe_every:
+            if self.off_streak >= self.probe_interval() or self._probe_new:
+                self._probe_new = False
                 self.off_streak = 0
                 self.probes += 1
                 k = max(1, self.probe_k)
@@ -107,6 +121,25 @@ class GoodputPolicy:
             self.off_streak = 0
         self._remember(k)
         return k
+
+    def probe_interval(self) -> int:
+        """Steps between probes of a costly drafter that does not pay: at least ``probe_every``,
+        and enough that a probe (its draft, and the wider verify) costs at most ``probe_budget``
+        of the plain steps between two probes."""
+        k = max(1, self.probe_k)
+        step = self.costs.verify_ms(0)
+        cost = k * self.costs.draft_ms_per_token + max(0.0, self.costs.verify_ms(k) - step)
+        return max(self.probe_every, math.ceil(cost / (self.probe_budget * step)))
+
+    def on_drafter_change(self) -> None:
+        """A new drafter is installed: what was learned of the old one's acceptance no longer
+        holds. Start from the prior and probe at the next step that would not draft. (Draft
+        costs are kept: they are re-measured at every draft.)"""
+        self.acceptance = AcceptanceEstimate()
+        self.calibration = 1.0
+        self.zero_widths = 0
+        self.off_streak = 0
+        self._probe_new = True
 
     def verify_ms(self, width: int, batch: int) -> float:
         """Measured verify milliseconds of ``width`` drafts per row at this batch size; unmeasured

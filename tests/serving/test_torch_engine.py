@@ -17,6 +17,7 @@ from kernels.sampling import probs_from_logits
 from serving.engine.base import GenerationRequest, RequestError, SamplingParams
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.config import EngineConfig
+from serving.engine.policy import FixedK
 from serving.engine.reference import target_greedy_reference, teacher_forced_check
 from serving.engine.torch_engine import TorchEngine
 from serving.target import tiny_target
@@ -539,7 +540,15 @@ def test_policy_chooses_k_and_observes_steps(ids_target, refs, run, drafters):
 def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
     old = drafters.Garbage(vocab=101, seed=4, version="v1")
     new = drafters.Replay(refs, vocab=101, version="v2")
-    engine = TorchEngine(ids_target, old, EngineConfig(k=4, max_batch_size=4))
+
+    class Always4(FixedK):
+        changes = 0
+
+        def on_drafter_change(self):  # the engine tells the policy its evidence went stale
+            self.changes += 1
+
+    policy = Always4(4)
+    engine = TorchEngine(ids_target, old, EngineConfig(k=4, max_batch_size=4), policy=policy)
     prompt = PROMPTS[2]
 
     async def main():
@@ -559,7 +568,7 @@ def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
     chunks, done = asyncio.run(main())
     assert _tokens(chunks) == refs[tuple(prompt)]
     assert _tokens(done) == refs[tuple(PROMPTS[0])]
-    assert engine.drafter is new
+    assert engine.drafter is new and policy.changes == 1
     assert old.removed["s"] is None and "s" in new.added  # moved, not finished, on the old one
     history = new.added["s"][0]
     assert (
