@@ -107,6 +107,12 @@ class AcceptanceEstimate:
 
     value: float = 0.5
     ema: float = 0.05
+    prior_weight: float | None = None
+    """When set, ``value`` is a prior worth this many steps: the first observations are averaged
+    with it (weight 1 / (prior_weight + n + 1)) until that falls below ``ema``. A new drafter's
+    estimate then settles in a few steps instead of the ~1 / ema an EMA from the prior takes (a
+    drafter that is judged at 0.5 while it accepts nothing drafts, and costs, all that time)."""
+    steps: int = 0
 
     def observe(self, num_drafted: np.ndarray, num_accepted: np.ndarray) -> None:
         drafted = num_drafted > 0
@@ -117,4 +123,8 @@ class AcceptanceEstimate:
         if successes + failures == 0:
             return
         step_rate = successes / (successes + failures)
-        self.value = (1 - self.ema) * self.value + self.ema * step_rate
+        weight = self.ema
+        if self.prior_weight is not None:
+            weight = max(weight, 1.0 / (self.prior_weight + self.steps + 1))
+        self.steps += 1
+        self.value = (1 - weight) * self.value + weight * step_rate

@@ -69,7 +69,7 @@ class GoodputPolicy:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.probe_budget = probe_budget
-        self.acceptance = acceptance or AcceptanceEstimate()
+        self.acceptance = acceptance or AcceptanceEstimate(prior_weight=1.0)
         self.costs = costs or CostModel()
         self.off_streak = 0
         """Consecutive steps decided as k = 0 (a probe resets it)."""
@@ -135,7 +135,7 @@ class GoodputPolicy:
         """A new drafter is installed: what was learned of the old one's acceptance no longer
         holds. Start from the prior and probe at the next step that would not draft. (Draft
         costs are kept: they are re-measured at every draft.)"""
-        self.acceptance = AcceptanceEstimate()
+        self.acceptance = AcceptanceEstimate(prior_weight=1.0)
         self.calibration = 1.0
         self.zero_widths = 0
         self.off_streak = 0

@@ -63,3 +63,16 @@ def test_gate_and_hybrid_drafter_import_the_same_rule():
 
     assert hybrid.hybrid_choice is goodput.hybrid_choice is gate.hybrid_choice
     assert hybrid.learned_goodput is goodput.learned_goodput is gate.learned_goodput
+
+
+def test_a_weak_prior_gives_way_to_the_first_observations():
+    drafted, nothing = np.array([2]), np.array([0])
+    ema_only, weak = AcceptanceEstimate(), AcceptanceEstimate(prior_weight=1.0)
+    for _ in range(3):
+        ema_only.observe(drafted, nothing)
+        weak.observe(drafted, nothing)
+    assert ema_only.value > 0.4  # an EMA from the prior still believes half the drafts land
+    assert weak.value < 0.15  # three steps of evidence outweigh a prior worth one
+    for _ in range(200):
+        weak.observe(np.array([2]), np.array([2]))
+    assert weak.value > 0.95  # and it becomes the EMA once the evidence is long
