@@ -89,6 +89,10 @@ class GoodputPolicy:
         self._since_plain: dict[int, int] = {}  # batch size -> width choices since the last W = 0
         self._probe_new = False
         """Probe at the next k = 0 decision: a new drafter (``on_drafter_change``)."""
+        self._costly_probe = False
+        self._probe_ms: float | None = None
+        """EMA of what a costly drafter's probe cost over a plain step (its draft, catch-up
+        included, and the wider verify)."""
         self.remeasure_every = remeasure_every
 
     def choose_k(self, state: BatchState) -> int:
@@ -114,6 +118,7 @@ class GoodputPolicy:
             self.off_streak += 1
             if self.off_streak >= self.probe_interval() or self._probe_new:
                 self._probe_new = False
+                self._costly_probe = True
                 self.off_streak = 0
                 self.probes += 1
                 k = max(1, self.probe_k)
@@ -128,7 +133,9 @@ class GoodputPolicy:
         of the plain steps between two probes."""
         k = max(1, self.probe_k)
         step = self.costs.verify_ms(0)
-        cost = k * self.costs.draft_ms_per_token + max(0.0, self.costs.verify_ms(k) - step)
+        cost = self._probe_ms  # measured: a learned drafter's probe also commits the tokens it
+        if cost is None:       # skipped (a new request's whole prompt), which per-token costs miss
+            cost = k * self.costs.draft_ms_per_token + max(0.0, self.costs.verify_ms(k) - step)
         return max(self.probe_every, math.ceil(cost / (self.probe_budget * step)))
 
     def on_drafter_change(self) -> None:
@@ -199,6 +206,10 @@ class GoodputPolicy:
         if width is None:
             width = int(drafted.max()) if drafted.size else 0
         width = int(width)
+        if self._costly_probe:
+            self._costly_probe = False
+            cost = draft_ms + max(0.0, verify_ms - self.costs.verify_ms(0))
+            self._probe_ms = cost if self._probe_ms is None else 0.7 * self._probe_ms + 0.3 * cost
         if width > 0:
             self.costs.observe_draft(width, draft_ms)
         self.costs.observe_verify(width, verify_ms)

@@ -164,3 +164,15 @@ def test_a_new_drafter_is_probed_at_once_from_the_prior():
     assert p.acceptance.value == pytest.approx(0.5)
     assert p.choose_k(_state()) > 0  # evidence about the new drafter, not the old one
     assert p.choose_k(_state()) == 0  # then back to the cost-spaced probes
+
+
+def test_probes_are_spaced_by_what_they_measured_to_cost():
+    """A learned drafter's probe also commits every token it skipped (a new request's prompt):
+    probes that cost 150 ms come 10x rarer than 15 ms ones, whatever the per-token estimate."""
+    cheap, dear = GoodputPolicy(4, probe_every=4), GoodputPolicy(4, probe_every=4)
+    for p, probe_ms in ((cheap, 15.0), (dear, 150.0)):
+        _feed(p, 4, 0, draft_ms=5.0)
+        for _ in range(400):
+            k = p.choose_k(_state())
+            p.observe(k, np.array([k]), np.array([0]), probe_ms if k else 0.0, 40.0)
+    assert dear.probe_interval() >= 9 * cheap.probe_interval()
