@@ -24,6 +24,8 @@ import time
 import torch
 import typer
 
+from kernels import thin_linear
+
 log = logging.getLogger(__name__)
 
 _QS = (2, 4, 8, 16, 32)
@@ -105,6 +107,10 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
     vocab = fast.vocab_size
     paths = [_Path("fast", fast), _Path("reference", ref)]
+    native = fast.runner.fast is not None and fast.runner.fast.native
+    if native:  # the same forward on BLAS alone: what the native kernel buys, in the same run
+        blas = TorchEngine(target, config=EngineConfig(k=0, forward="auto", native_kernels=False))
+        paths.insert(1, _Path("blas", blas))
     bw = read_bandwidth_gbs()
     weight_bytes = (
         fast.runner.fast.weight_bytes()
@@ -150,11 +156,14 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         "weight_bytes": weight_bytes,
         "bound_ms": round(weight_bytes / bw / 1e6, 2),
         "forward": "llama_forward" if fast.runner.fast is not None else "hf",
+        "native_kernel": {"used": native, "vector_width": thin_linear.vector_width()},
         **figures("fast"),
         "startup_s": round(startup_s, 2),
         "lossless": lossless,
         "reference": figures("reference"),
     }
+    if native:
+        out["without_native_kernel"] = figures("blas")
     out["speedup_vs_reference"] = {
         "step": round(out["reference"]["step_ms"] / out["step_ms"], 3),
         **{

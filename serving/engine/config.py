@@ -63,6 +63,13 @@ class EngineConfig(BaseModel):
         "about one decode step; see serving/engine/llama_forward.py), else Hugging Face's; "
         "'hf' = always Hugging Face's forward (the reference).",
     )
+    native_kernels: bool = Field(
+        True,
+        description="LlamaForward computes projections of up to 32 tokens with specloop's native "
+        "CPU kernel (kernels/thin_linear.py: one pass over the weights for 1-8 tokens), built "
+        "with the machine's C compiler on first use and cached; where it does not build, BLAS. "
+        "False = BLAS only.",
+    )
     capture_features: bool = Field(
         False,
         description="Run the target with hidden states even when the drafter needs none, so traces "

@@ -3,11 +3,12 @@
 Why not the Hugging Face forward: on a CPU a decode step is bound by reading the weights once, and
 a verify of q = 2..16 tokens should cost about the same. Through ``F.linear`` (x @ W^T) it does
 not: MKL runs one row as a streaming gemv, but 2+ rows go through its gemm path, which costs
-~1.6-1.9x the one-row time on this 2-core AVX2 machine (ARCHITECTURE.md, "Decode path"). Computing
-the transpose instead, ``y^T = W @ x^T`` (the weight as the tall left operand, the few tokens as
-the thin right one), keeps the streaming kernel for small token counts. We also fuse q/k/v and
-gate/up into one matrix each (fewer, longer weight streams) and skip the framework's per-layer
-Python.
+~1.6-1.9x the one-row time on these 2-core machines (ARCHITECTURE.md, "Decode path"). So the
+projections of up to ``NATIVE_MAX`` tokens go through ``kernels.thin_linear``, a native kernel that
+reads each weight row once and computes its dot products with up to 8 tokens from registers.
+Where that kernel does not build, ``y^T = W @ x^T`` (the weight as the tall left operand) keeps
+MKL's streaming kernel for up to 4 tokens. We also fuse q/k/v and gate/up into one matrix each
+(fewer, longer weight streams) and skip the framework's per-layer Python.
 
 The math is transformers' LlamaForCausalLM with sdpa attention (RMSNorm in fp32, rotary embedding
 from the model's own ``rotary_emb``, grouped-query attention), run over the engine's cache through
@@ -26,6 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.thin_linear import available as thin_linear_available
+from kernels.thin_linear import thin_linear
+
 
 @dataclass
 class ForwardOutput:
@@ -36,18 +40,21 @@ class ForwardOutput:
 
 
 def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w^T for x [..., K] and w [N, K], computed as (w @ x^T)^T: the streaming kernel for few
-    tokens (see the module docstring)."""
+    """x @ w^T for x [..., K] and w [N, K], computed as (w @ x^T)^T: BLAS's streaming kernel for
+    few tokens, where the native kernel is not built (see the module docstring)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # [T, K]
-    if x2.shape[0] > _THIN_MAX:
-        return F.linear(x, w)
     y = torch.mm(w, x2.t())  # [N, T]
     return y.t().reshape(*shape[:-1], w.shape[0])
 
 
 _THIN_MAX = 4
-"""Token counts up to this use w @ x^T; above it F.linear's gemm is as good or better (measured)."""
+"""Without the native kernel, token counts up to this use w @ x^T; above it F.linear's gemm is as
+good or better (measured)."""
+
+NATIVE_MAX = 32
+"""Token counts up to this use kernels.thin_linear (one pass over the weights from memory);
+above it BLAS's gemm (measured: ARCHITECTURE.md, "Decode path")."""
 
 
 class LlamaForward:
@@ -63,7 +70,11 @@ class LlamaForward:
         inner = getattr(model, "model", None)
         return inner is not None and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head")
 
-    def __init__(self, model: torch.nn.Module, thin_max: int | None = None):
+    def __init__(
+        self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None
+    ):
+        """native: use kernels.thin_linear for up to NATIVE_MAX tokens (None = where it builds
+        and the weights are fp32 on the CPU); thin_max: the BLAS w @ x^T path's limit otherwise."""
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
         cfg = model.config
@@ -79,6 +90,10 @@ class LlamaForward:
         self.final_norm = inner.norm.weight
         self.lm_head = model.lm_head.weight  # [V, H] (tied: the same tensor as embed)
         self.thin_max = _THIN_MAX if thin_max is None else thin_max
+        on_cpu_fp32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+        if native is None:
+            native = on_cpu_fp32 and thin_linear_available()
+        self.native = bool(native) and on_cpu_fp32
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
@@ -105,7 +120,10 @@ class LlamaForward:
         return n + self.lm_head.numel() * self.lm_head.element_size()
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] * x.shape[1] <= self.thin_max:
+        tokens = x.shape[0] * x.shape[1]
+        if self.native and tokens <= NATIVE_MAX:
+            return thin_linear(x, w)
+        if tokens <= self.thin_max:
             return _mm_t(x, w)
         return F.linear(x, w)
 

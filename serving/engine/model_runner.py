@@ -14,7 +14,13 @@ from serving.engine.llama_forward import LlamaForward
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, device: torch.device, forward: str = "auto"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        forward: str = "auto",
+        native_kernels: bool = True,
+    ):
         self.model = model
         self.device = device
         attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
@@ -25,7 +31,7 @@ class ModelRunner:
         """Our own forward (serving/engine/llama_forward.py) when ``forward="auto"`` and the
         model is a Llama-family model on sdpa; None runs the Hugging Face forward."""
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
-            self.fast = LlamaForward(model)
+            self.fast = LlamaForward(model, native=None if native_kernels else False)
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kernels import thin_linear
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.llama_forward import LlamaForward
 from serving.target import tiny_target
@@ -36,11 +37,16 @@ def _twin(cache):
     return twin
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "blas"])
 @pytest.mark.parametrize("q", [1, 2, 4, 5, 9])
 @torch.inference_mode()
-def test_logits_and_features_match_hf_on_ragged_rows(q):
+def test_logits_and_features_match_hf_on_ragged_rows(q, native):
+    """Both projection paths: the native thin kernel (where it builds) and BLAS alone."""
+    if native and not thin_linear.available():
+        pytest.skip("native kernel not built here")
     model = tiny_target(vocab_size=97, num_layers=3).model
-    fast = LlamaForward(model, thin_max=4)
+    fast = LlamaForward(model, thin_max=4, native=native)
+    assert fast.native == native
     cache = _prefilled(model, [5, 11, 2])
     twin = _twin(cache)
     ids = torch.randint(0, 97, (3, q), generator=torch.Generator().manual_seed(q))
