@@ -45,6 +45,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from kernels.thin_linear import thin_linear
+
 DEFAULT_DRAFT_VOCAB_SIZE = 16384
 
 
@@ -75,6 +77,19 @@ def gather_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int]
     return torch.cat([hidden_states[i] for i in layers], dim=-1)  # [B, T, F]
 
 
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` through kernels.thin_linear: one pass over the weights for a few tokens when
+    drafting on the CPU; F.linear itself when training (gradients) or on other devices."""
+    if layer.bias is not None:
+        return layer(x)
+    return thin_linear(x, layer.weight)
+
+
+def mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Llama MLP (``down(silu(gate(x)) * up(x))``) with its projections through ``linear``."""
+    return linear(module.down_proj, F.silu(linear(module.gate_proj, x)) * linear(module.up_proj, x))
+
+
 def attend(
     attn: nn.Module,
     x: torch.Tensor,  # [B, L, D_in]
@@ -89,9 +104,9 @@ def attend(
 ) -> torch.Tensor:
     """Llama self-attention over ``attn``'s q/k/v/o projections (HF ``LlamaAttention`` or ours)."""
     b, n, _ = x.shape
-    q = attn.q_proj(x).view(b, n, num_heads, head_dim).transpose(1, 2)  # [B, nh, L, hd]
-    k = attn.k_proj(x).view(b, n, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, hd]
-    v = attn.v_proj(x).view(b, n, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, hd]
+    q = linear(attn.q_proj, x).view(b, n, num_heads, head_dim).transpose(1, 2)  # [B, nh, L, hd]
+    k = linear(attn.k_proj, x).view(b, n, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, hd]
+    v = linear(attn.v_proj, x).view(b, n, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, hd]
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     past = 0
     if cache is not None:
@@ -106,7 +121,7 @@ def attend(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=num_heads != num_kv_heads
     )
-    return attn.o_proj(out.transpose(1, 2).reshape(b, n, num_heads * head_dim))  # [B, L, H]
+    return linear(attn.o_proj, out.transpose(1, 2).reshape(b, n, num_heads * head_dim))  # [B, L, H]
 
 
 def _cache_length(cache, layer_idx: int) -> int:
@@ -402,7 +417,7 @@ class EagleHead(nn.Module):
         if (hidden is None) == (features is None):
             raise ValueError("pass exactly one of hidden (fused, [.., H]) or features ([.., F])")
         if features is not None:
-            hidden = self.fc(features.to(self.fc.weight.dtype))  # [B, L, H]
+            hidden = linear(self.fc, features.to(self.fc.weight.dtype))  # [B, L, H]
         c = self.config
         b, n = input_ids.shape
         if position_ids is None:
@@ -425,11 +440,11 @@ class EagleHead(nn.Module):
             c.num_key_value_heads,
             c.head_dim,
         )  # [B, L, H]
-        return h + layer.mlp(layer.post_attention_layernorm(h))  # [B, L, H]
+        return h + mlp(layer.mlp, layer.post_attention_layernorm(h))  # [B, L, H]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] pre-norm hidden -> [..., Vd] draft-vocabulary logits."""
-        return self.lm_head(self.norm(hidden))
+        return linear(self.lm_head, self.norm(hidden))
 
 
 def eagle_from_target(

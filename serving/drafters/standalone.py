@@ -10,11 +10,11 @@ its probabilities then live on those ids only, which the returned distributions 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 from feedback.bus.trace import DrafterKind
-from feedback.drafters.models import attend
+from feedback.drafters.models import attend, mlp
+from kernels.thin_linear import thin_linear
 from serving.drafters.base import DraftRequestView
 from serving.drafters.learned import LearnedDrafter
 
@@ -59,7 +59,7 @@ class StandaloneNet:
                 self.num_kv_heads,
                 self.head_dim,
             )
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
         return h  # [B, L, H] pre-norm
 
     def extend(self, tokens, features, positions, cache, mask):
@@ -69,7 +69,7 @@ class StandaloneNet:
         return self._forward(tokens, positions, cache, mask)
 
     def logits(self, hidden):
-        return F.linear(self.model.model.norm(hidden), self.head_weight)  # [B, Vd]
+        return thin_linear(self.model.model.norm(hidden), self.head_weight)  # [B, Vd]
 
 
 class StandaloneDrafter(LearnedDrafter):
