@@ -2,7 +2,8 @@
 q tokens costs in one-token steps, for TorchEngine's forward and the Hugging Face reference, in one
 run (so the before/after ratio is measured on the same machine at the same time).
 
-- ``bandwidth_gbs``: read bandwidth, median of summing a 256 MB fp32 tensor.
+- ``bandwidth_gbs``: read bandwidth, median of summing a 256 MB fp32 tensor, sampled between the
+  timed forwards (a VM's bandwidth moves with its neighbours).
 - ``bound_ms`` = weight bytes / bandwidth: the least a decode step can cost (every weight read once).
 - ``step_ms``: one-token forward at context ``--context``, batch 1, median; ``bound_fraction`` =
   bound_ms / step_ms.
@@ -47,15 +48,23 @@ def cpu_info() -> dict:
     return {"model": model, "flags": sorted(f for f in _FLAGS if f in flags), "cpus": os.cpu_count()}
 
 
-def read_bandwidth_gbs(mb: int = 256, reps: int = 7) -> float:
-    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(reps):
+class BandwidthProbe:
+    """Read bandwidth: the time to sum a 256 MB fp32 tensor. A VM's bandwidth moves with its
+    neighbours (40-77 GB/s seen on one machine within minutes), so ``run`` samples it between the
+    timed forwards and reports the median of those samples, measured under the same conditions."""
+
+    def __init__(self, mb: int = 256):
+        self.x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+        self.x.sum()
+        self.times: list[float] = []
+
+    def sample(self) -> None:
         t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+        self.x.sum()
+        self.times.append(time.perf_counter() - t0)
+
+    def gbs(self) -> float:
+        return self.x.numel() * 4 / statistics.median(self.times) / 1e9
 
 
 class _Path:
@@ -111,7 +120,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if native:  # the same forward on BLAS alone: what the native kernel buys, in the same run
         blas = TorchEngine(target, config=EngineConfig(k=0, forward="auto", native_kernels=False))
         paths.insert(1, _Path("blas", blas))
-    bw = read_bandwidth_gbs()
+    probe = BandwidthProbe()
     weight_bytes = (
         fast.runner.fast.weight_bytes()
         if fast.runner.fast is not None
@@ -125,10 +134,12 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         for p in paths:  # warm both paths at every width
             for q in (1,) + _QS:
                 p.forward_ms(cache, q, vocab)
-        for _ in range(reps):  # interleaved, so drift on a shared machine hits both alike
+        for _ in range(reps):  # interleaved, so drift on a shared machine hits all alike
             for q in (1,) + _QS:
+                probe.sample()
                 for p in paths:
                     times[p.name][q].append(p.forward_ms(cache, q, vocab))
+        bw = probe.gbs()
         prompts = [[1, 504, 3101, 314, 253, 6467, 28], [1, 4093, 15, 1392, 314, 260], [1, 2683, 1259, 30]]
         prompts = [[t % vocab for t in pr] for pr in prompts]
         lossless = all(
