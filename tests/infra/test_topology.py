@@ -171,10 +171,20 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
         mlflow = info.stack.mlflow_uri
         more = iter(range(1000))
 
-        def polled_all() -> bool:
-            return _trainer_metrics(mlflow, tiny_model_dir).get("records_polled", 0) >= sent["a"] + sent["b"]
+        def polled_all():
+            """Every trace sent so far, and every nudge but the newest: the wait sends a request
+            now and then so the trainer trains (and logs its count) again, and the newest nudge's
+            trace may still be on its way when the count is read."""
+            due = sent["a"] + sent["b"]
 
-        _wait("the trainer to poll every trace", polled_all, every_s=3.0,  # a trained round logs the count
+            def caught_up() -> bool:
+                nudges = sent["a"] + sent["b"] - due
+                polled = _trainer_metrics(mlflow, tiny_model_dir).get("records_polled", 0)
+                return polled >= due + max(0, nudges - 1)
+
+            return caught_up
+
+        _wait("the trainer to poll every trace", polled_all(), every_s=3.0,  # a trained round logs the count
               act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8),
               show=lambda: (sent, _trainer_metrics(mlflow, tiny_model_dir)))
 
@@ -198,7 +208,7 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
               act=lambda: on_b(f"Name a colour for boat {next(tail)}.", 8))
 
         # Traces from both replicas reached the trainer (one per request; dedup by request id).
-        _wait("the trainer to poll every trace after the burst", polled_all, every_s=3.0,
+        _wait("the trainer to poll every trace after the burst", polled_all(), every_s=3.0,
               act=lambda: on_b(f"Count the masts of ship {next(more)}.", 8),
               show=lambda: (sent, _trainer_metrics(mlflow, tiny_model_dir)))
         assert sent["a"] > 0 and sent["b"] > 0
