@@ -1,118 +1,32 @@
 """thin_linear: ``x @ w.T`` for a few tokens (fp32, CPU) at about the cost of one pass over ``w``.
 
-The CPU kernel is ``kernels/native/thin_linear.c`` (why it exists: see its header). It is compiled
-here on first use with the machine's C compiler and ``-march=native`` (AVX-512 or AVX2, whichever
-the CPU has), into a cache directory keyed by the source, the compiler and the CPU's flags, so a
-second process loads it in milliseconds. Where no compiler is found, or the build fails, or the
-inputs are not what the kernel takes (not fp32, not on the CPU, needing gradients), ``thin_linear``
-answers with the torch reference ``F.linear`` instead: same contract, only slower.
-
-The loader is ctypes (no torch headers to compile against; the build takes under a second).
-ctypes releases the GIL for the call, so other Python threads run while the kernel does.
+The CPU kernel is ``kernels/native/thin_linear.c`` (why it exists: see its header), built and
+loaded by ``kernels.native_build``. Where it cannot be built, or the inputs are not what it takes
+(not fp32, not on the CPU, needing gradients, more than ``MAX_TOKENS`` tokens), ``thin_linear``
+answers with the torch reference ``F.linear``: same contract, only slower.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from kernels import native_build
 
-SOURCE = Path(__file__).parent / "native" / "thin_linear.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_TOKENS = 64
 """Above this many tokens BLAS's gemm is the better path; thin_linear hands over to F.linear."""
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_disabled = os.environ.get("SPECLOOP_THIN_LINEAR", "1") == "0"
 
-
-def cache_dir() -> Path:
-    """Where built kernels are kept: $SPECLOOP_KERNEL_CACHE, else ~/.cache/specloop/kernels."""
-    env = os.environ.get("SPECLOOP_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specloop" / "kernels"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(cc: str) -> Path:
-    """Compile the kernel (once per source/compiler/CPU) and return the shared object's path."""
-    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    out = cache_dir() / f"thin_linear-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True
-        )
-        os.replace(tmp, out)  # atomic: a concurrent build of the same key loses nothing
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.thin_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.thin_linear.restype = ctypes.c_int
+    lib.thin_linear_vector_width.restype = ctypes.c_int
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        cc = _compiler()
-        if _disabled:
-            log.info("thin_linear: native kernel disabled (SPECLOOP_THIN_LINEAR=0)")
-        elif cc is None:
-            log.warning("thin_linear: no C compiler found; using F.linear")
-        else:
-            try:
-                lib = ctypes.CDLL(str(_build(cc)))
-                lib.thin_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [
-                    ctypes.c_int
-                ]
-                lib.thin_linear.restype = ctypes.c_int
-                lib.thin_linear_vector_width.restype = ctypes.c_int
-                _lib = lib
-            except (OSError, subprocess.CalledProcessError) as e:
-                detail = getattr(e, "stderr", "") or str(e)
-                log.warning("thin_linear: native build failed (%s); using F.linear", detail[-500:])
-        _tried = True
-        return _lib
+    return native_build.load("thin_linear", _declare)
 
 
 def available() -> bool:

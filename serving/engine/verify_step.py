@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import probs_from_logits
+from kernels.topk_logprobs import topk_logprobs
 from kernels.tree_verify import (
     TreeVerifyResult,
     greedy_tree_verify,
@@ -75,17 +76,16 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, logits:
 def trace_topk(rows: list[Row], plan: DraftPlan, logits: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """Target top-k (ids, log-probs) [B, K+1, T] at the verified positions of rows that are traced.
 
-    Only positions j <= num_drafted of rows with ``train`` set are computed (one gather, one
-    top-k, one logsumexp over [N, V]); the rest stay padded (-1 / -inf)."""
+    Only positions j <= num_drafted of rows with ``train`` set are computed (kernels.topk_logprobs
+    over [N, V]: one read of each row on the CPU); the rest stay padded (-1 / -inf)."""
     b, k1, vocab = logits.shape
     t = min(top_k, vocab)
     device = logits.device
     verified = torch.arange(k1, device=device)[None, :] <= plan.lengths.to(device)[:, None]
     traced = torch.tensor([r.request.train for r in rows], device=device)
     keep = verified & traced[:, None]  # [B, K+1]
-    sel = logits[keep]  # [N, V]
-    values, ids = sel.topk(t, dim=-1)  # [N, T]
-    lp = values.float() - torch.logsumexp(sel.float(), dim=-1, keepdim=True)  # [N, T]
+    sel = logits.reshape(b * k1, vocab) if bool(keep.all()) else logits[keep]  # [N, V]
+    ids, lp = topk_logprobs(sel, t)  # [N, T] each
     topk_ids = np.full((b, k1, t), -1, dtype=np.int32)
     topk_lp = np.full((b, k1, t), -np.inf, dtype=np.float16)
     mask = keep.cpu().numpy()

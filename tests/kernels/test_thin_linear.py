@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import native_build
 from kernels import thin_linear as tl
 
 needs_native = pytest.mark.skipif(not tl.available(), reason="no C compiler / native build")
@@ -58,11 +59,11 @@ def test_falls_back_where_the_kernel_does_not_apply():
 
 def test_build_is_cached(tmp_path, monkeypatch):
     """A second process finds the built kernel in the cache instead of compiling again."""
-    cc = tl._compiler()
+    cc = native_build.compiler()
     if cc is None:
         pytest.skip("no C compiler")
     monkeypatch.setenv("SPECLOOP_KERNEL_CACHE", str(tmp_path))
-    first = tl._build(cc)
+    first = native_build.build("thin_linear", cc)
     assert first.exists() and first.parent == tmp_path
     mtime = first.stat().st_mtime_ns
-    assert tl._build(cc) == first and first.stat().st_mtime_ns == mtime
+    assert native_build.build("thin_linear", cc) == first and first.stat().st_mtime_ns == mtime

@@ -1,0 +1,55 @@
+"""topk_logprobs: the ``t`` largest logits of each row and their log-probabilities, as traces
+record the target's top-k at every verified position.
+
+The torch reference reads each row three times (topk, logsumexp, and a gather before them); the
+native kernel (``kernels/native/topk_logprobs.c``) reads it once and once more from cache: ~4x
+less time for a 4 x 5-position verify step on this CPU. Ids come back in descending order of
+logit; log-probs agree with the reference to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import native_build
+
+MAX_T = 64
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.topk_logprobs.argtypes = [
+        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+    ]
+    lib.topk_logprobs.restype = ctypes.c_int
+
+
+def available() -> bool:
+    return native_build.load("topk_logprobs", _declare) is not None
+
+
+def topk_logprobs_reference(logits: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (ids [N, t] int64, log-probs [N, t] fp32), descending."""
+    values, ids = logits.topk(t, dim=-1)  # [N, t]
+    return ids, values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+
+
+def topk_logprobs(logits: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (ids [N, t] int64, log-probs [N, t] fp32), descending."""
+    n, vocab = logits.shape
+    t = min(t, vocab)
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not 1 <= t <= MAX_T:
+        return topk_logprobs_reference(logits, t)
+    lib = native_build.load("topk_logprobs", _declare)
+    if lib is None:
+        return topk_logprobs_reference(logits, t)
+    x = logits.contiguous()
+    ids = torch.empty(n, t, dtype=torch.long)
+    lp = torch.empty(n, t, dtype=torch.float32)
+    rc = lib.topk_logprobs(x.data_ptr(), n, vocab, t, ids.data_ptr(), lp.data_ptr(),
+                           torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"topk_logprobs refused logits {tuple(logits.shape)}, t={t}")
+    return ids, lp
