@@ -33,7 +33,7 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
 def disabled() -> bool:
-    return os.environ.get("SPECLOOP_NATIVE_KERNELS", os.environ.get("SPECLOOP_THIN_LINEAR", "1")) == "0"
+    return os.environ.get("SPECLOOP_NATIVE_KERNELS", "1") == "0"
 
 
 def cache_dir() -> Path:
