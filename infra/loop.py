@@ -155,32 +155,34 @@ def make_student(target, draft_vocab_size: int | None = None, init: str = "targe
 
 def measure_costs(target, student, k: int, context: int = 256) -> dict:
     """On this machine, relative to one target decode step at ``context``: one draft token of
-    ``student`` (read at its draft vocabulary) and one verify forward of k+1 tokens. The gate's
-    simulation charges these, so it promotes only drafters that pay here."""
+    ``student`` (read at its draft vocabulary) and one verify forward of k+1 tokens, both timed on
+    the paths serving runs (TorchEngine's ModelRunner, the learned drafter's StandaloneNet), so
+    the gate's simulation charges what serving pays and promotes only drafters that pay here."""
     import copy
 
     from transformers import DynamicCache
 
-    ids = torch.randint(0, 1000, (1, context))
+    from serving.drafters.standalone import StandaloneNet
+    from serving.engine.model_runner import ModelRunner
+
+    ids = torch.randint(0, min(1000, int(target.model.config.vocab_size)), (1, context))
     model = copy.deepcopy(student.model).to(target.model.get_output_embeddings().weight.dtype).eval()
     with torch.inference_mode():
-        cache = DynamicCache()
-        target.model(ids, past_key_values=cache, use_cache=True)
-
-        def target_forward(n):
-            target.model(ids[:, :n], past_key_values=cache, use_cache=True, logits_to_keep=n)
-            cache.crop(-n)
-
-        step_ms = median_ms(lambda: target_forward(1), iters=12, warmup=1)
-        verify_ms = median_ms(lambda: target_forward(k + 1), iters=12, warmup=1)
+        runner = ModelRunner(target.model, target.device)
+        cache = runner.new_cache(batch_size=1)
+        runner.forward(cache, ids, logits_to_keep=1)
+        cache.commit([context])
+        # Uncommitted forwards: each call overwrites the last one's keys and values.
+        step_ms = median_ms(lambda: runner.forward(cache, ids[:, :1]), iters=12, warmup=1)
+        verify_ms = median_ms(lambda: runner.forward(cache, ids[:, : k + 1]), iters=12, warmup=1)
+        net = StandaloneNet(model, draft_vocab=student.head_vocab)
         dcache = DynamicCache()
-        model.model(ids, past_key_values=dcache, use_cache=True)
-        head = model.lm_head.weight  # [V, H]
-        head = head if student.head_vocab is None else head[student.head_vocab].contiguous()  # [Vd, H]
+        net.extend(ids, None, torch.arange(context)[None], dcache, None)
+        position = torch.tensor([[context]])
 
         def draft_token():
-            h = model.model(ids[:, :1], past_key_values=dcache, use_cache=True).last_hidden_state
-            torch.nn.functional.linear(h, head).argmax(-1)  # [1, 1]
+            hidden = net.step(ids[:, :1], None, position, dcache, None)  # [1, 1, H]
+            net.logits(hidden[:, -1]).argmax(-1)  # [1]
             dcache.crop(-1)
 
         draft_ms = median_ms(draft_token, iters=12, warmup=1)
