@@ -129,13 +129,33 @@ def summary_table(summary: dict):
     return t
 
 
+def baseline_sample(total: int, n: int) -> list[int]:
+    """``n`` request indices spread evenly over a stream of ``total`` (both sides of the shift):
+    per-token speed depends on the prompt (its prefill, its context), so a baseline of the first
+    few requests would compare the whole stream against a few short chat prompts."""
+    n = max(1, min(n, total))
+    return sorted({(2 * i + 1) * total // (2 * n) for i in range(n)})
+
+
+def matched_speedup(points, base: dict, indices: list[int]) -> float | None:
+    """tok/s of the loop on ``indices`` over target-only tok/s on the same requests."""
+    from infra.loop_metrics import tok_s
+
+    ours = [points[i] for i in indices if i < len(points) and not points[i].failed]
+    theirs = [base[i] for i in indices if i < len(points) and not points[i].failed]
+    if not ours or not tok_s(theirs):
+        return None
+    return tok_s(ours) / tok_s(theirs)
+
+
 async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: int, console) -> dict:
     from infra.loop import OnlineLoop
     from infra.loop_metrics import shift_index, summarise, target_only, tok_s, trainer_figures
 
-    console.print(f"target-only baseline on {baseline_n} requests ...")
-    base = await target_only(target, stream[:baseline_n], cfg.max_tokens)
-    base_tok_s = tok_s(base)
+    sampled = baseline_sample(len(stream), baseline_n)
+    console.print(f"target-only baseline on {len(sampled)} requests spread over the stream ...")
+    base = dict(zip(sampled, await target_only(target, [stream[i] for i in sampled], cfg.max_tokens)))
+    base_tok_s = tok_s(list(base.values()))
     shift = shift_index([d for _, d in stream])
     loop = OnlineLoop(target, stack_info, cfg, run_dir)
     await loop.start()
@@ -147,12 +167,16 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
         await loop.stop()
     summary = summarise(loop.points, shift, swaps=loop.swaps, rollbacks=loop.rollbacks,
                         freshness=loop.freshness_s(), drifts=loop.drifts)
-    before, after = loop.points[:shift], loop.points[shift:]
+
+    def matched(keep) -> float | None:
+        return matched_speedup(loop.points, base, [i for i in sampled if keep(i)])
+
     summary.update({
         "target_only_tok_s": base_tok_s,
-        "speedup_overall": tok_s(loop.points) / base_tok_s if base_tok_s else None,
-        "speedup_before_shift": tok_s(before) / base_tok_s if base_tok_s else None,
-        "speedup_after_shift": tok_s(after) / base_tok_s if base_tok_s and after else None,
+        "baseline_requests": len(sampled),
+        "speedup_overall": matched(lambda i: True),
+        "speedup_before_shift": matched(lambda i: i < shift),
+        "speedup_after_shift": matched(lambda i: i >= shift),
         "final_drafter_version": str(getattr(loop.engine.drafter, "version", "-")),
         **trainer_figures(loop),
     })
@@ -171,7 +195,8 @@ def demo(
     k: int = typer.Option(4, min=1, help="Most drafted tokens per step."),
     adaptive_k: bool = typer.Option(True, help="Choose k per step (0 = off) by expected goodput from "
                                     "live acceptance and measured costs; --no-adaptive-k: fixed k."),
-    baseline: int = typer.Option(4, min=1, help="Requests in the target-only baseline."),
+    baseline: int = typer.Option(16, min=1, help="Requests in the target-only baseline, spread over "
+                                 "the stream; the speedups compare the loop with it on the same requests."),
     run_dir: Path = typer.Option(None, help="Where the plot, summary and stack data go "
                                  "(default: ./specloop-demo/<timestamp>)."),
     threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),

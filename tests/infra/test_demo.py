@@ -205,3 +205,17 @@ def test_plot_and_table_show_swaps_rollbacks_and_drifts(tmp_path):
     assert summary["acceptance_drifts"] == 1 and summary["drift_domains"] == "code"
     png = plot(points, events, 6, tmp_path / "demo.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_demo_baseline_spreads_over_the_stream_and_speedups_match_requests():
+    from types import SimpleNamespace
+
+    from infra.demo import baseline_sample, matched_speedup
+
+    assert baseline_sample(80, 16) == [2, 7, 12, 17, 22, 27, 32, 37, 42, 47, 52, 57, 62, 67, 72, 77]
+    assert baseline_sample(5, 16) == [0, 1, 2, 3, 4]
+    point = lambda tokens, wall, failed=False: SimpleNamespace(tokens=tokens, wall_s=wall, failed=failed)
+    loop = [point(10, 1.0), point(10, 0.5), point(10, 2.0, failed=True)]
+    base = {0: point(10, 2.0), 1: point(10, 1.0), 2: point(10, 1.0)}
+    assert matched_speedup(loop, base, [0, 1]) == 2.0  # 20 tokens in 1.5 s vs 20 in 3 s
+    assert matched_speedup(loop, base, [2]) is None  # a failed request is not compared
