@@ -62,11 +62,13 @@ def _cpu_flags() -> str:
 
 
 def build(name: str, cc: str) -> Path:
-    """Compile ``native/<name>.c`` (once per source/compiler/CPU); the shared object's path."""
+    """Compile ``native/<name>.c`` (once per source, headers, compiler and CPU); the shared
+    object's path."""
     source = NATIVE_DIR / f"{name}.c"
+    headers = [h.read_text() for h in sorted(NATIVE_DIR.glob("*.h"))]
     version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join([source.read_text(), version, " ".join(CFLAGS), _cpu_flags()]).encode()
+        "\0".join([source.read_text(), *headers, version, " ".join(CFLAGS), _cpu_flags()]).encode()
     ).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():

@@ -14,12 +14,7 @@
  */
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+#include "simd.h"
 
 #define ROWS_PER_PASS 8 /* weight rows streamed together: each load of x feeds 8 FMAs */
 #define T_CHUNK 3        /* tokens per pass: 8 x 3 accumulators + 8 weight vectors in registers */

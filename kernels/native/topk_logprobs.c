@@ -12,13 +12,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
+#include "simd.h"
 
 /* a where m, else b (m: all-ones or all-zeros lanes, from a vector compare) */
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
