@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from kernels import native_build
 
-MAX_TOKENS = 64
-"""Above this many tokens BLAS's gemm is the better path; thin_linear hands over to F.linear."""
+MAX_TOKENS = 32
+"""Above this many tokens BLAS's gemm is the better path (measured: ARCHITECTURE.md, "Decode
+path"); thin_linear hands over to F.linear."""
 
 
 def _declare(lib: ctypes.CDLL) -> None:

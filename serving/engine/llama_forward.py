@@ -4,7 +4,7 @@ Why not the Hugging Face forward: on a CPU a decode step is bound by reading the
 a verify of q = 2..16 tokens should cost about the same. Through ``F.linear`` (x @ W^T) it does
 not: MKL runs one row as a streaming gemv, but 2+ rows go through its gemm path, which costs
 ~1.6-1.9x the one-row time on these 2-core machines (ARCHITECTURE.md, "Decode path"). So the
-projections of up to ``NATIVE_MAX`` tokens go through ``kernels.thin_linear``, a native kernel that
+projections of up to ``kernels.thin_linear.MAX_TOKENS`` tokens go through ``kernels.thin_linear``, a native kernel that
 reads each weight row once and computes its dot products with up to 8 tokens from registers.
 Where that kernel does not build, ``y^T = W @ x^T`` (the weight as the tall left operand) keeps
 MKL's streaming kernel for up to 4 tokens. We also fuse q/k/v and gate/up into one matrix each
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.thin_linear import MAX_TOKENS as THIN_LINEAR_MAX_TOKENS
 from kernels.thin_linear import available as thin_linear_available
 from kernels.thin_linear import thin_linear
 
@@ -52,9 +53,6 @@ _THIN_MAX = 4
 """Without the native kernel, token counts up to this use w @ x^T; above it F.linear's gemm is as
 good or better (measured)."""
 
-NATIVE_MAX = 32
-"""Token counts up to this use kernels.thin_linear (one pass over the weights from memory);
-above it BLAS's gemm (measured: ARCHITECTURE.md, "Decode path")."""
 
 
 class LlamaForward:
@@ -73,7 +71,7 @@ class LlamaForward:
     def __init__(
         self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None
     ):
-        """native: use kernels.thin_linear for up to NATIVE_MAX tokens (None = where it builds
+        """native: use kernels.thin_linear for up to its MAX_TOKENS tokens (None = where it builds
         and the weights are fp32 on the CPU); thin_max: the BLAS w @ x^T path's limit otherwise."""
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
@@ -121,7 +119,7 @@ class LlamaForward:
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0] * x.shape[1]
-        if self.native and tokens <= NATIVE_MAX:
+        if self.native and tokens <= THIN_LINEAR_MAX_TOKENS:
             return thin_linear(x, w)
         if tokens <= self.thin_max:
             return _mm_t(x, w)
