@@ -97,6 +97,7 @@ def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
     )
     from serving.drafters.factory import build_drafter
     from trainer.distill import DistillConfig
+    from trainer.export import student_draft_vocab
     from trainer.offline import teacher_trace, train_offline
 
     pre = loop.served[: loop.snapshot_at]
@@ -114,7 +115,8 @@ def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
     kind = learned_kind(cfg)
     vocab = {"draft_vocab_size": cfg.draft_vocab_size}
     with tempfile.TemporaryDirectory(prefix="specloop-static-") as tmp:
-        save_drafter(student.model, config, target.fingerprint, Path(tmp) / "a", version="static")
+        save_drafter(student.model, config, target.fingerprint, Path(tmp) / "a", version="static",
+                     draft_vocab=student_draft_vocab(student))
         if cfg.drafter == "hybrid":
             suffix = build_drafter("suffix", target)
             for prompt, output in pre:

@@ -155,7 +155,7 @@ def make_student(target, draft_vocab_size: int | None = None, init: str = "targe
 
 def measure_costs(target, student, k: int, context: int = 256) -> dict:
     """On this machine, relative to one target decode step at ``context``: one draft token of
-    ``student`` (as a promoted version is served) and one verify forward of k+1 tokens, both timed on
+    ``student`` (at its draft vocabulary, as a promoted version is served) and one verify forward of k+1 tokens, both timed on
     the paths serving runs (TorchEngine's ModelRunner, the learned drafter's StandaloneNet), so
     the gate's simulation charges what serving pays and promotes only drafters that pay here."""
     import copy
@@ -175,9 +175,9 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
         # Uncommitted forwards: each call overwrites the last one's keys and values.
         step_ms = median_ms(lambda: runner.forward(cache, ids[:, :1]), iters=12, warmup=1)
         verify_ms = median_ms(lambda: runner.forward(cache, ids[:, : k + 1]), iters=12, warmup=1)
-        # A promoted artifact is served through serving's ArtifactDrafterLoader, which reads the
-        # whole lm_head (the artifact does not record the student's draft vocabulary): charge that.
-        net = StandaloneNet(model, draft_vocab=None)
+        # A promoted artifact records the student's draft vocabulary and serving reads the lm_head
+        # at it (feedback/registry/artifact.py): charge that.
+        net = StandaloneNet(model, draft_vocab=student.head_vocab)
         dcache = DynamicCache()
         net.extend(ids, None, torch.arange(context)[None], dcache, None)
         position = torch.tensor([[context]])

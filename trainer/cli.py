@@ -123,6 +123,7 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
     from feedback.registry.artifact import save_drafter
     from feedback.target.location import model_fingerprint
     from trainer.distill import DistillConfig
+    from trainer.export import student_draft_vocab
     from trainer.offline import generate_traces, read_prompts, train_offline
 
     settings = _settings()
@@ -149,7 +150,7 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
         config = StandaloneConfig.for_target(student.model.config)
     version = f"static-{int(time.time())}"
     save_drafter(student.model, config, fp, out, version=version, overwrite=True,
-                 extra={"offline_prompts": str(prompts), **{k: v for k, v in fit.items() if k != "stopped_early"}})
+                 draft_vocab=student_draft_vocab(student), extra={"offline_prompts": str(prompts), **{k: v for k, v in fit.items() if k != "stopped_early"}})
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
               "generation_s": gen_s, **fit}
     if {"SPECLOOP_TRAINER_TRACKING_URI", "SPECLOOP_MLFLOW_TRACKING_URI"} & set(os.environ):

@@ -8,6 +8,10 @@ A directory with two files, no pickle anywhere:
                        embedding is the target's and is not stored; a selfspec drafter stores
                        only its adapter: the layers, embeddings and lm_head it shares with the
                        target are pinned by the fingerprint, never copied)
+    draft_vocab.safetensors
+                       standalone only, when it was trained at a draft vocabulary: the sorted
+                       target ids whose lm_head rows it reads (serving reads the same rows; a
+                       draft token then costs Vd/V of the vocabulary projection)
 
 ``load_drafter`` validates everything before it returns a model: target fingerprint, checksums,
 tensor names and shapes against the config, finite weights, draft-vocabulary consistency. Anything
@@ -37,6 +41,7 @@ from feedback.target.fingerprint import TargetFingerprint
 ARTIFACT_FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 class DrafterArtifactError(Exception):
@@ -60,7 +65,8 @@ class DrafterMeta(BaseModel):
     dtype: str
     draft_vocab_size: int | None = None
     draft_vocab_sha256: str | None = None
-    """sha256 of the draft vocabulary's target ids (int64 little-endian), eagle only."""
+    """sha256 of the draft vocabulary's target ids (int64 little-endian): eagle, and standalone
+    trained at a draft vocabulary."""
     files: dict[str, str]
     """file name -> sha256 hex of its bytes"""
     extra: dict = Field(default_factory=dict)
@@ -113,10 +119,16 @@ def save_drafter(
     parent_version: str | None = None,
     extra: dict | None = None,
     overwrite: bool = False,
+    draft_vocab: torch.Tensor | None = None,
 ) -> DrafterMeta:
-    """Write ``model`` as an artifact directory (atomically: a temp sibling renamed into place)."""
+    """Write ``model`` as an artifact directory (atomically: a temp sibling renamed into place).
+    ``draft_vocab``: standalone only, the [Vd] target ids its lm_head was trained to be read at."""
     directory = Path(directory)
     kind = kind_of(config)
+    if draft_vocab is not None:
+        if kind != "standalone":
+            raise ValueError(f"draft_vocab is recorded for standalone drafters; a {kind} drafter carries its own")
+        draft_vocab = _checked_vocab(torch.as_tensor(draft_vocab), int(config.vocab_size))
     if kind == "selfspec" and not isinstance(model, SelfSpecAdapter):
         model = adapter_of(model, config)  # an assembled drafter: store its adapter only
     if isinstance(model, EagleHead) and model.config != config:
@@ -145,6 +157,11 @@ def save_drafter(
     if isinstance(model, EagleHead):
         meta.draft_vocab_size = int(model.d2t.numel())
         meta.draft_vocab_sha256 = _vocab_hash(model.draft_vocab())
+    if draft_vocab is not None:
+        save_file({"ids": draft_vocab}, str(tmp / DRAFT_VOCAB_FILE))
+        meta.files[DRAFT_VOCAB_FILE] = sha256_file(tmp / DRAFT_VOCAB_FILE)
+        meta.draft_vocab_size = int(draft_vocab.numel())
+        meta.draft_vocab_sha256 = _vocab_hash(draft_vocab)
     (tmp / CONFIG_FILE).write_text(json.dumps(meta.model_dump(mode="json"), indent=2))
     if directory.exists():
         shutil.rmtree(directory)
@@ -171,7 +188,9 @@ def load_drafter(
     device: str | torch.device = "cpu",
 ) -> tuple[nn.Module, DrafterMeta]:
     """Validate and load an artifact. An EagleHead comes back without embeddings: attach the
-    target's with ``attach_embeddings``. Raises DrafterArtifactError on any problem."""
+    target's with ``attach_embeddings``. A standalone model trained at a draft vocabulary comes back
+    with it as ``model.artifact_draft_vocab`` ([Vd] target ids; None otherwise). Raises
+    DrafterArtifactError on any problem."""
     directory = Path(directory)
     meta = read_meta(directory)
     if meta.format_version != ARTIFACT_FORMAT_VERSION:
@@ -237,10 +256,44 @@ def load_drafter(
         except ValueError as e:
             raise DrafterArtifactError(f"{directory}: {e}") from e
 
+    vocab = _standalone_vocab(directory, meta, cfg) if meta.kind == "standalone" else None
+
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     model = model.to(dtype)
     model.load_state_dict(state, strict=False)  # completeness checked above; tied aliases follow
+    if meta.kind == "standalone":
+        model.artifact_draft_vocab = vocab
     return model.to(device).eval(), meta
+
+
+def _checked_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[Vd] strictly increasing target ids in [0, vocab_size), as int64; ValueError otherwise."""
+    if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"a draft vocabulary is a non-empty 1-D tensor of integer ids, got "
+                         f"{ids.dtype} {tuple(ids.shape)}")
+    ids = ids.to(torch.int64).cpu().contiguous()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"a draft vocabulary's ids must be strictly increasing in [0, {vocab_size})")
+    return ids
+
+
+def _standalone_vocab(directory: Path, meta: DrafterMeta, cfg) -> torch.Tensor | None:
+    """The recorded draft vocabulary of a standalone artifact, checked against config.json."""
+    recorded = meta.draft_vocab_size is not None or meta.draft_vocab_sha256 is not None
+    if DRAFT_VOCAB_FILE not in meta.files:
+        if recorded:
+            raise DrafterArtifactError(f"{directory}: config.json records a draft vocabulary but "
+                                       f"lists no {DRAFT_VOCAB_FILE}")
+        return None
+    try:
+        ids = _checked_vocab(load_file(str(directory / DRAFT_VOCAB_FILE))["ids"], int(cfg.vocab_size))
+    except (SafetensorError, OSError, KeyError, ValueError) as e:
+        raise DrafterArtifactError(f"{directory / DRAFT_VOCAB_FILE}: {e}") from e
+    if meta.draft_vocab_size != ids.numel() or meta.draft_vocab_sha256 != _vocab_hash(ids):
+        raise DrafterArtifactError(
+            f"{directory}: draft vocabulary differs from the one recorded in config.json"
+        )
+    return ids
 
 
 def _check_vocab(directory: Path, meta: DrafterMeta, cfg, state: dict[str, torch.Tensor]) -> None:

@@ -20,7 +20,8 @@ def build_drafter(
       (2, L//2, L-3)), ``init`` ("target" | "random"), ``frequencies`` ([V] counts picking the
       draft vocabulary), ``seed``. Ignored shape options when an artifact is given.
     - standalone: ``num_layers`` (2), ``init`` ("target-layers" | "random"), ``seed``,
-      ``draft_vocab_size`` (None: full vocabulary; else read the lm_head for the lowest ids only).
+      ``draft_vocab_size`` (None: full vocabulary; else read the lm_head for the lowest ids only;
+      an artifact that records the draft vocabulary it was trained at is served at that one).
     - selfspec: ``exit_layer`` (2: target layers shared), ``adapter_layers`` (1), ``adapter_init``
       ("next" | "last"), ``draft_vocab_size`` (16384 lowest ids + specials; None: full vocabulary).
     - hybrid: ``learned`` ("eagle" | "standalone" | "selfspec"; default: the artifact's kind, else eagle),
@@ -114,8 +115,8 @@ def _standalone(
             standalone_from_target(target.model, num_layers=num_layers, init=init, seed=seed),
             "day0",
         )
-    draft_vocab = None
-    if draft_vocab_size is not None:
+    draft_vocab = getattr(model, "artifact_draft_vocab", None)  # what the student was trained at
+    if draft_vocab is None and draft_vocab_size is not None:
         vocab = int(model.get_output_embeddings().weight.shape[0])
         draft_vocab = day0_draft_vocab(
             vocab, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config)

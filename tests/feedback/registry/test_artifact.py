@@ -12,6 +12,7 @@ from feedback.drafters.models import (
 )
 from feedback.registry.artifact import (
     CONFIG_FILE,
+    DRAFT_VOCAB_FILE,
     WEIGHTS_FILE,
     DrafterArtifactError,
     load_drafter,
@@ -85,6 +86,46 @@ def test_standalone_round_trip_keeps_tied_weights(target, tmp_path):
     ids = torch.randint(0, V, (1, 7))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_standalone_records_the_draft_vocabulary_it_was_trained_at(target, tmp_path):
+    model = standalone_from_target(target.model, num_layers=2)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=2, vocab_size=V)
+    vocab = torch.tensor(sorted({*range(60), 200, 255}))
+    meta = save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1", draft_vocab=vocab)
+    assert meta.draft_vocab_size == 62 and DRAFT_VOCAB_FILE in meta.files
+    loaded, _ = load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
+    assert torch.equal(loaded.artifact_draft_vocab, vocab)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "full", version="v1")
+    assert load_drafter(tmp_path / "full", expected_fingerprint=target.fingerprint)[0].artifact_draft_vocab is None
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([3, 2, 5]), torch.tensor([0, 1, V]), torch.tensor([[1, 2]]),
+                                 torch.tensor([0.0, 1.0])])
+def test_save_refuses_a_malformed_draft_vocabulary(target, tmp_path, bad):
+    model = standalone_from_target(target.model, num_layers=2)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=2, vocab_size=V)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1", draft_vocab=bad)
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_tampered_or_missing_draft_vocabulary_is_refused(target, tmp_path):
+    model = standalone_from_target(target.model, num_layers=2)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=2, vocab_size=V)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1", draft_vocab=torch.arange(64))
+    # Another, well-formed vocabulary with its checksum fixed: disagrees with config.json's sha256.
+    save_file({"ids": torch.arange(1, 65)}, str(tmp_path / "s" / DRAFT_VOCAB_FILE))
+    meta = json.loads((tmp_path / "s" / CONFIG_FILE).read_text())
+    meta["files"][DRAFT_VOCAB_FILE] = sha256_file(tmp_path / "s" / DRAFT_VOCAB_FILE)
+    (tmp_path / "s" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DrafterArtifactError, match="differs from the one recorded"):
+        load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
+    # config.json records a vocabulary but the file is no longer listed
+    del meta["files"][DRAFT_VOCAB_FILE]
+    (tmp_path / "s" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DrafterArtifactError, match="lists no"):
+        load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
 
 
 def test_artifact_for_another_target_is_refused_naming_both(target, eagle, tmp_path):
