@@ -6,7 +6,7 @@ Two measures, both must beat the champion by a margin:
 - simulated speedup at the serving k: replay the held-out outputs step by step with the draft's
   greedy chain (optionally inside the hybrid policy, as serving/drafters/hybrid.py chooses: the
   suffix proposal when its confidence-weighted goodput is at least the learned drafter's at its
-  measured per-token acceptance, else the learned draft, cut to its goodput-best length, when it
+  per-token acceptance on the steps the hybrid gives it (``hybrid_acceptance``), else the learned draft, cut to its goodput-best length, when it
   beats plain decoding), count tokens per target forward, and charge each step with serving's
   cost model in target-step units (verify cost growing linearly with the drafted length up to the
   measured k+1-token verify, plus the learned drafter's per-token cost).
@@ -146,6 +146,7 @@ def simulate(
     tenant: str = "default",
     acceptance: float | None = None,
     length: int | None = None,
+    learned_steps: list[float] | None = None,
 ) -> tuple[int, int, float]:
     """Replay one output: returns (tokens, target forwards, cost in target-step units).
 
@@ -158,6 +159,8 @@ def simulate(
     on this output); else the learned draft when that beats plain decoding; else the suffix draft.
     Without ``suffix`` the learned draft runs at every step. The learned draft is ``length``
     tokens long (default: the goodput-best length at ``acceptance``, as serving's hybrid drafts).
+    ``learned_steps``: [successes, failures] of the learned drafts taken, added to (the per-token
+    acceptance serving would measure live on the steps it drafts).
     """
     n = len(output)
     p = steps = 0
@@ -184,6 +187,9 @@ def simulate(
         elif use == "learned":
             a = min(int(accept_at[p]), length)
             cost += costs.verify_ms(length) + cfg.draft_cost * length
+            if learned_steps is not None:
+                learned_steps[0] += a
+                learned_steps[1] += a < length
         else:
             a = 0
             cost += 1.0
@@ -218,6 +224,8 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
         if accept_at is not None:
             by_domain.setdefault(rec.domain or "", []).append(accept_at)
     acceptance = {d: learned_acceptance(c, cfg.k) for d, c in by_domain.items()}
+    if cfg.hybrid and suffix is not None and student is not None:
+        acceptance = hybrid_acceptance(heldout, chains, cfg, suffix, acceptance)
     for rec, accept_at in zip(heldout, chains):
         t, _, c = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix if cfg.hybrid else None,
                            rec.tenant, acceptance.get(rec.domain or ""))
@@ -229,6 +237,32 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
         sim_speedup=pol[0] / pol[1] if pol[1] else 1.0,
         rows=rows,
     )
+
+
+def hybrid_acceptance(heldout: list[TraceRecord], chains: list[np.ndarray | None], cfg: GateConfig,
+                      suffix: SuffixProposer, acceptance: dict[str, float], rounds: int = 3) -> dict[str, float]:
+    """Per domain, the learned drafter's per-token acceptance on the steps the hybrid gives it.
+
+    Serving's hybrid measures its learned acceptance live, on the steps where the learned draft
+    was taken: those where the suffix index had nothing confident, which are the harder ones for
+    any drafter. The rate over every position (``acceptance``, the start) overrates a drafter
+    there, and a simulation at it takes learned drafts serving would soon stop taking. Iterate:
+    simulate at the current rates, re-measure each domain's rate on the learned steps taken,
+    until the rates settle (``rounds`` at most). A domain where no learned step was taken keeps
+    its rate."""
+    rates = dict(acceptance)
+    for _ in range(rounds):
+        steps: dict[str, list[float]] = {}
+        for rec, accept_at in zip(heldout, chains):
+            d = rec.domain or ""
+            simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix, rec.tenant, rates.get(d),
+                     learned_steps=steps.setdefault(d, [0.0, 0.0]))
+        new = {d: (s / (s + f) if s + f else rates[d]) for d, (s, f) in steps.items() if d in rates}
+        settled = all(abs(new[d] - rates[d]) < 1e-3 for d in new)
+        rates.update(new)
+        if settled:
+            break
+    return rates
 
 
 def judge(

@@ -42,3 +42,25 @@ def test_simulation_charges_the_short_learned_draft():
     assert tokens / cost > 1.0  # pays at length 1 ...
     t4, _, c4 = simulate(output, output[:4], accept_at, CPU, None, acceptance=0.35, length=4)
     assert t4 / c4 < tokens / cost  # ... better than drafting all 4
+
+
+def test_hybrid_rate_is_measured_on_the_steps_the_learned_drafter_gets():
+    """A learned drafter right exactly where the suffix index is confident (a repeated output) and
+    wrong on the novel half: over every position it looks good, but the hybrid gives it only the
+    novel steps, where serving would measure ~0 and stop drafting it. The gate's rate follows."""
+    from trainer.gate import build_suffix_index, hybrid_acceptance
+    from trainer_tracegen import make_trace
+
+    seen = make_trace("a", seed=1, out_len=40)
+    novel = np.random.default_rng(7).integers(1000, 2000, size=40)
+    rec = seen.model_copy(update={"request_id": "held", "domain": "code", "output_ids": np.concatenate(
+        [seen.output_ids, novel])}, deep=True)
+    proposer = build_suffix_index([seen])
+    cfg = GateConfig(k=4, verify_cost=1.2, draft_cost=0.05)
+    accept_at = np.concatenate([np.full(40, 4), np.zeros(40, dtype=np.int64)])  # right, then wrong
+    everywhere = {"code": 0.5}
+    rates = hybrid_acceptance([rec], [accept_at], cfg, proposer, everywhere)
+    assert rates["code"] < 0.1
+    t_all, _, c_all = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=0.5)
+    t_hyb, _, c_hyb = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=rates["code"])
+    assert t_hyb / c_hyb > t_all / c_all  # no learned drafts wasted on the novel half
