@@ -155,7 +155,8 @@ def make_student(target, draft_vocab_size: int | None = None, init: str = "targe
 
 def measure_costs(target, student, k: int, context: int = 256) -> dict:
     """On this machine, relative to one target decode step at ``context``: one draft token of
-    ``student`` (at its draft vocabulary, as a promoted version is served) and one verify forward of k+1 tokens, both timed on
+    ``student`` (at its draft vocabulary, as a promoted version is served) and a verify forward of
+    2..k+1 tokens (``verify_costs``; ``verify_cost`` is the k+1 one), all timed on
     the paths serving runs (TorchEngine's ModelRunner, the learned drafter's StandaloneNet), so
     the gate's simulation charges what serving pays and promotes only drafters that pay here."""
     import copy
@@ -174,7 +175,8 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
         cache.commit([context])
         # Uncommitted forwards: each call overwrites the last one's keys and values.
         step_ms = median_ms(lambda: runner.forward(cache, ids[:, :1]), iters=12, warmup=1)
-        verify_ms = median_ms(lambda: runner.forward(cache, ids[:, : k + 1]), iters=12, warmup=1)
+        verify_ms = [median_ms(lambda n=n: runner.forward(cache, ids[:, : n + 1]), iters=12, warmup=1)
+                     for n in range(1, k + 1)]  # 1..k drafts
         # A promoted artifact records the student's draft vocabulary and serving reads the lm_head
         # at it (feedback/registry/artifact.py): charge that.
         net = StandaloneNet(model, draft_vocab=student.head_vocab)
@@ -188,7 +190,8 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
             dcache.crop(-1)
 
         draft_ms = median_ms(draft_token, iters=12, warmup=1)
-    return {"target_step_ms": step_ms, "verify_cost": verify_ms / step_ms, "draft_cost": draft_ms / step_ms}
+    return {"target_step_ms": step_ms, "verify_cost": verify_ms[-1] / step_ms,
+            "verify_costs": [v / step_ms for v in verify_ms], "draft_cost": draft_ms / step_ms}
 
 
 def loop_settings(cfg: LoopConfig, stack, tag: str):
@@ -302,8 +305,9 @@ class OnlineLoop:
             student = make_student(self.target, c.draft_vocab_size, c.day0_init)
         self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(self.target, student, c.k)
         log.info("gate costs (x one target step): %s", self.costs)
-        self.settings = self.settings.with_changes(trainer={"draft_cost": self.costs["draft_cost"],
-                                                            "verify_cost": self.costs["verify_cost"]})
+        self.settings = self.settings.with_changes(trainer={
+            "draft_cost": self.costs["draft_cost"], "verify_cost": self.costs["verify_cost"],
+            "verify_costs": self.costs.get("verify_costs")})
         export_config = getattr(student, "config", None) or StandaloneConfig.for_target(self.target.model.config)
         # The student travels to the worker pickled (tens of MB with frozen target embeddings).
         factory = trainer_loop_factory(self.settings, student, self.target.fingerprint, export_config)

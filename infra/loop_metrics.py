@@ -97,4 +97,8 @@ def trainer_figures(loop: OnlineLoop, **extra) -> dict:
             "trainer_train_steps": st.train_steps, "trainer_promotions": st.promotions,
             "trainer_heldout_expected_acceptance": st.heldout_acceptance, "trainer_last_gate": st.last_decision,
             "trainer_drifts_seen": st.drifts,
-            "gate_costs": {k: round(v, 4) for k, v in loop.costs.items()}, **extra}
+            "gate_costs": {k: _rounded(v) for k, v in loop.costs.items()}, **extra}
+
+
+def _rounded(v):
+    return [round(x, 4) for x in v] if isinstance(v, (list, tuple)) else round(v, 4)

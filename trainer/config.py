@@ -71,6 +71,9 @@ class TrainerSettings(BaseSettings):
     draft_cost: float = Field(0.16, description="Learned draft token cost relative to a target step.")
     verify_cost: float | None = Field(None, description="Verify cost of k+1 tokens relative to a target step "
                                       "(as measured where serving runs); None = the gate's default.")
+    verify_costs: list[float] | None = Field(None, description="Measured verify cost of 1..k drafts "
+                                             "(a forward of 2..k+1 tokens) relative to a target step; None = "
+                                             "linear up to verify_cost.")
     hybrid: bool = Field(True, description="Gate inside the hybrid policy with the suffix drafter.")
     serve_drafter: Literal["suffix", "eagle", "standalone", "selfspec", "hybrid"] | None = Field(
         None, validation_alias=AliasChoices(ep.DRAFTER, "serve_drafter"),

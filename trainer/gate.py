@@ -43,6 +43,10 @@ class GateConfig:
     """Cost of one learned draft token relative to one target step (pre-study: 0.16 standalone)."""
     verify_cost: float = 1.0
     """Cost of verifying k+1 tokens relative to one target decode step (measured 0.99-1.09)."""
+    verify_costs: tuple[float, ...] | None = None
+    """Measured cost of verifying 1..k drafts (a forward of 2..k+1 tokens) relative to one target
+    step; None: linear from 1 to ``verify_cost``. On a CPU the curve is concave (a forward of 2
+    tokens already costs ~1.2 steps, 5 tokens ~1.35), so the line under-charges short drafts."""
     hybrid: bool = True
     """Simulate inside the hybrid policy with the suffix drafter (suffix first, else learned)."""
 
@@ -126,10 +130,14 @@ def learned_acceptance(accept_at: list[np.ndarray], k: int) -> float:
 
 
 def relative_costs(cfg: GateConfig):
-    """Serving's CostModel in target-step units: verifying n drafts costs 1 + n (verify_cost - 1) / k
-    (linear between the measured one-token step and k+1-token verify), a draft token draft_cost."""
-    return CostModel(target_step_ms=1.0, draft_ms_per_token=cfg.draft_cost,
-                     verify_slope=(cfg.verify_cost - 1.0) / cfg.k if cfg.k else 0.0)
+    """Serving's CostModel in target-step units: verifying n drafts costs ``verify_costs[n - 1]``
+    where measured, else 1 + n (verify_cost - 1) / k (linear between the one-token step and the
+    k+1-token verify); a draft token costs draft_cost."""
+    costs = CostModel(target_step_ms=1.0, draft_ms_per_token=cfg.draft_cost,
+                      verify_slope=(cfg.verify_cost - 1.0) / cfg.k if cfg.k else 0.0)
+    for n, c in enumerate(cfg.verify_costs or (), start=1):
+        costs.observe_verify(n, float(c))  # first observation: taken as is
+    return costs
 
 
 def learned_length(acceptance: float, cfg: GateConfig) -> int:

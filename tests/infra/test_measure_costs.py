@@ -11,7 +11,8 @@ def test_costs_are_measured_relative_to_a_target_step():
     student = make_student(target, draft_vocab_size=128)
     before = [t.clone() for t in target.model.state_dict().values()]
     costs = measure_costs(target, student, k=3, context=32)
-    assert set(costs) == {"target_step_ms", "verify_cost", "draft_cost"}
+    assert set(costs) == {"target_step_ms", "verify_cost", "verify_costs", "draft_cost"}
     assert costs["target_step_ms"] > 0 and costs["verify_cost"] > 0 and costs["draft_cost"] > 0
+    assert len(costs["verify_costs"]) == 3 and costs["verify_costs"][-1] == costs["verify_cost"]
     # Measuring leaves the target untouched (uncommitted forwards, a copy of the student).
     assert all(torch.equal(a, b) for a, b in zip(before, target.model.state_dict().values()))

@@ -64,3 +64,15 @@ def test_hybrid_rate_is_measured_on_the_steps_the_learned_drafter_gets():
     t_all, _, c_all = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=0.5)
     t_hyb, _, c_hyb = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=rates["code"])
     assert t_hyb / c_hyb > t_all / c_all  # no learned drafts wasted on the novel half
+
+
+def test_measured_verify_costs_by_width_replace_the_line():
+    """On a CPU a forward of 2 tokens costs ~1.2 steps though 5 cost ~1.36: charged along the line
+    from 1 to 1.36, one draft token looks cheap enough to pay at acceptance 0.25; charged what it
+    costs, it does not (1.25 tokens for 1.29 steps)."""
+    line = GateConfig(k=4, verify_cost=1.36, draft_cost=0.08)
+    measured = GateConfig(k=4, verify_cost=1.36, draft_cost=0.08, verify_costs=(1.21, 1.27, 1.32, 1.36))
+    assert relative_costs(measured).verify_ms(1) == pytest.approx(1.21)
+    assert relative_costs(line).verify_ms(1) == pytest.approx(1.09)
+    assert learned_length(0.25, line) == 1
+    assert learned_length(0.25, measured) == 0
