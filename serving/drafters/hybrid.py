@@ -43,6 +43,7 @@ from feedback.goodput import (
     suffix_preferred,
 )
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
+from serving.engine.tree import path_confidence
 
 
 class HybridPolicy(BaseModel):
@@ -74,12 +75,18 @@ class HybridPolicy(BaseModel):
     seed: int = 0
 
 
-def expected_accepted(confidence: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """[B, k] per-token confidences, [B] lengths -> [B] expected accepted drafts."""
+def expected_accepted(confidence: torch.Tensor, lengths: torch.Tensor,
+                      parents: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, k] per-node confidences, [B] lengths -> [B] expected accepted drafts: the sum over the
+    drafted nodes of the product of the confidences on each node's path (chains when ``parents``,
+    [B, k] draft-index parents with -1 for the root's children, is None)."""
     k = confidence.shape[1]
     live = torch.arange(k)[None, :] < lengths[:, None]  # [B, k]
-    cum = torch.cumprod(confidence.float().clamp(0, 1) * live, dim=1)  # [B, k]
-    return cum.sum(1)  # [B]
+    conf = confidence.float().clamp(0, 1) * live  # [B, k]
+    if parents is None:
+        return torch.cumprod(conf, dim=1).sum(1)  # [B]
+    node_parents = torch.cat([torch.full((conf.shape[0], 1), -1), parents.long() + 1], dim=1)  # [B, k+1]
+    return torch.from_numpy(path_confidence(node_parents.numpy(), conf.numpy())).float().sum(1)  # [B]
 
 
 class HybridDrafter:
@@ -87,8 +94,6 @@ class HybridDrafter:
 
     def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None):
         self.suffix = suffix
-        if getattr(suffix, "trees", False):
-            suffix.trees = False  # the hybrid weighs chains against the learned drafter's chain
         self.learned = learned
         self.policy = policy or HybridPolicy()
         self.version = learned.version
@@ -143,7 +148,7 @@ class HybridDrafter:
             return DraftProposal.empty(batch, max(k, 0))
         sp = _pad(self.suffix.propose(views, k), k)
         conf = sp.confidence if sp.confidence is not None else torch.zeros(batch, k)
-        e_suffix = expected_accepted(conf, sp.lengths)  # [B]
+        e_suffix = expected_accepted(conf, sp.lengths, sp.parents)  # [B]
         g_none = 1.0 / self.costs.verify_ms(0)
         g_suffix = torch.tensor(
             [suffix_goodput(float(e), int(n), self.costs) for e, n in zip(e_suffix, sp.lengths)]
@@ -219,14 +224,39 @@ class HybridDrafter:
         rows = torch.tensor([i for i, _ in take])
         src = torch.tensor([j for _, j in take])
         if lp.dists is not None:
+            out = _as_chains(out)  # the learned draft was sampled: rejection sampling verifies chains
             out.dists = _point_masses(out, lp.dists.shape[-1]) if out.dists is None else out.dists
             out.dists[rows] = lp.dists[src]
+        if out.parents is not None:  # learned rows are chains inside a proposal of suffix trees
+            out.parents[rows] = torch.arange(-1, out.k - 1).expand(len(take), -1)
         out.tokens[rows] = lp.tokens[src]
         out.lengths[rows] = lp.lengths[src]
         out.probs[rows] = lp.probs[src]
         out.confidence[rows] = (lp.confidence if lp.confidence is not None else lp.probs)[src]
         out.source[rows.numpy()] = lp.source[src.numpy()]
         return out
+
+
+def _as_chains(p: DraftProposal) -> DraftProposal:
+    """A proposal of trees cut to chains: each row keeps its first path (root, then each node's
+    first child: the best branch of a best-first tree)."""
+    if p.parents is None:
+        return p
+    par = p.parents.tolist()
+    for b in range(p.tokens.shape[0]):
+        path, last = [], -1
+        for j in range(int(p.lengths[b])):
+            if par[b][j] == last:
+                path.append(j)
+                last = j
+        idx = torch.tensor(path + [0] * (p.k - len(path)), dtype=torch.long)
+        for name in ("tokens", "probs", "confidence"):
+            t = getattr(p, name)
+            if t is not None:
+                t[b] = t[b, idx]
+        p.lengths[b] = len(path)
+    p.parents = None
+    return p
 
 
 def _pad(p: DraftProposal, k: int) -> DraftProposal:
@@ -240,6 +270,9 @@ def _pad(p: DraftProposal, k: int) -> DraftProposal:
         p.confidence = torch.nn.functional.pad(p.confidence[:, :k], (0, max(extra, 0)))
     if p.dists is not None:
         p.dists = torch.nn.functional.pad(p.dists[:, :k], (0, 0, 0, max(extra, 0)))
+    if p.parents is not None:
+        chain = torch.arange(-1, k - 1).expand(p.tokens.shape[0], -1)  # padding columns: never drafted
+        p.parents = torch.cat([p.parents[:, :k], chain[:, p.parents.shape[1]:]], dim=1)
     p.lengths = p.lengths.clamp(max=k)
     return p
 

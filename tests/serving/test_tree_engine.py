@@ -312,3 +312,99 @@ def test_probes_verify_drafts_so_a_drafter_that_improves_comes_back():
     # the drafter becomes good (e.g. its index learned the domain): probes notice, it comes back
     widths = [step(4) for _ in range(300)]
     assert sum(w > 0 for w in widths[-50:]) >= 45
+
+
+class ChainReplayDrafter:
+    """A 'learned' drafter (standalone kind) proposing each request's reference continuation as a
+    confident chain: wherever the hybrid takes it, it is right."""
+
+    kind = "standalone"
+    version = "chain"
+    feature_layers = ()
+
+    def __init__(self, references):
+        self.refs = references
+
+    def add_request(self, view, features=None):
+        pass
+
+    def on_verified(self, request_id, accepted_ids, features):
+        pass
+
+    def remove_request(self, request_id, output_ids):
+        pass
+
+    def forget_tenant(self, tenant):
+        return False
+
+    def propose(self, views, k):
+        n = len(views)
+        tok = torch.zeros(n, k, dtype=torch.long)
+        lengths = torch.zeros(n, dtype=torch.long)
+        for i, v in enumerate(views):
+            ref = self.refs.get(tuple(v.token_ids[: v.prompt_len]), [])
+            nxt = ref[len(v.token_ids) - v.prompt_len:][:k]
+            tok[i, : len(nxt)] = torch.tensor(nxt, dtype=torch.long)
+            lengths[i] = len(nxt)
+        return DraftProposal(tokens=tok, lengths=lengths, probs=torch.ones(n, k),
+                             source=np.full(n, DrafterKind.STANDALONE, dtype=np.uint8),
+                             confidence=torch.full((n, k), 0.99))
+
+
+def test_hybrid_keeps_suffix_trees_beside_learned_chains(ids_target, refs, run):
+    """The hybrid verifies the suffix drafter's trees and the learned drafter's chains in the same
+    batch (rows of each kind, chosen per row), and greedy output stays token-identical."""
+    from serving.drafters.hybrid import HybridDrafter, HybridPolicy
+
+    suffix = TreeReplayDrafter(refs, seed=1, corrupt_every=3)
+    policy = HybridPolicy(suffix_threshold=100.0, explore=0.5, prior_acceptance=0.0, seed=3)
+    hybrid = HybridDrafter(suffix, ChainReplayDrafter(refs), policy)
+    rec = Recorder()
+    engine = TorchEngine(ids_target, hybrid, EngineConfig(k=8, max_batch_size=4), [rec])
+    reqs = [_req(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
+    outs = run(engine, reqs, delays=[0.0, 0.005, 0.01, 0.0, 0.02])
+    for p, chunks in zip(PROMPTS, outs):
+        assert _tokens(chunks) == refs[tuple(p)]
+    mixed = [s for s in rec.steps if s.tree_nodes is not None
+             and {DrafterKind.SUFFIX, DrafterKind.STANDALONE} <= {int(x) for x in s.source}]
+    assert mixed  # trees and learned chains verified together
+
+
+def test_hybrid_cuts_trees_to_chains_beside_a_sampled_learned_draft():
+    """A sampled learned draft carries its distributions, which only chains are verified with: the
+    suffix rows of that step keep their best path."""
+    from serving.drafters.hybrid import _as_chains
+
+    tok = torch.tensor([[5, 9, 6, 7, 8]])
+    prop = DraftProposal(tokens=tok.clone(), lengths=torch.tensor([5]), probs=torch.ones(1, 5),
+                         source=np.full(1, DrafterKind.SUFFIX, dtype=np.uint8),
+                         confidence=torch.tensor([[0.9, 0.1, 0.8, 0.7, 0.2]]),
+                         parents=torch.tensor([[-1, -1, 0, 2, 0]]))
+    out = _as_chains(prop)
+    assert out.parents is None and int(out.lengths[0]) == 3
+    assert out.tokens[0, :3].tolist() == [5, 6, 7]
+    assert out.confidence[0, :3].tolist() == pytest.approx([0.9, 0.8, 0.7])
+
+
+def test_expected_accepted_of_a_tree_sums_its_path_probabilities():
+    from serving.drafters.hybrid import expected_accepted
+
+    conf = torch.tensor([[0.5, 0.5, 0.8, 0.0], [0.5, 0.5, 0.8, 0.0]])
+    lengths = torch.tensor([3, 3])
+    chain = expected_accepted(conf[:1], lengths[:1])  # 0.5 + 0.25 + 0.2
+    tree = expected_accepted(conf[1:], lengths[1:], torch.tensor([[-1, -1, 0, 0]]))  # 0.5 + 0.5 + 0.4
+    assert float(chain) == pytest.approx(0.95) and float(tree) == pytest.approx(1.4)
+
+
+def test_hybrid_leaves_the_suffix_drafters_trees_on():
+    from serving.drafters.hybrid import HybridDrafter
+
+    suffix = SuffixDrafter(SuffixConfig(tree_branches=4, min_confidence=0.0))
+    HybridDrafter(suffix, ChainReplayDrafter({}))
+    assert suffix.trees
+    ctx = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2]
+    hybrid = HybridDrafter(suffix, ChainReplayDrafter({}))
+    view = DraftRequestView("r", ctx, len(ctx))
+    hybrid.add_request(view)
+    prop = hybrid.propose([view], 6)
+    assert prop.parents is not None and (prop.parents[0, : int(prop.lengths[0])] == -1).sum() >= 2
