@@ -179,7 +179,7 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
                      for n in range(1, k + 1)]  # 1..k drafts
         # A promoted artifact records the student's draft vocabulary and serving reads the lm_head
         # at it (feedback/registry/artifact.py): charge that.
-        net = StandaloneNet(model, draft_vocab=student.head_vocab)
+        net = StandaloneNet(model, draft_vocab=student.head_vocab, bf16=True)  # as StandaloneDrafter serves it
         dcache = DynamicCache()
         net.extend(ids, None, torch.arange(context)[None], dcache, None)
         position = torch.tensor([[context]])

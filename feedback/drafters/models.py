@@ -79,10 +79,32 @@ def gather_features(hidden_states: Sequence[torch.Tensor], layers: Sequence[int]
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` through kernels.thin_linear: one pass over the weights for a few tokens when
-    drafting on the CPU; F.linear itself when training (gradients) or on other devices."""
+    drafting on the CPU; F.linear itself when training (gradients) or on other devices. A layer
+    given a ``draft_weight`` (a bf16 copy, see ``draft_in_bf16``) is read through that."""
     if layer.bias is not None:
         return layer(x)
-    return thin_linear(x, layer.weight)
+    w = getattr(layer, "draft_weight", None)
+    if w is None or (torch.is_grad_enabled() and layer.weight.requires_grad):
+        w = layer.weight  # training reads (and updates) the real weights
+    return thin_linear(x, w)
+
+
+def draft_in_bf16(module: nn.Module) -> int:
+    """Give every bias-free fp32 CPU Linear under ``module`` a bf16 ``draft_weight`` that ``linear``
+    reads when drafting: half the bytes per draft token (a draft's numerics change how often it is
+    accepted, never what is emitted). Only where the native kernel runs (its fallback would widen
+    the weights on every call). Returns the number of layers given one."""
+    from kernels.thin_linear import available
+
+    if not available():
+        return 0
+    n = 0
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == torch.float32 \
+                and m.weight.device.type == "cpu":
+            m.draft_weight = m.weight.detach().to(torch.bfloat16)
+            n += 1
+    return n
 
 
 def mlp(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,13 @@
  * soname is already loaded), so it uses torch's thread pool. Each output value is summed in the
  * same order whatever T is: a token's result does not depend on how many tokens share the call.
  * Built with -march=native by kernels/thin_linear.py (vector width 16 with AVX-512, else 8).
+ * thin_linear_bf16 reads bf16 weights (half the bytes; widened to fp32 in registers, fp32 sums):
+ * for drafters, whose numerics never change what is emitted, only how often drafts are accepted.
  */
 #include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "simd.h"
 
@@ -26,23 +31,43 @@ static inline float hsum(vf v) {
     return s;
 }
 
+/* Weight loads: fp32 as is; bf16 (the upper 16 bits of an fp32) widened in registers, so a bf16
+ * weight costs half the memory traffic and its products are the same fp32 products. */
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+static inline vf load_f32(const float *p) { return *(const vf *)p; }
+static inline vf load_bf16(const uint16_t *p) {
+#if defined(__AVX512F__)
+    /* one 256-bit load widened to 512 bits (GCC splits the generic form into two halves) */
+    __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (vf)wide;
+#else
+    vi wide = __builtin_convertvector(*(const vh *)p, vi) << 16;
+    return (vf)wide;
+#endif
+}
+static inline float scalar_f32(const float *p) { return *p; }
+static inline float scalar_bf16(const uint16_t *p) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)*p << 16};
+    return v.f;
+}
+
 /* Rows [n0, n1) of y for T tokens of x (T a compile-time constant: loops unroll, accumulators
  * stay in registers). Measured on a 2-core AMD EPYC (AVX-512 and AVX2 builds alike), 8 rows x 3
  * tokens beat 2x8, 4x4, 6x4, 12x2 and 16x1: per pass over 16 floats of 8 rows, T loads of x feed
- * 8T FMAs. Leftover rows (fewer than 8) go one at a time. */
-#define DEFINE_ROWS(T)                                                                       \
-    static void rows_##T(const float *restrict x, const float *restrict w, float *restrict y, \
-                         long N, long K, long n0, long n1) {                                \
+ * 8T FMAs. Leftover rows (fewer than 8) go one at a time. WT: the weights' element type. */
+#define DEFINE_ROWS(SUFFIX, WT, T)                                                           \
+    static void rows_##SUFFIX##_##T(const float *restrict x, const WT *restrict w,            \
+                                    float *restrict y, long N, long K, long n0, long n1) {    \
         long n = n0;                                                                        \
         for (; n + ROWS_PER_PASS <= n1; n += ROWS_PER_PASS) {                               \
-            const float *w0 = w + n * K;                                                    \
+            const WT *w0 = w + n * K;                                                       \
             vf acc[ROWS_PER_PASS][T];                                                       \
             for (int r = 0; r < ROWS_PER_PASS; r++)                                         \
                 for (int t = 0; t < T; t++) acc[r][t] = (vf){0};                            \
             long k = 0;                                                                     \
             for (; k + VW <= K; k += VW) {                                                  \
                 vf wv[ROWS_PER_PASS];                                                       \
-                for (int r = 0; r < ROWS_PER_PASS; r++) wv[r] = *(const vf *)(w0 + r * K + k); \
+                for (int r = 0; r < ROWS_PER_PASS; r++) wv[r] = load_##SUFFIX(w0 + r * K + k); \
                 for (int t = 0; t < T; t++) {                                               \
                     vf xv = *(const vf *)(x + t * K + k);                                   \
                     for (int r = 0; r < ROWS_PER_PASS; r++) acc[r][t] += wv[r] * xv;        \
@@ -51,51 +76,60 @@ static inline float hsum(vf v) {
             for (int r = 0; r < ROWS_PER_PASS; r++)                                         \
                 for (int t = 0; t < T; t++) {                                               \
                     float s = hsum(acc[r][t]);                                              \
-                    for (long j = k; j < K; j++) s += w0[r * K + j] * x[t * K + j];         \
+                    for (long j = k; j < K; j++) s += scalar_##SUFFIX(w0 + r * K + j) * x[t * K + j]; \
                     y[t * N + n + r] = s;                                                   \
                 }                                                                           \
         }                                                                                   \
         for (; n < n1; n++) {                                                               \
-            const float *w0 = w + n * K;                                                    \
+            const WT *w0 = w + n * K;                                                       \
             vf acc[T];                                                                      \
             for (int t = 0; t < T; t++) acc[t] = (vf){0};                                   \
             long k = 0;                                                                     \
             for (; k + VW <= K; k += VW) {                                                  \
-                vf wv = *(const vf *)(w0 + k);                                              \
+                vf wv = load_##SUFFIX(w0 + k);                                              \
                 for (int t = 0; t < T; t++) acc[t] += wv * *(const vf *)(x + t * K + k);    \
             }                                                                               \
             for (int t = 0; t < T; t++) {                                                   \
                 float s = hsum(acc[t]);                                                     \
-                for (long j = k; j < K; j++) s += w0[j] * x[t * K + j];                     \
+                for (long j = k; j < K; j++) s += scalar_##SUFFIX(w0 + j) * x[t * K + j];   \
                 y[t * N + n] = s;                                                           \
             }                                                                               \
         }                                                                                   \
     }
 
-DEFINE_ROWS(1)
-DEFINE_ROWS(2)
-DEFINE_ROWS(3)
+DEFINE_ROWS(f32, float, 1)
+DEFINE_ROWS(f32, float, 2)
+DEFINE_ROWS(f32, float, 3)
+DEFINE_ROWS(bf16, uint16_t, 1)
+DEFINE_ROWS(bf16, uint16_t, 2)
+DEFINE_ROWS(bf16, uint16_t, 3)
 
-typedef void (*rows_fn)(const float *, const float *, float *, long, long, long, long);
-static const rows_fn ROWS[T_CHUNK + 1] = {0, rows_1, rows_2, rows_3};
-
-/* x [T, K], w [N, K], y [T, N], all contiguous fp32. Returns 0, or -1 on bad arguments. */
-int thin_linear(const float *x, const float *w, float *y, long T, long N, long K, int threads) {
-    if (T < 1 || N < 1 || K < 1 || threads < 1) return -1;
-#pragma omp parallel num_threads(threads)
-    {
-        int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        long per = ((N + nt - 1) / nt + ROWS_PER_PASS - 1) / ROWS_PER_PASS * ROWS_PER_PASS;
-        long lo = id * per, hi = lo + per < N ? lo + per : N;
-        for (long b = lo; b < hi; b += ROW_BLOCK) {
-            long e = b + ROW_BLOCK < hi ? b + ROW_BLOCK : hi;
-            for (long t0 = 0; t0 < T; t0 += T_CHUNK) {
-                long tt = T - t0 < T_CHUNK ? T - t0 : T_CHUNK;
-                ROWS[tt](x + t0 * K, w, y + t0 * N, N, K, b, e);
-            }
-        }
+/* One driver per weight type: OpenMP over row blocks, token chunks inside a block. */
+#define DEFINE_DRIVER(NAME, SUFFIX, WT)                                                      \
+    typedef void (*rows_##SUFFIX##_fn)(const float *, const WT *, float *, long, long, long, long); \
+    static const rows_##SUFFIX##_fn ROWS_##SUFFIX[T_CHUNK + 1] = {                          \
+        0, rows_##SUFFIX##_1, rows_##SUFFIX##_2, rows_##SUFFIX##_3};                        \
+    int NAME(const float *x, const WT *w, float *y, long T, long N, long K, int threads) {   \
+        if (T < 1 || N < 1 || K < 1 || threads < 1) return -1;                              \
+        _Pragma("omp parallel num_threads(threads)")                                        \
+        {                                                                                   \
+            int nt = omp_get_num_threads(), id = omp_get_thread_num();                      \
+            long per = ((N + nt - 1) / nt + ROWS_PER_PASS - 1) / ROWS_PER_PASS * ROWS_PER_PASS; \
+            long lo = id * per, hi = lo + per < N ? lo + per : N;                           \
+            for (long b = lo; b < hi; b += ROW_BLOCK) {                                     \
+                long e = b + ROW_BLOCK < hi ? b + ROW_BLOCK : hi;                           \
+                for (long t0 = 0; t0 < T; t0 += T_CHUNK) {                                  \
+                    long tt = T - t0 < T_CHUNK ? T - t0 : T_CHUNK;                          \
+                    ROWS_##SUFFIX[tt](x + t0 * K, w, y + t0 * N, N, K, b, e);               \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        return 0;                                                                           \
     }
-    return 0;
-}
+
+/* x [T, K] fp32, w [N, K] fp32 or bf16, y [T, N] fp32, all contiguous. Return 0, or -1 on bad
+ * arguments. */
+DEFINE_DRIVER(thin_linear, f32, float)
+DEFINE_DRIVER(thin_linear_bf16, bf16, uint16_t)
 
 int thin_linear_vector_width(void) { return VW; }

@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from feedback.bus.trace import DrafterKind
-from feedback.drafters.models import attend, mlp
+from feedback.drafters.models import attend, draft_in_bf16, mlp
 from kernels.thin_linear import thin_linear
 from serving.drafters.base import DraftRequestView
 from serving.drafters.learned import LearnedDrafter
@@ -22,7 +22,10 @@ from serving.drafters.learned import LearnedDrafter
 class StandaloneNet:
     """DraftNet adapter over a LlamaForCausalLM."""
 
-    def __init__(self, model: LlamaForCausalLM, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, model: LlamaForCausalLM, draft_vocab: torch.Tensor | None = None, bf16: bool = False):
+        """``bf16``: draft with bf16 copies of the layers' projections and the lm_head rows (the
+        model's own weights stay as they are; the copies hang on its Linear modules as
+        ``draft_weight``, see ``draft_in_bf16``: the drafter owns its model)."""
         cfg = model.config
         self.model = model.eval()
         self.num_layers = int(cfg.num_hidden_layers)
@@ -41,6 +44,8 @@ class StandaloneNet:
         self.head_weight = (
             head if draft_vocab is None else head[self.vocab_map].contiguous()
         )  # [Vd, H]
+        if bf16 and draft_in_bf16(model.model.layers):
+            self.head_weight = self.head_weight.detach().to(torch.bfloat16)
 
     def _forward(self, tokens, positions, cache, mask):
         inner = self.model.model
@@ -81,8 +86,11 @@ class StandaloneDrafter(LearnedDrafter):
         model: LlamaForCausalLM,
         version: str = "day0",
         draft_vocab: torch.Tensor | None = None,
+        bf16: bool = True,
     ):
-        super().__init__(StandaloneNet(model, draft_vocab), version)
+        """``bf16``: draft through bf16 copies of the weights (``StandaloneNet``); the self-
+        speculative subclass shares its first layers with the target and keeps them fp32."""
+        super().__init__(StandaloneNet(model, draft_vocab, bf16=bf16), version)
         self.model = model
 
     def _initial_inputs(self, view: DraftRequestView, features: torch.Tensor | None):
@@ -98,4 +106,4 @@ class SelfSpecDrafter(StandaloneDrafter):
     source_kind = DrafterKind.SELFSPEC
 
     def __init__(self, model: LlamaForCausalLM, version: str = "day0"):
-        super().__init__(model, version, draft_vocab=getattr(model, "selfspec_draft_vocab", None))
+        super().__init__(model, version, draft_vocab=getattr(model, "selfspec_draft_vocab", None), bf16=False)

@@ -25,6 +25,27 @@ def test_matches_f_linear(tokens, n, k):
 
 
 @needs_native
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 584), (1, 20)])
+def test_bf16_weights_match_their_fp32_widening(tokens, n, k):
+    """bf16 weights are widened exactly in registers: the result is the fp32 product with w.float()."""
+    g = torch.Generator().manual_seed(tokens * 7 + n)
+    x = torch.randn(tokens, k, generator=g)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    y = tl.thin_linear(x, w)
+    assert y.dtype == torch.float32 and y.shape == (tokens, n)
+    torch.testing.assert_close(y, F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_weights_fall_back_to_the_widened_reference(monkeypatch):
+    monkeypatch.setenv("SPECLOOP_NATIVE_KERNELS", "0")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 40, generator=g)
+    w = torch.randn(24, 40, generator=g).to(torch.bfloat16)
+    torch.testing.assert_close(tl.thin_linear(x, w), F.linear(x, w.float()))
+
+
+@needs_native
 def test_leading_dims_and_noncontiguous_input():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(64, 48, generator=g)

@@ -109,7 +109,7 @@ class Engine:
 def make(kind, target, eagle_head, small_lm):
     if kind == "eagle":
         return EagleDrafter(eagle_head)
-    return StandaloneDrafter(small_lm)
+    return StandaloneDrafter(small_lm, bf16=False)  # the reference forward is fp32
 
 
 # -- references: the models' public forward, no drafter machinery ----------------------------
@@ -301,7 +301,7 @@ def test_eagle_requires_target_features(target, eagle_head):
 
 
 def test_k_zero_and_unknown_rows(target, small_lm):
-    drafter = StandaloneDrafter(small_lm)
+    drafter = StandaloneDrafter(small_lm, bf16=False)
     view = DraftRequestView("r", history(0, 5), 3)
     drafter.add_request(view)
     assert drafter.propose([view], 0).tokens.shape == (1, 0)

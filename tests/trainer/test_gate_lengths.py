@@ -48,8 +48,9 @@ def test_hybrid_rate_is_measured_on_the_steps_the_learned_drafter_gets():
     """A learned drafter right exactly where the suffix index is confident (a repeated output) and
     wrong on the novel half: over every position it looks good, but the hybrid gives it only the
     novel steps, where serving would measure ~0 and stop drafting it. The gate's rate follows."""
-    from trainer.gate import build_suffix_index, hybrid_acceptance
     from trainer_tracegen import make_trace
+
+    from trainer.gate import build_suffix_index, hybrid_acceptance
 
     seen = make_trace("a", seed=1, out_len=40)
     novel = np.random.default_rng(7).integers(1000, 2000, size=40)

@@ -164,3 +164,46 @@ def test_eagle3_export_refuses_heads_sglang_cannot_run(target, tmp_path):
     )
     with pytest.raises(ValueError, match="3 target layers"):
         export_eagle3(head, tmp_path / "x")
+
+
+def test_bf16_draft_weights_serve_drafts_and_training_keeps_the_real_weights():
+    """``draft_in_bf16``: drafting reads a bf16 copy (half the bytes; logits within bf16 rounding),
+    while a forward that trains still reads, and updates, the fp32 weight."""
+    import pytest
+    import torch
+
+    from feedback.drafters.models import draft_in_bf16, linear
+    from kernels.thin_linear import available
+
+    if not available():
+        pytest.skip("no native kernel: bf16 draft weights are not used")
+    layer = torch.nn.Linear(64, 32, bias=False)
+    x = torch.randn(2, 64)
+    assert draft_in_bf16(torch.nn.Sequential(layer)) == 1
+    assert layer.draft_weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        y = linear(layer, x)
+        torch.testing.assert_close(y, x @ layer.draft_weight.float().T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y, layer(x), rtol=2e-2, atol=5e-2)
+    linear(layer, x).sum().backward()  # gradients enabled: the real weight
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+def test_standalone_net_drafts_alike_in_bf16():
+    import torch
+
+    from feedback.drafters.models import standalone_from_target
+    from serving.drafters.standalone import StandaloneNet
+    from serving.target import tiny_target
+
+    target = tiny_target(vocab_size=300, hidden_size=64, num_layers=3)
+    ids = torch.randint(0, 300, (1, 12))
+    pos = torch.arange(12)[None]
+    out = {}
+    for bf16 in (False, True):
+        from transformers import DynamicCache
+
+        net = StandaloneNet(standalone_from_target(target.model, num_layers=2), draft_vocab=torch.arange(200), bf16=bf16)
+        with torch.no_grad():
+            out[bf16] = net.logits(net.extend(ids, None, pos, DynamicCache(), None)[:, -1])  # [1, 200]
+    torch.testing.assert_close(out[True], out[False], rtol=5e-2, atol=5e-2)
