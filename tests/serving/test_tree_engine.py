@@ -36,7 +36,23 @@ def refs(ids_target):
     return {tuple(p): target_greedy_reference(ids_target.model, p, 40) for p in PROMPTS}
 
 
-class TreeReplayDrafter:
+class _Stateless:
+    """Drafter protocol methods of a drafter that keeps no per-request state."""
+
+    def add_request(self, view, features=None):
+        pass
+
+    def on_verified(self, request_id, accepted_ids, features):
+        pass
+
+    def remove_request(self, request_id, output_ids):
+        pass
+
+    def forget_tenant(self, tenant):
+        return False
+
+
+class TreeReplayDrafter(_Stateless):
     """Proposes trees whose true continuation hides on a random branch: root children are decoys
     and the reference token in a random order, the reference path continues under its node with a
     decoy sibling at each level (and, every ``corrupt_every`` positions, the reference is wrong)."""
@@ -49,14 +65,6 @@ class TreeReplayDrafter:
         self.refs, self.rng, self.corrupt = references, np.random.default_rng(seed), corrupt_every
         self.steps, self.views = [], {}
 
-    def add_request(self, view, features=None):
-        pass
-
-    def on_verified(self, request_id, accepted_ids, features):
-        pass
-
-    def remove_request(self, request_id, output_ids):
-        pass
 
     def _tree(self, view: DraftRequestView, k: int):
         ref = self.refs.get(tuple(view.token_ids[: view.prompt_len]), [])
@@ -314,7 +322,7 @@ def test_probes_verify_drafts_so_a_drafter_that_improves_comes_back():
     assert sum(w > 0 for w in widths[-50:]) >= 45
 
 
-class ChainReplayDrafter:
+class ChainReplayDrafter(_Stateless):
     """A 'learned' drafter (standalone kind) proposing each request's reference continuation as a
     confident chain: wherever the hybrid takes it, it is right."""
 
@@ -325,17 +333,6 @@ class ChainReplayDrafter:
     def __init__(self, references):
         self.refs = references
 
-    def add_request(self, view, features=None):
-        pass
-
-    def on_verified(self, request_id, accepted_ids, features):
-        pass
-
-    def remove_request(self, request_id, output_ids):
-        pass
-
-    def forget_tenant(self, tenant):
-        return False
 
     def propose(self, views, k):
         n = len(views)
