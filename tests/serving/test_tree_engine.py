@@ -116,15 +116,22 @@ class Recorder:
         self.steps.append(batch)
 
 
-@pytest.mark.parametrize("corrupt_every", [0, 3])
-def test_greedy_trees_match_target_only_decoding(ids_target, refs, run, corrupt_every):
-    drafter = TreeReplayDrafter(refs, seed=corrupt_every, corrupt_every=corrupt_every)
+def _serve_greedy(target, drafter, refs, run):
+    """Serve PROMPTS greedily (k = 8, batches of up to 4, staggered arrivals); every output must
+    equal target-only decoding. Returns (the step recorder, the outputs)."""
     rec = Recorder()
-    engine = TorchEngine(ids_target, drafter, EngineConfig(k=8, max_batch_size=4), [rec])
+    engine = TorchEngine(target, drafter, EngineConfig(k=8, max_batch_size=4), [rec])
     reqs = [_req(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
     outs = run(engine, reqs, delays=[0.0, 0.005, 0.01, 0.0, 0.02])
     for p, chunks in zip(PROMPTS, outs):
         assert _tokens(chunks) == refs[tuple(p)]
+    return rec, outs
+
+
+@pytest.mark.parametrize("corrupt_every", [0, 3])
+def test_greedy_trees_match_target_only_decoding(ids_target, refs, run, corrupt_every):
+    drafter = TreeReplayDrafter(refs, seed=corrupt_every, corrupt_every=corrupt_every)
+    rec, outs = _serve_greedy(ids_target, drafter, refs, run)
     mean_accept = np.mean([c[-1].stats.mean_accept_len for c in outs])
     assert mean_accept > (3.0 if corrupt_every == 0 else 1.8)  # branches other than the first won
     trees = [s for s in rec.steps if s.tree_nodes is not None]
@@ -356,12 +363,7 @@ def test_hybrid_keeps_suffix_trees_beside_learned_chains(ids_target, refs, run):
     suffix = TreeReplayDrafter(refs, seed=1, corrupt_every=3)
     policy = HybridPolicy(suffix_threshold=100.0, explore=0.5, prior_acceptance=0.0, seed=3)
     hybrid = HybridDrafter(suffix, ChainReplayDrafter(refs), policy)
-    rec = Recorder()
-    engine = TorchEngine(ids_target, hybrid, EngineConfig(k=8, max_batch_size=4), [rec])
-    reqs = [_req(f"r{i}", p, SamplingParams(max_tokens=40)) for i, p in enumerate(PROMPTS)]
-    outs = run(engine, reqs, delays=[0.0, 0.005, 0.01, 0.0, 0.02])
-    for p, chunks in zip(PROMPTS, outs):
-        assert _tokens(chunks) == refs[tuple(p)]
+    rec, _ = _serve_greedy(ids_target, hybrid, refs, run)
     mixed = [s for s in rec.steps if s.tree_nodes is not None
              and {DrafterKind.SUFFIX, DrafterKind.STANDALONE} <= {int(x) for x in s.source}]
     assert mixed  # trees and learned chains verified together
