@@ -150,7 +150,8 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
         config = StandaloneConfig.for_target(student.model.config)
     version = f"static-{int(time.time())}"
     save_drafter(student.model, config, fp, out, version=version, overwrite=True,
-                 draft_vocab=student_draft_vocab(student), extra={"offline_prompts": str(prompts), **{k: v for k, v in fit.items() if k != "stopped_early"}})
+                 draft_vocab=student_draft_vocab(student),
+                 extra={"offline_prompts": str(prompts), **{k: v for k, v in fit.items() if k != "stopped_early"}})
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
               "generation_s": gen_s, **fit}
     if {"SPECLOOP_TRAINER_TRACKING_URI", "SPECLOOP_MLFLOW_TRACKING_URI"} & set(os.environ):

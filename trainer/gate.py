@@ -6,10 +6,11 @@ Two measures, both must beat the champion by a margin:
 - simulated speedup at the serving k: replay the held-out outputs step by step with the draft's
   greedy chain (optionally inside the hybrid policy, as serving/drafters/hybrid.py chooses: the
   suffix proposal when its confidence-weighted goodput is at least the learned drafter's at its
-  per-token acceptance on the steps the hybrid gives it (``hybrid_acceptance``), else the learned draft, cut to its goodput-best length, when it
-  beats plain decoding), count tokens per target forward, and charge each step with serving's
-  cost model in target-step units (verify cost growing linearly with the drafted length up to the
-  measured k+1-token verify, plus the learned drafter's per-token cost).
+  per-token acceptance on the steps the hybrid gives it (``hybrid_acceptance``), else the learned
+  draft, cut to its goodput-best length, when it beats plain decoding), count tokens per target
+  forward, and charge each step with serving's cost model in target-step units (the verify cost
+  measured for each drafted length, or a line up to the k+1-token verify where only that one was
+  measured, plus the learned drafter's per-token cost).
 The suffix proposals and their confidences are serving's own (feedback/suffix/draft.py, the core
 of serving's SuffixDrafter): per-tenant indexes fed with the training traces as serving feeds
 them, prompt lookup in each held-out request, the same match, confidences and cut-off.

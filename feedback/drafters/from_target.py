@@ -27,7 +27,7 @@ from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-from feedback.drafters.models import StandaloneConfig
+from feedback.drafters.models import StandaloneConfig, checked_vocab_ids
 
 
 class SelfSpecConfig(StandaloneConfig):
@@ -109,12 +109,9 @@ def check_draft_vocab(config: SelfSpecConfig, ids: torch.Tensor | None) -> None:
             raise ValueError("config has no draft vocabulary but ids were given")
         return
     ids = torch.as_tensor(ids)
-    if ids.shape != (config.draft_vocab_size,) or ids.is_floating_point():
+    if ids.shape != (config.draft_vocab_size,):
         raise ValueError(f"draft vocab must be {config.draft_vocab_size} integer ids, got {tuple(ids.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
-        raise ValueError("draft vocab ids outside the target vocabulary")
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        raise ValueError("draft vocab ids must be sorted and distinct")
+    checked_vocab_ids(ids, config.vocab_size)
 
 
 def check_target(config: SelfSpecConfig, target_model: nn.Module) -> None:

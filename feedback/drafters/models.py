@@ -45,6 +45,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from kernels.thin_linear import available as thin_linear_available
 from kernels.thin_linear import thin_linear
 
 DEFAULT_DRAFT_VOCAB_SIZE = 16384
@@ -94,9 +95,7 @@ def draft_in_bf16(module: nn.Module) -> int:
     reads when drafting: half the bytes per draft token (a draft's numerics change how often it is
     accepted, never what is emitted). Only where the native kernel runs (its fallback would widen
     the weights on every call). Returns the number of layers given one."""
-    from kernels.thin_linear import available
-
-    if not available():
+    if not thin_linear_available():
         return 0
     n = 0
     for m in module.modules():
@@ -169,6 +168,21 @@ def _rope_parameters(cfg: LlamaConfig) -> dict:
     if params:
         return dict(params)
     return {"rope_type": "default", "rope_theta": float(getattr(cfg, "rope_theta", 10000.0))}
+
+
+def checked_vocab_ids(ids, vocab_size: int) -> torch.Tensor:
+    """A draft vocabulary as [Vd] int64 CPU target ids: non-empty, 1-D, integer, strictly
+    increasing, inside [0, vocab_size). ValueError, saying which, otherwise."""
+    ids = torch.as_tensor(ids)
+    if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"a draft vocabulary is a non-empty 1-D tensor of integer ids, got "
+                         f"{ids.dtype} {tuple(ids.shape)}")
+    ids = ids.to(torch.int64).cpu().contiguous()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"draft vocabulary ids outside the target vocabulary [0, {vocab_size})")
+    if not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary ids must be sorted and distinct")
+    return ids
 
 
 def day0_draft_vocab(

@@ -35,7 +35,7 @@ from torch import nn
 
 from feedback.drafters.from_target import SelfSpecAdapter, adapter_of, check_draft_vocab
 from feedback.drafters.kinds import DrafterConfig, build_model, kind_of, parse_config
-from feedback.drafters.models import EagleHead
+from feedback.drafters.models import EagleHead, checked_vocab_ids
 from feedback.target.fingerprint import TargetFingerprint
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -128,7 +128,7 @@ def save_drafter(
     if draft_vocab is not None:
         if kind != "standalone":
             raise ValueError(f"draft_vocab is recorded for standalone drafters; a {kind} drafter carries its own")
-        draft_vocab = _checked_vocab(torch.as_tensor(draft_vocab), int(config.vocab_size))
+        draft_vocab = checked_vocab_ids(draft_vocab, int(config.vocab_size))
     if kind == "selfspec" and not isinstance(model, SelfSpecAdapter):
         model = adapter_of(model, config)  # an assembled drafter: store its adapter only
     if isinstance(model, EagleHead) and model.config != config:
@@ -266,17 +266,6 @@ def load_drafter(
     return model.to(device).eval(), meta
 
 
-def _checked_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[Vd] strictly increasing target ids in [0, vocab_size), as int64; ValueError otherwise."""
-    if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise ValueError(f"a draft vocabulary is a non-empty 1-D tensor of integer ids, got "
-                         f"{ids.dtype} {tuple(ids.shape)}")
-    ids = ids.to(torch.int64).cpu().contiguous()
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size or not bool((ids[1:] > ids[:-1]).all()):
-        raise ValueError(f"a draft vocabulary's ids must be strictly increasing in [0, {vocab_size})")
-    return ids
-
-
 def _standalone_vocab(directory: Path, meta: DrafterMeta, cfg) -> torch.Tensor | None:
     """The recorded draft vocabulary of a standalone artifact, checked against config.json."""
     recorded = meta.draft_vocab_size is not None or meta.draft_vocab_sha256 is not None
@@ -286,7 +275,7 @@ def _standalone_vocab(directory: Path, meta: DrafterMeta, cfg) -> torch.Tensor |
                                        f"lists no {DRAFT_VOCAB_FILE}")
         return None
     try:
-        ids = _checked_vocab(load_file(str(directory / DRAFT_VOCAB_FILE))["ids"], int(cfg.vocab_size))
+        ids = checked_vocab_ids(load_file(str(directory / DRAFT_VOCAB_FILE))["ids"], int(cfg.vocab_size))
     except (SafetensorError, OSError, KeyError, ValueError) as e:
         raise DrafterArtifactError(f"{directory / DRAFT_VOCAB_FILE}: {e}") from e
     if meta.draft_vocab_size != ids.numel() or meta.draft_vocab_sha256 != _vocab_hash(ids):
@@ -299,15 +288,10 @@ def _standalone_vocab(directory: Path, meta: DrafterMeta, cfg) -> torch.Tensor |
 def _check_vocab(directory: Path, meta: DrafterMeta, cfg, state: dict[str, torch.Tensor]) -> None:
     d2t, t2d = state["d2t"].to(torch.long), state["t2d"].to(torch.bool)
     ids = torch.arange(d2t.numel()) + d2t  # [Vd] target ids
-    ok = (
-        bool((ids >= 0).all())
-        and bool((ids < cfg.target_vocab_size).all())
-        and (ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()))
-    )
-    if not ok:
-        raise DrafterArtifactError(
-            f"{directory}: d2t maps outside the target vocabulary or is not increasing"
-        )
+    try:
+        checked_vocab_ids(ids, cfg.target_vocab_size)
+    except ValueError as e:
+        raise DrafterArtifactError(f"{directory}: d2t does not map to a draft vocabulary: {e}") from e
     if int(t2d.sum()) != ids.numel() or not bool(t2d[ids].all()):
         raise DrafterArtifactError(f"{directory}: t2d disagrees with d2t")
     if meta.draft_vocab_size is not None and meta.draft_vocab_size != ids.numel():
