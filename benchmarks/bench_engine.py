@@ -25,7 +25,7 @@ import time
 import torch
 import typer
 
-from kernels import thin_linear
+from kernels import packed_linear
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,11 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         "weight_bytes": weight_bytes,
         "bound_ms": round(weight_bytes / bw / 1e6, 2),
         "forward": "llama_forward" if fast.runner.fast is not None else "hf",
-        "native_kernel": {"used": native, "vector_width": thin_linear.vector_width()},
+        "native_kernel": {
+            "used": native,
+            "kernel": "packed_linear",
+            "panel_width": packed_linear.panel_width(),
+        },
         **figures("fast"),
         "startup_s": round(startup_s, 2),
         "lossless": lossless,

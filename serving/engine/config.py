@@ -65,10 +65,10 @@ class EngineConfig(BaseModel):
     )
     native_kernels: bool = Field(
         True,
-        description="LlamaForward computes projections of up to 32 tokens with specloop's native "
-        "CPU kernel (kernels/thin_linear.py: one pass over the weights for 1-8 tokens), built "
-        "with the machine's C compiler on first use and cached; where it does not build, BLAS. "
-        "False = BLAS only.",
+        description="LlamaForward computes every projection with specloop's native CPU kernel "
+        "over weights repacked once into panels (kernels/packed_linear.py: a verify of up to 8 "
+        "tokens costs about one pass over the weights), built with the machine's C compiler on "
+        "first use and cached; where it does not build, BLAS. False = BLAS only.",
     )
     capture_features: bool = Field(
         False,

@@ -3,12 +3,13 @@
 Why not the Hugging Face forward: on a CPU a decode step is bound by reading the weights once, and
 a verify of q = 2..16 tokens should cost about the same. Through ``F.linear`` (x @ W^T) it does
 not: MKL runs one row as a streaming gemv, but 2+ rows go through its gemm path, which costs
-~1.6-1.9x the one-row time on these 2-core machines (ARCHITECTURE.md, "Decode path"). So the
-projections of up to ``kernels.thin_linear.MAX_TOKENS`` tokens go through ``kernels.thin_linear``, a native kernel that
-reads each weight row once and computes its dot products with up to 8 tokens from registers.
-Where that kernel does not build, ``y^T = W @ x^T`` (the weight as the tall left operand) keeps
-MKL's streaming kernel for up to 4 tokens. We also fuse q/k/v and gate/up into one matrix each
-(fewer, longer weight streams) and skip the framework's per-layer Python.
+~1.6-1.9x the one-row time on these 2-core machines (ARCHITECTURE.md, "Decode path"). So every
+projection goes through ``kernels.packed_linear``: the weights are repacked once, at build, into
+panels that a native kernel streams while it does up to 8 tokens' FMAs, so a verify of up to 8
+tokens costs about one pass over the weights. Where that kernel does not build, ``y^T = W @ x^T``
+(the weight as the tall left operand) keeps MKL's streaming kernel for up to 4 tokens. We also
+fuse q/k/v and gate/up into one matrix each (fewer, longer weight streams) and skip the
+framework's per-layer Python.
 
 The math is transformers' LlamaForCausalLM with sdpa attention (RMSNorm in fp32, rotary embedding
 from the model's own ``rotary_emb``, grouped-query attention), run over the engine's cache through
@@ -27,9 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.thin_linear import MAX_TOKENS as THIN_LINEAR_MAX_TOKENS
-from kernels.thin_linear import available as thin_linear_available
-from kernels.thin_linear import thin_linear
+from kernels import packed_linear
+from kernels.packed_linear import PackedLinear
 
 
 @dataclass
@@ -71,8 +71,9 @@ class LlamaForward:
     def __init__(
         self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None
     ):
-        """native: use kernels.thin_linear for up to its MAX_TOKENS tokens (None = where it builds
-        and the weights are fp32 on the CPU); thin_max: the BLAS w @ x^T path's limit otherwise."""
+        """native: serve the projections through kernels.packed_linear (None = where it builds and
+        the weights are fp32 on the CPU; the packed copies replace the fused row-major ones);
+        thin_max: the BLAS w @ x^T path's limit otherwise."""
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
         cfg = model.config
@@ -89,9 +90,7 @@ class LlamaForward:
         self.lm_head = model.lm_head.weight  # [V, H] (tied: the same tensor as embed)
         self.thin_max = _THIN_MAX if thin_max is None else thin_max
         on_cpu_fp32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
-        if native is None:
-            native = on_cpu_fp32 and thin_linear_available()
-        self.native = bool(native) and on_cpu_fp32
+        self.native = (native is None or bool(native)) and on_cpu_fp32 and packed_linear.available()
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
@@ -99,28 +98,38 @@ class LlamaForward:
                 self.layers.append(
                     (
                         layer.input_layernorm.weight,
-                        torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous(),
-                        a.o_proj.weight,
+                        self._served(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                        self._served(a.o_proj.weight),
                         layer.post_attention_layernorm.weight,
-                        torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous(),
-                        m.down_proj.weight,
+                        self._served(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                        self._served(m.down_proj.weight),
                     )
                 )
+        self.lm_head_served = self._served(self.lm_head)
         self.q_dim = self.num_heads * self.head_dim
         self.kv_dim = self.num_kv_heads * self.head_dim
         self.inter = cfg.intermediate_size
         self.scale = self.head_dim**-0.5
 
+    def _served(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
+        """A projection's weight as the forward reads it: packed panels on the native path (a
+        copy; the model keeps its own), else row-major."""
+        packed = PackedLinear.pack(w) if self.native else None
+        return packed if packed is not None else w.contiguous()
+
     def weight_bytes(self) -> int:
         """Bytes one decode step reads (every matrix once; the tied lm_head counted once)."""
-        n = sum(t.numel() * t.element_size() for lay in self.layers for t in lay)
-        n += self.final_norm.numel() * self.final_norm.element_size()
-        return n + self.lm_head.numel() * self.lm_head.element_size()
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        def size(w: torch.Tensor | PackedLinear) -> int:
+            return w.nbytes if isinstance(w, PackedLinear) else w.numel() * w.element_size()
+
+        n = sum(size(t) for lay in self.layers for t in lay)
+        return n + size(self.final_norm) + size(self.lm_head_served)
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor | PackedLinear) -> torch.Tensor:
+        if isinstance(w, PackedLinear):
+            return w(x)
         tokens = x.shape[0] * x.shape[1]
-        if self.native and tokens <= THIN_LINEAR_MAX_TOKENS:
-            return thin_linear(x, w)
         if tokens <= self.thin_max:
             return _mm_t(x, w)
         return F.linear(x, w)
@@ -181,5 +190,5 @@ class LlamaForward:
             hidden[self.num_layers] = x
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self._linear(x, self.lm_head)  # [B, q', V]
+        logits = self._linear(x, self.lm_head_served)  # [B, q', V]
         return ForwardOutput(logits=logits, hidden_states=tuple(hidden) if want else None)

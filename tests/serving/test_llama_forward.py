@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import thin_linear
+from kernels import packed_linear
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.llama_forward import LlamaForward
 from serving.target import tiny_target
@@ -38,11 +38,11 @@ def _twin(cache):
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "blas"])
-@pytest.mark.parametrize("q", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("q", [1, 2, 4, 5, 9, 40])
 @torch.inference_mode()
 def test_logits_and_features_match_hf_on_ragged_rows(q, native):
-    """Both projection paths: the native thin kernel (where it builds) and BLAS alone."""
-    if native and not thin_linear.available():
+    """Both projection paths: the native packed kernel (where it builds) and BLAS alone."""
+    if native and not packed_linear.available():
         pytest.skip("native kernel not built here")
     model = tiny_target(vocab_size=97, num_layers=3).model
     fast = LlamaForward(model, thin_max=4, native=native)

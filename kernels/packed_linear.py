@@ -1,0 +1,96 @@
+"""PackedLinear: ``x @ w.T`` for any number of tokens (fp32, CPU), with ``w`` repacked once into
+panels that the native kernel streams (``kernels/native/packed_linear.c``; why: see its header).
+
+A weight is packed once, when a forward is built (``PackedLinear.pack(w)``), and then called like
+``F.linear(x, w)``. Packing copies the weight (same bytes, another layout), so callers pack what
+they serve and keep the original for everything else (training, the reference forward).
+``pack`` returns None where the kernel cannot be built, or the weight is not a 2-D fp32 CPU
+tensor: the caller then keeps its row-major path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native_build
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.packed_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.packed_linear.restype = ctypes.c_int
+    lib.packed_linear_panel_width.restype = ctypes.c_int
+
+
+def _load() -> ctypes.CDLL | None:
+    return native_build.load("packed_linear", _declare)
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded (builds it on first call)."""
+    return _load() is not None
+
+
+def panel_width() -> int:
+    """Outputs per panel (64 with AVX-512, 32 otherwise); 0 where the kernel is not available."""
+    lib = _load()
+    return int(lib.packed_linear_panel_width()) if lib is not None else 0
+
+
+class PackedLinear:
+    """A weight ``w`` [N, K] as panels [ceil(N/P), K, P] (zero-padded to whole panels)."""
+
+    def __init__(self, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL):
+        self.panels = panels  # [N/P, K, P]
+        self.out_features = out_features
+        self.in_features = panels.shape[1]
+        self._lib = lib
+
+    @classmethod
+    def pack(cls, w: torch.Tensor) -> PackedLinear | None:
+        if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+            return None
+        lib = _load()
+        if lib is None:
+            return None
+        p = int(lib.packed_linear_panel_width())
+        n, k = w.shape
+        count = -(-n // p)
+        with torch.no_grad():
+            padded = torch.zeros(count * p, k, dtype=torch.float32)
+            padded[:n] = w
+            panels = padded.view(count, p, k).transpose(1, 2).contiguous()  # [N/P, K, P]
+        return cls(panels, n, lib)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call reads from the weight (padding included)."""
+        return self.panels.numel() * self.panels.element_size()
+
+    def unpacked(self) -> torch.Tensor:
+        """The weight as [N, K] again (tests, and the reference path)."""
+        n = self.out_features
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:n]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.linear(x, w)``: x [..., K] fp32 -> [..., N]."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
+        if x.dtype != torch.float32 or x.device.type != "cpu" or (
+            torch.is_grad_enabled() and x.requires_grad
+        ):
+            return F.linear(x, self.unpacked())
+        tokens = x.numel() // self.in_features
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)  # [..., N]
+        if tokens == 0:
+            return y
+        x2 = x.reshape(tokens, self.in_features).contiguous()  # [T, K]
+        rc = self._lib.packed_linear(
+            x2.data_ptr(), self.panels.data_ptr(), y.data_ptr(), tokens, self.out_features,
+            self.in_features, torch.get_num_threads(),
+        )
+        if rc != 0:  # arguments the kernel refused: never silently wrong
+            raise RuntimeError(f"packed_linear refused x={tuple(x.shape)} w={tuple(self.panels.shape)}")
+        return y
