@@ -114,6 +114,13 @@ class RaggedKVCache:
         (root 0), ``ancestors`` [B, q, q] bool (node i sees node j iff j is i or an ancestor)."""
         self._tree = (depth.to(self.device), ancestors.to(self.device))
 
+    def write_columns(self) -> torch.Tensor:
+        """[B, q]: the column each new token of the prepared forward lands at. For a fused
+        attention kernel that writes ``keys``/``values`` itself instead of calling ``update``."""
+        if self._write_cols is None:
+            raise RuntimeError("RaggedKVCache.prepare() must be called before a forward")
+        return self._write_cols
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ):

@@ -9,7 +9,9 @@ panels that a native kernel streams while it does up to 8 tokens' FMAs, so a ver
 tokens costs about one pass over the weights. Where that kernel does not build, ``y^T = W @ x^T``
 (the weight as the tall left operand) keeps MKL's streaming kernel for up to 4 tokens. We also
 fuse q/k/v and gate/up into one matrix each (fewer, longer weight streams) and skip the
-framework's per-layer Python.
+framework's per-layer Python. For decode and verify widths, on our ragged cache, rotary + the
+cache write + attention are one native call per layer (``kernels.decode_attention``) instead of
+~15 small torch ops (measured: 2.7 ms less per step at 1 token, 4.3 ms at 8, on this CPU).
 
 The math is transformers' LlamaForCausalLM with sdpa attention (RMSNorm in fp32, rotary embedding
 from the model's own ``rotary_emb``, grouped-query attention), run over the engine's cache through
@@ -28,8 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import decode_attention as native_attention
 from kernels import packed_linear
 from kernels.packed_linear import PackedLinear
+from serving.engine.batch_cache import RaggedKVCache
 
 
 @dataclass
@@ -48,6 +52,11 @@ def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.mm(w, x2.t())  # [N, T]
     return y.t().reshape(*shape[:-1], w.shape[0])
 
+
+_FUSED_ATTENTION_MAX_TOKENS = 64
+"""Forwards of up to this many tokens per row use the native rotary + cache + attention kernel;
+longer ones (prefill) keep SDPA, whose blocked attention is as fast at 256 tokens and 5 % faster
+at 600 (measured), and grows better with length."""
 
 _THIN_MAX = 4
 """Without the native kernel, token counts up to this use w @ x^T; above it F.linear's gemm is as
@@ -91,6 +100,9 @@ class LlamaForward:
         self.thin_max = _THIN_MAX if thin_max is None else thin_max
         on_cpu_fp32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
         self.native = (native is None or bool(native)) and on_cpu_fp32 and packed_linear.available()
+        self.native_attention = (
+            (native is None or bool(native)) and on_cpu_fp32 and native_attention.available()
+        )
         self.layers = []
         with torch.no_grad():
             for layer in inner.layers:
@@ -134,6 +146,20 @@ class LlamaForward:
             return _mm_t(x, w)
         return F.linear(x, w)
 
+    def _fused_attention_columns(self, cache, mask: torch.Tensor, cos: torch.Tensor):
+        """The cache columns of this step's tokens [B, q] when the native attention kernel can run
+        this forward (our ragged fp32 CPU cache, contiguous buffers), else None."""
+        if not (self.native_attention and isinstance(cache, RaggedKVCache)):
+            return None
+        if mask.shape[2] > _FUSED_ATTENTION_MAX_TOKENS:
+            return None
+        if cache.dtype != torch.float32 or mask.dtype != torch.bool:
+            return None
+        buffers = [*cache.keys, *cache.values]
+        if not native_attention.takes(*buffers, mask[:, 0], cos[:, 0]):
+            return None
+        return cache.write_columns()
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; bit-identical to the unfused fp32 math
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -166,19 +192,26 @@ class LlamaForward:
         hidden: list[torch.Tensor | None] = [None] * (self.num_layers + 1)
         if 0 in want:
             hidden[0] = x
+        cols = self._fused_attention_columns(past_key_values, attention_mask, cos)
         qd, kvd, d = self.q_dim, self.kv_dim, self.head_dim
         for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             h = self._norm(x, ln1)
             qkv = self._linear(h, qkv_w)  # [B, q, Hq*D + 2*Hkv*D]
-            qs = qkv[..., :qd].view(b, q, self.num_heads, d).transpose(1, 2)  # [B, Hq, q, D]
-            ks = qkv[..., qd : qd + kvd].view(b, q, self.num_kv_heads, d).transpose(1, 2)
-            vs = qkv[..., qd + kvd :].view(b, q, self.num_kv_heads, d).transpose(1, 2)
-            qs, ks = self._rope(qs, cos, sin), self._rope(ks, cos, sin)
-            keys, values = past_key_values.update(ks, vs, i)  # [B, Hkv, L, D] each
-            att = F.scaled_dot_product_attention(
-                qs, keys, values, attn_mask=attention_mask, scale=self.scale, enable_gqa=True
-            )  # [B, Hq, q, D]
-            att = att.transpose(1, 2).reshape(b, q, qd)
+            if cols is not None:  # rotary + cache write + attention in one native call
+                att = native_attention.decode_attention(
+                    qkv, cos[:, 0], sin[:, 0], past_key_values.keys[i], past_key_values.values[i],
+                    cols, attention_mask[:, 0], self.num_heads, self.num_kv_heads, self.scale,
+                )  # [B, q, Hq*D]
+            else:
+                qs = qkv[..., :qd].view(b, q, self.num_heads, d).transpose(1, 2)  # [B, Hq, q, D]
+                ks = qkv[..., qd : qd + kvd].view(b, q, self.num_kv_heads, d).transpose(1, 2)
+                vs = qkv[..., qd + kvd :].view(b, q, self.num_kv_heads, d).transpose(1, 2)
+                qs, ks = self._rope(qs, cos, sin), self._rope(ks, cos, sin)
+                keys, values = past_key_values.update(ks, vs, i)  # [B, Hkv, L, D] each
+                att = F.scaled_dot_product_attention(
+                    qs, keys, values, attn_mask=attention_mask, scale=self.scale, enable_gqa=True
+                )  # [B, Hq, q, D]
+                att = att.transpose(1, 2).reshape(b, q, qd)
             x = x + self._linear(att, o_w)
             h = self._norm(x, ln2)
             gu = self._linear(h, gu_w)  # [B, q, 2I]

@@ -1,0 +1,85 @@
+"""decode_attention: rotary + KV-cache write + masked grouped-query attention for a few new tokens
+per row, in one native call per layer (``kernels/native/decode_attention.c``; why: see its header).
+
+The caller owns the cache: ``keys`` and ``values`` are its whole buffers [B, Hkv, C, D], ``cols``
+[B, T] the column each new token goes to, ``mask`` [B, T, L] which of columns [0, L) each query
+sees. The kernel writes the rotated keys and the values at ``cols`` and returns the attention
+output [B, T, Hq * D], ready for the output projection. ``takes`` says whether the inputs are what
+the kernel computes on (fp32, CPU, contiguous); elsewhere callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import native_build
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.decode_attention.argtypes = (
+        [ctypes.c_void_p] * 8 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
+    )
+    lib.decode_attention.restype = ctypes.c_int
+
+
+def _load() -> ctypes.CDLL | None:
+    return native_build.load("decode_attention", _declare)
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded (builds it on first call)."""
+    return _load() is not None
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """fp32 (or the int64/bool index tensors) on the CPU, contiguous, no gradients wanted."""
+    return all(
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.dtype in (torch.float32, torch.int64, torch.bool)
+        and not (torch.is_grad_enabled() and t.requires_grad)
+        for t in tensors
+    )
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cols: torch.Tensor,
+    mask: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """qkv [B, T, (Hq + 2 Hkv) D]; cos, sin [B, T, D]; keys, values [B, Hkv, C, D] (written at
+    ``cols`` [B, T]); mask [B, T, L] bool. Returns the attention output [B, T, Hq * D]."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("decode_attention: native kernel not available (check available())")
+    b, t, width = qkv.shape
+    _, hkv, capacity, d = keys.shape
+    length = mask.shape[-1]
+    if width != (num_heads + 2 * num_kv_heads) * d or hkv != num_kv_heads:
+        raise ValueError(f"qkv width {width} does not fit {num_heads}+2x{num_kv_heads} heads of {d}")
+    if cos.shape != (b, t, d) or sin.shape != (b, t, d) or values.shape != keys.shape:
+        raise ValueError("cos/sin must be [B, T, D] and values shaped as keys")
+    if cols.shape != (b, t) or mask.shape != (b, t, length) or keys.shape[0] != b:
+        raise ValueError("cols must be [B, T] and mask [B, T, L] for the same rows")
+    if not takes(qkv, cos, sin, keys, values, cols, mask) or cols.dtype != torch.int64:
+        raise ValueError("decode_attention takes contiguous fp32 CPU tensors (int64 cols, bool mask)")
+    out = torch.empty(b, t, num_heads * d, dtype=torch.float32)  # [B, T, Hq * D]
+    rc = lib.decode_attention(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
+        cols.data_ptr(), mask.data_ptr(), out.data_ptr(),
+        b, t, num_heads, num_kv_heads, d, capacity, length, scale, torch.get_num_threads(),
+    )
+    if rc != 0:  # a column outside [0, L), or L > capacity: refused, nothing silently wrong
+        raise ValueError(
+            f"decode_attention refused: cols outside [0, {length}) or L > capacity {capacity}"
+        )
+    return out

@@ -1,0 +1,95 @@
+"""The native rotary + cache-write + attention kernel against the same steps in torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import decode_attention as da
+
+needs_native = pytest.mark.skipif(not da.available(), reason="no C compiler / native build")
+
+
+def _rope(x, cos, sin):  # x [B, H, T, D]; cos, sin [B, 1, T, D]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _reference(qkv, cos, sin, keys, values, cols, mask, hq, hkv, scale):
+    b, t, _ = qkv.shape
+    d = keys.shape[-1]
+    q = qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2)
+    k = qkv[..., hq * d : (hq + hkv) * d].view(b, t, hkv, d).transpose(1, 2)
+    v = qkv[..., (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
+    q, k = _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None])
+    rows = torch.arange(b)[:, None].expand(-1, t)
+    keys[rows, :, cols] = k.transpose(1, 2)
+    values[rows, :, cols] = v.transpose(1, 2)
+    n = mask.shape[-1]
+    att = F.scaled_dot_product_attention(
+        q, keys[:, :, :n], values[:, :, :n], attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+    return att.transpose(1, 2).reshape(b, t, hq * d)
+
+
+def _case(b, t, hq, hkv, d, lengths, capacity, seed, tree=False):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(b, t, (hq + 2 * hkv) * d, generator=g)
+    pos = torch.tensor(lengths)[:, None] + torch.arange(t)  # [B, T]
+    freqs = pos[..., None].float() / (10000 ** (torch.arange(d // 2).float() / (d // 2)))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().contiguous(), emb.sin().contiguous()
+    keys = torch.randn(b, hkv, capacity, d, generator=g)
+    values = torch.randn(b, hkv, capacity, d, generator=g)
+    cols = pos.clone()
+    n = max(lengths) + t
+    colsr = torch.arange(n)
+    mask = colsr[None, None, :] <= pos[:, :, None]  # [B, T, L]: causal over ragged rows
+    if tree:  # node i sees the prefix, itself and node i - 2 (a branching pattern)
+        mask = colsr[None, None, :] < torch.tensor(lengths)[:, None, None]
+        mask = mask.expand(b, t, n).clone()
+        for i in range(t):
+            for j in (i, i - 2):
+                if j >= 0:
+                    mask[torch.arange(b), i, cols[:, j]] = True
+    return qkv, cos, sin, keys, values, cols, mask.contiguous()
+
+
+@needs_native
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 17])
+@pytest.mark.parametrize("tree", [False, True])
+def test_matches_torch_rope_cache_write_and_sdpa(t, tree):
+    """Grouped heads (9 query, 3 kv, SmolLM2's shape), ragged rows, chains and tree masks."""
+    hq, hkv, d = 9, 3, 64
+    args = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t, tree=tree)
+    qkv, cos, sin, keys, values, cols, mask = args
+    rk, rv = keys.clone(), values.clone()
+    ref = _reference(qkv, cos, sin, rk, rv, cols, mask, hq, hkv, 0.125)
+    got = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, 0.125)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys, rk, rtol=1e-6, atol=1e-6)  # the same cache written
+    assert torch.equal(values, rv)
+
+
+@needs_native
+def test_odd_head_dim_and_one_kv_head():
+    args = _case(2, 3, 4, 1, 20, [5, 0], 16, seed=9)
+    qkv, cos, sin, keys, values, cols, mask = args
+    rk, rv = keys.clone(), values.clone()
+    ref = _reference(qkv, cos, sin, rk, rv, cols, mask, 4, 1, 20**-0.5)
+    got = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, 4, 1, 20**-0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_bad_columns_are_refused_before_anything_is_written():
+    qkv, cos, sin, keys, values, cols, mask = _case(1, 2, 2, 1, 16, [4], 8, seed=3)
+    before = keys.clone()
+    with pytest.raises(ValueError, match="refused"):
+        da.decode_attention(qkv, cos, sin, keys, values, cols + 10, mask, 2, 1, 0.25)
+    assert torch.equal(keys, before)
+    with pytest.raises(ValueError, match="heads"):
+        da.decode_attention(qkv, cos, sin, keys, values, cols, mask, 3, 1, 0.25)
+    with pytest.raises(ValueError, match="contiguous"):
+        da.decode_attention(qkv, cos, sin, keys, values, cols.int(), mask, 2, 1, 0.25)
