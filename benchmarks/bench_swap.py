@@ -273,6 +273,8 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
         "failed_requests": failed,
         "stall_p99_ms": pct(stalls, 99),
         "stall_median_ms": pct(stalls, 50),
+        "stall_ms": [round(x, 1) for x in stalls],
+        "load_stall_ms": [round(x, 1) for x in loads],
         "install_stall_p99_ms": pct(installs, 99),
         "install_stall_median_ms": pct(installs, 50),
         "load_stall_p99_ms": pct(loads, 99),

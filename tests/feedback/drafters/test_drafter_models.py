@@ -189,6 +189,31 @@ def test_bf16_draft_weights_serve_drafts_and_training_keeps_the_real_weights():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+def test_a_long_extend_with_bf16_draft_weights_stays_within_bf16_rounding(monkeypatch):
+    """Many tokens (a request's history at a hot swap) take the bf16 gemm where the CPU has one,
+    else the fp32 weight: either way the draft model's result, within bf16 rounding."""
+    import pytest
+    import torch
+
+    from feedback.drafters import models
+    from kernels.thin_linear import MAX_TOKENS, available
+
+    if not available():
+        pytest.skip("no native kernel: bf16 draft weights are not used")
+    layer = torch.nn.Linear(64, 48, bias=False)
+    models.draft_in_bf16(torch.nn.Sequential(layer))
+    x = torch.randn(1, MAX_TOKENS + 9, 64)
+    with torch.no_grad():
+        exact = x @ layer.weight.T
+        y = models.linear(layer, x)
+        assert y.dtype == torch.float32 and y.shape == exact.shape
+        torch.testing.assert_close(y, exact, rtol=3e-2, atol=8e-2)
+        models._bf16_gemm.cache_clear()
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+        torch.testing.assert_close(models.linear(layer, x), exact, rtol=1e-5, atol=1e-5)
+    models._bf16_gemm.cache_clear()
+
+
 def test_standalone_net_drafts_alike_in_bf16():
     import torch
 
