@@ -407,3 +407,32 @@ def test_hybrid_leaves_the_suffix_drafters_trees_on():
     hybrid.add_request(view)
     prop = hybrid.propose([view], 6)
     assert prop.parents is not None and (prop.parents[0, : int(prop.lengths[0])] == -1).sum() >= 2
+
+
+def test_a_drafter_whose_drafts_the_batch_cannot_afford_is_only_probed():
+    """Acceptance says drafting pays (best_k > 0 at batch-agnostic costs), but at batch 8 every
+    width costs far more than it brings, so choose_width cuts each draft to nothing: after
+    ``probe_every`` such drafts the policy stops paying for them, except on probes."""
+    from serving.engine.policy import BatchState
+
+    from feedback.goodput import CostModel
+
+    policy = GoodputPolicy(4, probe_every=8, remeasure_every=10_000)
+    for w in range(5):
+        policy.observe(w, np.zeros(8), np.zeros(8), 0.0, 30.0 * (1 + 0.8 * w), width=w, batch=8)
+    # the batch-agnostic cost model (what best_k reads) says drafts are not cheap but pay
+    policy.costs = CostModel(target_step_ms=30.0, draft_ms_per_token=1.0, verify_slope=0.02)
+    policy.acceptance.observe(np.full(8, 4), np.full(8, 3))  # drafts used to be accepted
+    policy.calibration = 1.0
+    state = BatchState(8, 4, np.full(8, 100))
+    assert policy.choose_k(state) > 0
+    policy.off_streak = 0
+    drafted = []
+    for _ in range(200):
+        k = policy.choose_k(state)
+        drafted.append(k > 0)
+        if k:
+            policy.choose_width(*_chain(8, k, 0.3), batch=8)
+    assert sum(drafted[:8]) == 8  # drafting until the width step had cut 8 drafts in a row
+    assert sum(drafted[8:]) <= (200 - 8) // policy.probe_interval() + 1  # then probes only
+    assert sum(drafted[8:]) >= 2
