@@ -18,9 +18,17 @@ import torch.nn.functional as F
 from kernels import native_build
 
 
+_NONE, _RMSNORM, _SWIGLU = 0, 1, 2  # prologues of packed_linear_fused (see the C source)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.packed_linear.restype = ctypes.c_int
+    lib.packed_linear_fused.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+        + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    )
+    lib.packed_linear_fused.restype = ctypes.c_int
     lib.packed_linear_panel_width.restype = ctypes.c_int
 
 
@@ -74,22 +82,68 @@ class PackedLinear:
         n = self.out_features
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:n]
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``F.linear(x, w)``: x [..., K] fp32 -> [..., N]."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w) (+ residual)``: x [..., K] fp32 -> [..., N]."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
-        if x.dtype != torch.float32 or x.device.type != "cpu" or (
-            torch.is_grad_enabled() and x.requires_grad
-        ):
-            return F.linear(x, self.unpacked())
-        tokens = x.numel() // self.in_features
+        if not self._native(x, residual):
+            y = F.linear(x, self.unpacked())
+            return y if residual is None else y + residual
+        return self._run(x, _NONE, None, 0.0, residual)
+
+    def normed(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``F.linear(rms_norm(x) * weight, w) (+ residual)``: Llama's pre-norm and the projection
+        after it in one call (the norm in fp32, as transformers computes it)."""
+        if x.shape[-1] != self.in_features or weight.shape != (self.in_features,):
+            raise ValueError(f"input and norm weight must have {self.in_features} features")
+        if not self._native(x, residual, weight):
+            h = F.rms_norm(x, (self.in_features,), weight, eps)
+            y = F.linear(h, self.unpacked())
+            return y if residual is None else y + residual
+        return self._run(x, _RMSNORM, weight.contiguous(), eps, residual)
+
+    def swiglu(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(silu(gate) * up, w) (+ residual)`` for gate_up = [gate | up] [..., 2K]: a
+        Llama MLP's down projection with the activation before it, in one call."""
+        if gate_up.shape[-1] != 2 * self.in_features:
+            raise ValueError(f"gate_up must have 2 x {self.in_features} features")
+        if not self._native(gate_up, residual):
+            k = self.in_features
+            h = F.silu(gate_up[..., :k]) * gate_up[..., k:]
+            y = F.linear(h, self.unpacked())
+            return y if residual is None else y + residual
+        return self._run(gate_up, _SWIGLU, None, 0.0, residual)
+
+    @staticmethod
+    def _native(*tensors: torch.Tensor | None) -> bool:
+        return all(
+            t is None
+            or (
+                t.dtype == torch.float32
+                and t.device.type == "cpu"
+                and not (torch.is_grad_enabled() and t.requires_grad)
+            )
+            for t in tensors
+        )
+
+    def _run(self, x, prologue: int, weight, eps: float, residual) -> torch.Tensor:
+        width = x.shape[-1]
+        tokens = x.numel() // width if width else 0
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)  # [..., N]
         if tokens == 0:
             return y
-        x2 = x.reshape(tokens, self.in_features).contiguous()  # [T, K]
-        rc = self._lib.packed_linear(
-            x2.data_ptr(), self.panels.data_ptr(), y.data_ptr(), tokens, self.out_features,
-            self.in_features, torch.get_num_threads(),
+        x2 = x.reshape(tokens, width).contiguous()  # [T, K] (or [T, 2K] for swiglu)
+        res = None
+        if residual is not None:
+            if residual.shape != y.shape:
+                raise ValueError(f"residual {tuple(residual.shape)} != output {tuple(y.shape)}")
+            res = residual.reshape(tokens, self.out_features).contiguous()  # [T, N]
+        rc = self._lib.packed_linear_fused(
+            x2.data_ptr(), prologue, weight.data_ptr() if weight is not None else None, eps,
+            self.panels.data_ptr(), res.data_ptr() if res is not None else None, y.data_ptr(),
+            tokens, self.out_features, self.in_features, torch.get_num_threads(),
         )
         if rc != 0:  # arguments the kernel refused: never silently wrong
             raise RuntimeError(f"packed_linear refused x={tuple(x.shape)} w={tuple(self.panels.shape)}")

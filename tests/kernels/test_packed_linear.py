@@ -79,3 +79,35 @@ def test_nothing_is_packed_without_the_kernel(monkeypatch):
 def test_only_fp32_cpu_matrices_are_packed():
     assert PackedLinear.pack(torch.randn(4, 8, dtype=torch.float64)) is None
     assert PackedLinear.pack(torch.randn(4, 8, 2)) is None
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 5, 8, 19])
+def test_fused_norm_activation_and_residual_match_torch(tokens):
+    """The prologues (Llama's RMSNorm; silu(gate) * up) and the residual add done inside the call
+    equal the torch ops they replace, to float rounding; widths that leave a padded panel."""
+    g = torch.Generator().manual_seed(tokens)
+    n, k = 577, 96
+    packed = PackedLinear.pack(w := torch.randn(n, k, generator=g))
+    x = torch.randn(2, tokens, k, generator=g)
+    res = torch.randn(2, tokens, n, generator=g)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    torch.testing.assert_close(packed(x, residual=res), F.linear(x, w) + res, rtol=1e-5, atol=1e-4)
+    want = F.linear(F.rms_norm(x, (k,), norm_w, 1e-5), w)
+    torch.testing.assert_close(packed.normed(x, norm_w, 1e-5), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed.normed(x, norm_w, 1e-5, residual=res), want + res,
+                               rtol=1e-5, atol=1e-4)
+    gu = torch.randn(2, tokens, 2 * k, generator=g)
+    want = F.linear(F.silu(gu[..., :k]) * gu[..., k:], w) + res
+    torch.testing.assert_close(packed.swiglu(gu, residual=res), want, rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_fused_calls_refuse_wrong_shapes():
+    packed = PackedLinear.pack(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="features"):
+        packed.normed(torch.randn(2, 8), torch.ones(9), 1e-5)
+    with pytest.raises(ValueError, match="2 x 8"):
+        packed.swiglu(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="residual"):
+        packed(torch.randn(2, 8), residual=torch.randn(3, 16))
