@@ -17,13 +17,10 @@ import torch.nn.functional as F
 
 from kernels import native_build
 
-
 _NONE, _RMSNORM, _SWIGLU = 0, 1, 2  # prologues of packed_linear_fused (see the C source)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.packed_linear.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.packed_linear.restype = ctypes.c_int
     lib.packed_linear_fused.argtypes = (
         [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
         + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]

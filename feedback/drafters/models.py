@@ -31,7 +31,6 @@ trainer can use a ``DynamicCache`` (or none) and serving its batched per-request
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from typing import Literal, Protocol
 

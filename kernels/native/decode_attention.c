@@ -13,8 +13,8 @@
  * cache columns query t of row b sees; out [B, T, Hq D]. Rotary as Hugging Face's Llama:
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]).
  *
- * Softmax in fp32: scores, their max, exp(score - max) by a vector exp (Cody-Waite range reduction
- * + a degree-6 polynomial, within 2 ulp of expf), their sum; then the weighted sum of values.
+ * Softmax in fp32: scores, their max, exp(score - max) by simd.h's vector exp (vexp_nonpos),
+ * their sum; then the weighted sum of values.
  * Results agree with torch's SDPA to float rounding (tests compare).
  */
 #include <math.h>
@@ -38,25 +38,6 @@ static inline float hsum(vf v) {
 #endif
 }
 
-/* exp(x) for x <= 0 (scores minus their max), VW lanes at once: Cephes' expf (Cody-Waite
- * reduction by ln 2 in two parts, degree-6 polynomial, 2^n by building the exponent bits). */
-static inline vf vexp(vf x) {
-    const vf lo = (vf){0} - 87.3f; /* exp(-87.3) ~ 1e-38: the smallest normal float's range */
-    vi below = x < lo; /* lanes of -1 where x < lo */
-    x = (vf)(((vi)lo & below) | ((vi)x & ~below));
-    vi ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi); /* round(x / ln 2) */
-    vf n = __builtin_convertvector(ni, vf);
-    vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
-    vf p = (vf){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi bits = (ni + 127) << 23;
-    return p * (vf)bits;
-}
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
@@ -92,7 +73,7 @@ static void attend_one(const float *q, const float *K, const float *V, const uin
     if (m == -INFINITY) return; /* nothing visible: zeros (never happens: a token sees itself) */
     long j = 0;
     for (; j + VW <= L; j += VW) { /* exp of every lane */
-        vf e = vexp(load(scores + j) - m);
+        vf e = vexp_nonpos(load(scores + j) - m);
         store(scores + j, e);
     }
     for (; j < L; j++) scores[j] = expf(scores[j] - m);

@@ -135,10 +135,5 @@ int packed_linear_fused(const float *x, int prologue, const float *g, float eps,
     return 0;
 }
 
-/* y = x @ w^T: packed_linear_fused without a prologue or residual. */
-int packed_linear(const float *x, const float *wp, float *y, long T, long N, long K, int threads) {
-    return packed_linear_fused(x, PROLOGUE_NONE, NULL, 0.0f, wp, NULL, y, T, N, K, threads);
-}
-
 /* Outputs per panel: the packing's P (64 with AVX-512, 32 otherwise). */
 int packed_linear_panel_width(void) { return P; }

@@ -1,6 +1,7 @@
 /* The vector types every native kernel computes with: VW floats per register, the widest the
  * build's -march=native allows (16 with AVX-512, else 8: AVX2 or narrower, which the compiler
- * splits). GCC vector extensions, so one source serves both. */
+ * splits). GCC vector extensions, so one source serves both. And the vector helpers the kernels
+ * share (a lane select, exp of non-positive values). */
 #ifndef SPECLOOP_SIMD_H
 #define SPECLOOP_SIMD_H
 
@@ -13,5 +14,29 @@
 #endif
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* a where m, else b (m: all-ones or all-zeros lanes, from a vector compare) */
+static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+
+/* exp(x) for x <= 0 (x - max), vectorised: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6
+ * polynomial, 2^n through the exponent bits. Below -87 the result flushes to 0. */
+static inline vf vexp_nonpos(vf x) {
+    const vf lo = (vf){0} - 87.0f;
+    x = vsel(x < lo, lo, x);
+    /* n = round(x / ln2): x <= 0, so truncating (x / ln2 - 0.5) toward zero rounds to nearest */
+    vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi), vf);
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f; /* ln2 split in two for accuracy */
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    vf scale;
+    __builtin_memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
 
 #endif

@@ -413,9 +413,8 @@ def test_a_drafter_whose_drafts_the_batch_cannot_afford_is_only_probed():
     """Acceptance says drafting pays (best_k > 0 at batch-agnostic costs), but at batch 8 every
     width costs far more than it brings, so choose_width cuts each draft to nothing: after
     ``probe_every`` such drafts the policy stops paying for them, except on probes."""
-    from serving.engine.policy import BatchState
-
     from feedback.goodput import CostModel
+    from serving.engine.policy import BatchState
 
     policy = GoodputPolicy(4, probe_every=8, remeasure_every=10_000)
     for w in range(5):
