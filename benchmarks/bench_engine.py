@@ -38,11 +38,12 @@ def cpu_info() -> dict:
     come with AVX-512/bf16 and with AVX2 only)."""
     model, flags = platform.processor() or platform.machine(), set()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and model in ("", platform.machine(), "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name") and model in ("", platform.machine(), "x86_64"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     return {"model": model, "flags": sorted(f for f in _FLAGS if f in flags), "cpus": os.cpu_count()}
