@@ -130,14 +130,17 @@ class LlamaForward:
         packed = PackedLinear.pack(w) if self.native else None
         return packed if packed is not None else w.contiguous()
 
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The tensors one decode step reads (every matrix once, as served: packed panels on the
+        native path; the tied lm_head once)."""
+        out = []
+        for w in [*(t for lay in self.layers for t in lay), self.final_norm, self.lm_head_served]:
+            out.append(w.panels if isinstance(w, PackedLinear) else w)
+        return out
+
     def weight_bytes(self) -> int:
-        """Bytes one decode step reads (every matrix once; the tied lm_head counted once)."""
-
-        def size(w: torch.Tensor | PackedLinear) -> int:
-            return w.nbytes if isinstance(w, PackedLinear) else w.numel() * w.element_size()
-
-        n = sum(size(t) for lay in self.layers for t in lay)
-        return n + size(self.final_norm) + size(self.lm_head_served)
+        """Bytes one decode step reads."""
+        return sum(t.numel() * t.element_size() for t in self.weight_tensors())
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor | PackedLinear) -> torch.Tensor:
         if isinstance(w, PackedLinear):

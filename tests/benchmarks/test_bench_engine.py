@@ -14,6 +14,9 @@ def test_bench_engine_reports_bound_and_verify_costs():
     assert out["bound_fraction"] == round(out["bound_ms"] / out["step_ms"], 3) or abs(
         out["bound_fraction"] - out["bound_ms"] / out["step_ms"]) < 0.01
     assert "model" in out["cpu"] and isinstance(out["cpu"]["flags"], list)
+    # the bound uses the faster of the step's own weights and a fresh tensor: never flattered
+    probes = [out["bandwidth_gbs_256mb_tensor"]] + [out["bandwidth_gbs_weights"] or 0.0]
+    assert out["bandwidth_gbs"] == max(probes) > 0
 
 
 def test_cpu_info_names_simd_flags():
