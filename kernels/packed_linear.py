@@ -84,8 +84,7 @@ class PackedLinear:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features; the weight takes {self.in_features}")
         if not self._native(x, residual):
-            y = F.linear(x, self.unpacked())
-            return y if residual is None else y + residual
+            return self._reference(x, residual)
         return self._run(x, _NONE, None, 0.0, residual)
 
     def normed(
@@ -96,9 +95,7 @@ class PackedLinear:
         if x.shape[-1] != self.in_features or weight.shape != (self.in_features,):
             raise ValueError(f"input and norm weight must have {self.in_features} features")
         if not self._native(x, residual, weight):
-            h = F.rms_norm(x, (self.in_features,), weight, eps)
-            y = F.linear(h, self.unpacked())
-            return y if residual is None else y + residual
+            return self._reference(F.rms_norm(x, (self.in_features,), weight, eps), residual)
         return self._run(x, _RMSNORM, weight.contiguous(), eps, residual)
 
     def swiglu(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,10 +105,13 @@ class PackedLinear:
             raise ValueError(f"gate_up must have 2 x {self.in_features} features")
         if not self._native(gate_up, residual):
             k = self.in_features
-            h = F.silu(gate_up[..., :k]) * gate_up[..., k:]
-            y = F.linear(h, self.unpacked())
-            return y if residual is None else y + residual
+            return self._reference(F.silu(gate_up[..., :k]) * gate_up[..., k:], residual)
         return self._run(gate_up, _SWIGLU, None, 0.0, residual)
+
+    def _reference(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The torch path, after the prologue: ``F.linear(h, w) (+ residual)``."""
+        y = F.linear(h, self.unpacked())
+        return y if residual is None else y + residual
 
     @staticmethod
     def _native(*tensors: torch.Tensor | None) -> bool:

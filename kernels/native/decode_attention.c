@@ -22,22 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "simd.h"
-
-static inline float hsum(vf v) {
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v);
-#else
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
-#endif
-}
-
 
 static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }

@@ -1,11 +1,14 @@
 /* The vector types every native kernel computes with: VW floats per register, the widest the
  * build's -march=native allows (16 with AVX-512, else 8: AVX2 or narrower, which the compiler
  * splits). GCC vector extensions, so one source serves both. And the vector helpers the kernels
- * share (a lane select, exp of non-positive values). */
+ * share (a lane sum, a lane select, exp of non-positive values). */
 #ifndef SPECLOOP_SIMD_H
 #define SPECLOOP_SIMD_H
 
 #include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -14,6 +17,18 @@
 #endif
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* The sum of a vector's lanes (a fixed order per build: a result never depends on what else
+ * the caller computes). */
+static inline float hsum(vf v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps((__m512)v);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+#endif
+}
 
 /* a where m, else b (m: all-ones or all-zeros lanes, from a vector compare) */
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }

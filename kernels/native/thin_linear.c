@@ -15,21 +15,12 @@
  * for drafters, whose numerics never change what is emitted, only how often drafts are accepted.
  */
 #include <omp.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include "simd.h"
 
 #define ROWS_PER_PASS 8 /* weight rows streamed together: each load of x feeds 8 FMAs */
 #define T_CHUNK 3        /* tokens per pass: 8 x 3 accumulators + 8 weight vectors in registers */
 #define ROW_BLOCK 32     /* rows of w kept hot in L2 while every chunk of tokens passes over them */
-
-static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < VW; i++) s += v[i];
-    return s;
-}
 
 /* Weight loads: fp32 as is; bf16 (the upper 16 bits of an fp32) widened in registers, so a bf16
  * weight costs half the memory traffic and its products are the same fp32 products. */

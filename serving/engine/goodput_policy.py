@@ -27,10 +27,10 @@ P is the product of the drafter's confidences along the node's path and c an onl
 (accepted / predicted). Verify costs are measured per (batch size, width): a width that pays at
 batch 1 may not at batch 8, and W = 0 (plain decoding) wins where nothing pays. A drafter whose
 draft costs next to nothing (the suffix index) is asked for the full budget every step and the
-width decides, until ``probe_every`` drafts in a row were cut to nothing: then it drafts only every
-``probe_every`` steps (probes, which verify the best non-empty width so that the calibration keeps
-learning) until one pays again. A costly drafter still gets k from the
-acceptance estimate.
+width decides; a costly drafter gets k from the acceptance estimate. Either way, once
+``probe_every`` drafts in a row were cut to nothing, it drafts only on probes (every
+``probe_every`` steps for a cheap drafter, ``probe_interval`` for a costly one; a probe verifies
+the best non-empty width, so that the calibration keeps learning) until one pays again.
 """
 
 from __future__ import annotations
