@@ -26,6 +26,8 @@ Hugging Face forward.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +67,46 @@ good or better (measured)."""
 
 
 
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> {native: (weights stamp, LlamaForward)}: see ``LlamaForward.shared``."""
+_SHARED_LOCK = threading.Lock()
+
+
+def _weights_stamp(model: torch.nn.Module) -> tuple:
+    """Changes when any parameter or buffer of ``model`` is replaced or modified in place (in
+    place: except for tensors made under ``torch.inference_mode``, which keep no version)."""
+    return tuple((t.data_ptr(), _version(t)) for t in (*model.parameters(), *model.buffers()))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor
+        return None
+
+
 class LlamaForward:
+    @classmethod
+    def shared(cls, model: torch.nn.Module, native: bool | None = None) -> LlamaForward:
+        """The LlamaForward of ``model``, built once per process and shared by every engine on it.
+
+        Two engines on one target in a process (a benchmark's target-only baseline beside its
+        speculative engine, the demo's baseline and then its loop, a test's reference engine)
+        read the same packed weights instead of a 538 MB copy each. That matters beyond memory: on
+        this VM the memory speed differs from one allocation to the next (ARCHITECTURE.md), and
+        two copies made two engines' plain steps differ by ~10 %, the size of what an A/B between
+        them measures. Rebuilt when a weight was replaced or modified in place since (a forward
+        holds no other state)."""
+        stamp = _weights_stamp(model)
+        with _SHARED_LOCK:
+            per_model = _SHARED.setdefault(model, {})
+            hit = per_model.get(native)
+            if hit is not None and hit[0] == stamp:
+                return hit[1]
+            forward = cls(model, native=native)
+            per_model[native] = (stamp, forward)
+            return forward
+
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         cfg = getattr(model, "config", None)
@@ -87,8 +128,7 @@ class LlamaForward:
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
         cfg = model.config
-        inner = model.model
-        self.model = model
+        inner = model.model  # no reference to ``model`` is kept: ``shared`` caches per model
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads

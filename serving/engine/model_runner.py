@@ -31,7 +31,7 @@ class ModelRunner:
         """Our own forward (serving/engine/llama_forward.py) when ``forward="auto"`` and the
         model is a Llama-family model on sdpa; None runs the Hugging Face forward."""
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
-            self.fast = LlamaForward(model, native=None if native_kernels else False)
+            self.fast = LlamaForward.shared(model, native=None if native_kernels else False)
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""
 

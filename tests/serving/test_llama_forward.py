@@ -118,3 +118,36 @@ def test_real_model_greedy_outputs_equal_hf_reference():
     for text in ("def fibonacci(n):", "The capital of France is", "Write a haiku about rain."):
         ids = tok.encode(text)
         assert _greedy(fast, ids, 16) == _greedy(ref, ids, 16)
+
+
+def test_engines_on_one_model_share_its_forward_until_a_weight_changes():
+    """One packed copy of the weights per model, however many engines run on it; a weight
+    modified in place (or replaced) after that gets a fresh forward that computes with it."""
+    from serving.engine.model_runner import ModelRunner
+
+    model = tiny_target(vocab_size=50, num_layers=2, seed=3).model
+    cpu = torch.device("cpu")
+    first, second = ModelRunner(model, cpu), ModelRunner(model, cpu)
+    assert first.fast is second.fast
+    assert ModelRunner(model, cpu, native_kernels=False).fast is not first.fast
+    other = tiny_target(vocab_size=50, num_layers=2, seed=3).model
+    assert ModelRunner(other, cpu).fast is not first.fast
+
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
+        third = ModelRunner(model, cpu)
+        assert third.fast is not first.fast
+        cache = _prefilled(model, [5])
+        ids = torch.tensor([[7, 9]])
+
+        def logits(forward):
+            c = _twin(cache)
+            pos, mask = c.prepare(2)
+            if forward is None:
+                return model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                             past_key_values=c, use_cache=True).logits
+            return forward(ids, pos, mask, c).logits
+
+        ref = logits(None)
+        torch.testing.assert_close(logits(third.fast), ref, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(logits(first.fast), ref, atol=1e-3)  # the old copy: the old model
