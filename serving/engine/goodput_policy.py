@@ -24,7 +24,8 @@ Width (token trees, and chains with per-token confidences): after the draft, ``c
 the proposal to the node count W in 0..K with the highest expected tokens per verify millisecond
 over the batch, ``sum_b (1 + c * sum_{j < W} P_b(node j accepted)) / verify_ms(W | batch)``, where
 P is the product of the drafter's confidences along the node's path and c an online calibration
-(accepted / predicted). Verify costs are measured per (batch size, width): a width that pays at
+(accepted / predicted). Verify costs are measured per (batch size, width) as robust medians
+(verify_costs.py: a plain step's median, and each width's ratio to it): a width that pays at
 batch 1 may not at batch 8, and W = 0 (plain decoding) wins where nothing pays. A drafter whose
 draft costs next to nothing (the suffix index) is asked for the full budget every step and the
 width decides; a costly drafter gets k from the acceptance estimate. Either way, once
@@ -42,6 +43,7 @@ import numpy as np
 from feedback.goodput import AcceptanceEstimate, CostModel, best_k
 from serving.engine.policy import BatchState
 from serving.engine.tree import path_confidence
+from serving.engine.verify_costs import VerifyCosts
 
 _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
@@ -81,7 +83,8 @@ class GoodputPolicy:
         """EMA of accepted / predicted (confidence-based) tokens: scales the drafter's confidences."""
         self.widths: list[int] = []
         """Recent widths chosen by ``choose_width`` (bounded)."""
-        self._verify_by_batch: dict[int, dict[int, float]] = {}
+        self.verify = VerifyCosts()
+        """Measured verify costs per (batch size, width): robust medians (verify_costs.py)."""
         self._predicted: float | None = None
         self.zero_widths = 0
         self._probing = False
@@ -158,7 +161,7 @@ class GoodputPolicy:
         """Measured verify milliseconds of ``width`` drafts per row at this batch size; unmeasured
         widths cost at least the widest measured one below them (costs do not fall with width),
         and the prior scaled from batch 1 where nothing is measured."""
-        seen = self._verify_by_batch.get(batch, {})
+        seen = self.verify.measured(batch)
         if width in seen:
             return seen[width]
         below = [ms for w, ms in seen.items() if w < width]
@@ -201,10 +204,7 @@ class GoodputPolicy:
         if batch is not None and width is not None:
             if int(width) == 0:
                 self._since_plain[int(batch)] = 0
-            seen = self._verify_by_batch.setdefault(int(batch), {})
-            prev = seen.get(int(width))
-            ema = self.costs.ema
-            seen[int(width)] = verify_ms if prev is None else (1 - ema) * prev + ema * verify_ms
+            self.verify.observe(int(batch), int(width), float(verify_ms))
         predicted, self._predicted = self._predicted, None
         if predicted is not None and predicted > 0.05 * len(accepted):
             ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration
