@@ -29,9 +29,10 @@ P is the product of the drafter's confidences along the node's path and c an onl
 batch 1 may not at batch 8, and W = 0 (plain decoding) wins where nothing pays. A drafter whose
 draft costs next to nothing (the suffix index) is asked for the full budget every step and the
 width decides; a costly drafter gets k from the acceptance estimate. Either way, once
-``probe_every`` drafts in a row were cut to nothing, it drafts only on probes (every
-``probe_every`` steps for a cheap drafter, ``probe_interval`` for a costly one; a probe verifies
-the best non-empty width, so that the calibration keeps learning) until one pays again.
+``probe_every`` drafts in a row were cut to nothing, it drafts only on probes (a probe verifies
+the best non-empty width, so that the calibration keeps learning) until one pays again; probes
+are spaced to cost at most ``probe_budget`` (``probe_interval`` for a costly drafter,
+``cheap_probe_interval`` at the batch size for a cheap one, whose verify is what costs).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class GoodputPolicy:
         """Measured verify costs per (batch size, width): robust medians (verify_costs.py)."""
         self._predicted: float | None = None
         self.zero_widths = 0
+        """Drafts in a row that were cut to nothing or expected to save less than they cost."""
+        self._draft_step_ms: float | None = None
+        self._chose_width = False
+        """EMA of a drafting step's host time (the draft and the width choice), ms."""
         self._probing = False
         """Consecutive drafts that ``choose_width`` cut to nothing."""
         self._since_plain: dict[int, int] = {}  # batch size -> width choices since the last W = 0
@@ -112,19 +117,19 @@ class GoodputPolicy:
             # drafts to nothing: draft only on probes until one pays again, so that a draft that
             # is thrown away is not paid for every step (at batch 8 the suffix index's ~1 ms per
             # drafted position was 3-9 % of a step, every step).
-            return self._probe_or_plain(k, costly=not cheap)
+            return self._probe_or_plain(k, costly=not cheap, batch=state.batch_size)
         if k == 0:
-            return self._probe_or_plain(max(1, self.probe_k), costly=True)
+            return self._probe_or_plain(max(1, self.probe_k), costly=True, batch=state.batch_size)
         self.off_streak = 0
         self._remember(k)
         return k
 
-    def _probe_or_plain(self, k: int, costly: bool) -> int:
-        """k = 0, except every ``probe_interval`` steps (``probe_every`` for a cheap drafter, or at
-        once after ``on_drafter_change``): then a probe of ``k`` drafts, whose width
-        ``choose_width`` keeps non-empty so that the estimates keep learning."""
+    def _probe_or_plain(self, k: int, costly: bool, batch: int = 1) -> int:
+        """k = 0, except every ``probe_interval`` steps (``cheap_probe_interval`` for a cheap
+        drafter, or at once after ``on_drafter_change``): then a probe of ``k`` drafts, whose
+        width ``choose_width`` keeps non-empty so that the estimates keep learning."""
         self.off_streak += 1
-        interval = self.probe_interval() if costly else self.probe_every
+        interval = self.probe_interval() if costly else self.cheap_probe_interval(batch)
         if self.off_streak >= interval or self._probe_new:
             self._probe_new = False
             self._costly_probe = costly
@@ -147,6 +152,15 @@ class GoodputPolicy:
             cost = k * self.costs.draft_ms_per_token + max(0.0, self.costs.verify_ms(k) - step)
         return max(self.probe_every, math.ceil(cost / (self.probe_budget * step)))
 
+    def cheap_probe_interval(self, batch: int) -> int:
+        """Steps between probes of a cheap drafter (its draft is free, the verify is not): at
+        least ``probe_every``, and enough that verifying one draft per row costs at most
+        ``probe_budget`` of the plain steps between two probes at this batch size. At batch 8
+        on this CPU that verify costs ~0.5 plain steps: a probe every 16 steps was 3 % of
+        serving, the whole never-slower margin."""
+        extra = self.verify_ms(1, batch) / self.verify_ms(0, batch) - 1.0
+        return max(self.probe_every, math.ceil(extra / self.probe_budget))
+
     def on_drafter_change(self) -> None:
         """A new drafter is installed: what was learned of the old one's acceptance no longer
         holds. Start from the prior and probe at the next step that would not draft. (Draft
@@ -158,18 +172,21 @@ class GoodputPolicy:
         self._probe_new = True
 
     def verify_ms(self, width: int, batch: int) -> float:
-        """Measured verify milliseconds of ``width`` drafts per row at this batch size; unmeasured
-        widths cost at least the widest measured one below them (costs do not fall with width),
-        and the prior scaled from batch 1 where nothing is measured."""
+        """Verify milliseconds of ``width`` drafts per row at this batch size: measured; else the
+        widest width measured below it, grown per added token (B x W) by the steepest slope seen
+        in a forward of at most as many tokens, or the prior's (verify_costs.py). Where nothing
+        is measured at this batch size, the prior scaled from batch 1."""
         seen = self.verify.measured(batch)
         if width in seen:
             return seen[width]
-        below = [ms for w, ms in seen.items() if w < width]
-        prior = self.costs.verify_ms(width) * (batch if not seen else 1.0)
+        slope = max(self.costs.verify_slope, self.verify.steepest_slope(batch * (width + 1)))
         if not seen:
-            return prior
-        base = seen.get(0, min(seen.values()))
-        return max(below + [base * (1.0 + self.costs.verify_slope * width)])
+            return self.costs.verify_ms(0) * batch * (1.0 + slope * batch * width)
+        plain = seen.get(0, min(seen.values()))
+        below = max((w for w in seen if w < width), default=0)
+        ratio = seen.get(below, plain) / plain
+        grown = plain * (ratio + slope * batch * (width - below))
+        return max([grown] + [ms for w, ms in seen.items() if w < width])
 
     def choose_width(self, parents, confidence, lengths, batch: int) -> int:
         """Node budget W for this step from the drafted plan (see the module docstring)."""
@@ -181,7 +198,13 @@ class GoodputPolicy:
         expected = batch + np.concatenate([[0.0], np.cumsum(cum.sum(axis=0))])  # [K+1]
         rates = [expected[w] / self.verify_ms(w, batch) for w in range(k + 1)]
         width = int(np.argmax(rates))
-        self.zero_widths = self.zero_widths + 1 if width == 0 else 0
+        # what the chosen width is expected to save over plain steps making as many tokens; a
+        # draft that does not save more than drafting costs counts as cut to nothing (enough in
+        # a row and the drafter drafts on probes only)
+        plain = self.verify_ms(0, batch)
+        saving = expected[width] / batch * plain - self.verify_ms(width, batch)
+        self.zero_widths = self.zero_widths + 1 if saving <= (self._draft_step_ms or 0.0) else 0
+        self._chose_width = True
         if self._probing and k > 0:  # a probe verifies the best non-empty width, whatever it costs
             width = 1 + int(np.argmax(rates[1:]))
         probing, self._probing = self._probing, False
@@ -205,6 +228,10 @@ class GoodputPolicy:
             if int(width) == 0:
                 self._since_plain[int(batch)] = 0
             self.verify.observe(int(batch), int(width), float(verify_ms))
+        chose, self._chose_width = self._chose_width, False
+        if chose:  # a step that drafted and chose a width
+            prev = self._draft_step_ms
+            self._draft_step_ms = float(draft_ms) if prev is None else 0.8 * prev + 0.2 * draft_ms
         predicted, self._predicted = self._predicted, None
         if predicted is not None and predicted > 0.05 * len(accepted):
             ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration

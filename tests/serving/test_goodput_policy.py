@@ -98,8 +98,8 @@ def test_builder_wires_adaptive_k():
     target = tiny_target(vocab_size=64, hidden_size=32)
     from prometheus_client import CollectorRegistry
 
-    on = build_engine(ServingSettings(adaptive_k=True, k=5), target=target, registry=CollectorRegistry())
-    off = build_engine(ServingSettings(k=5), target=target, registry=CollectorRegistry())
+    on = build_engine(ServingSettings(k=5), target=target, registry=CollectorRegistry())  # default
+    off = build_engine(ServingSettings(adaptive_k=False, k=5), target=target, registry=CollectorRegistry())
     assert isinstance(on.policy, GoodputPolicy) and on.policy.k_max == 5
     assert not isinstance(off.policy, GoodputPolicy)
 
@@ -176,3 +176,59 @@ def test_probes_are_spaced_by_what_they_measured_to_cost():
             k = p.choose_k(_state())
             p.observe(k, np.array([k]), np.array([0]), probe_ms if k else 0.0, 40.0)
     assert dear.probe_interval() >= 9 * cheap.probe_interval()
+
+
+def test_unmeasured_widths_are_priced_by_the_tokens_of_their_forward():
+    """A verify of W drafts for B rows is a forward of B(W + 1) tokens: at batch 8 a width not yet
+    run is priced by its 8W added tokens (not W), and by the steepest growth per token measured in
+    forwards no larger than it, at any batch size."""
+    p = GoodputPolicy(8)
+    for _ in range(5):
+        p.observe(0, np.zeros(1), np.zeros(1), 0.0, 20.0, width=0, batch=1)
+        p.observe(0, np.zeros(8), np.zeros(8), 0.0, 30.0, width=0, batch=8)
+    slope = p.costs.verify_slope
+    assert p.verify_ms(8, 1) == pytest.approx(20.0 * (1 + slope * 8))
+    assert p.verify_ms(4, 8) == pytest.approx(30.0 * (1 + slope * 32))
+    # one measured 8-row width of 1 (16 tokens) at 1.45 plain steps: 0.45 / 8 per drafted token
+    p.observe(1, np.ones(8), np.zeros(8), 0.0, 43.5, width=1, batch=8)
+    assert p.verify_ms(2, 8) == pytest.approx(30.0 * (1.45 + 0.45 / 8 * 8))
+    # ...which also prices a 16-token forward at batch 4 (width 3), but not batch 1's 9 tokens
+    p.observe(0, np.zeros(4), np.zeros(4), 0.0, 25.0, width=0, batch=4)
+    assert p.verify_ms(3, 4) == pytest.approx(25.0 * (1 + 0.45 / 8 * 12))
+    assert p.verify_ms(8, 1) == pytest.approx(20.0 * (1 + slope * 8))
+
+
+def test_a_cheap_drafters_probes_are_spaced_by_what_their_verify_costs_at_the_batch_size():
+    p = GoodputPolicy(8)
+    for _ in range(5):
+        p.observe(0, np.zeros(1), np.zeros(1), 0.0, 20.0, width=0, batch=1)
+        p.observe(0, np.zeros(8), np.zeros(8), 0.0, 30.0, width=0, batch=8)
+    p.observe(1, np.ones(1), np.zeros(1), 0.0, 20.4, width=1, batch=1)
+    p.observe(1, np.ones(8), np.zeros(8), 0.0, 45.0, width=1, batch=8)
+    assert p.cheap_probe_interval(1) == p.probe_every  # 2 % extra: every 16 steps is within budget
+    assert p.cheap_probe_interval(8) == 25  # 50 % extra per probe, 2 % budget
+
+
+def test_drafts_that_save_less_than_drafting_costs_lead_to_probes_only():
+    """At batch 8 a width that barely pays (saving 0.15 ms) does not cover a 0.25 ms draft: after
+    ``probe_every`` such drafts the cheap drafter drafts on probes only."""
+    p = GoodputPolicy(4, probe_every=4, remeasure_every=10_000)
+    for _ in range(5):
+        p.observe(0, np.zeros(8), np.zeros(8), 0.0, 30.0, width=0, batch=8)
+        p.observe(1, np.ones(8), np.zeros(8), 0.0, 45.0, width=1, batch=8)
+    state = BatchState(8, 4, np.full(8, 100))
+    parents = np.tile(np.arange(-1, 4), (8, 1))  # [8, 5] chains
+    confidence = np.full((8, 4), 0.505)  # W=1: 8 x 1.505 tokens in 45 ms vs 8 in 30: saves 0.15 ms
+    drafted = []
+    for _ in range(40):
+        k = p.choose_k(state)
+        drafted.append(k > 0)
+        if k:
+            p.calibration = 1.0  # the confidences are right: width 1 does pay, by 0.15 ms
+            w = p.choose_width(parents, confidence, np.full(8, 4), batch=8)
+            assert w == 1
+            p.observe(k, np.full(8, w), np.zeros(8), 0.25, 45.0, width=w, batch=8)
+        else:
+            p.observe(0, np.zeros(8), np.zeros(8), 0.01, 30.0, width=0, batch=8)
+    assert all(drafted[:4]) and sum(drafted[8:]) <= 32 // p.cheap_probe_interval(8) + 1
+    assert sum(drafted[8:]) >= 1  # still probed
