@@ -19,20 +19,20 @@ def spec(
     prompts: str = typer.Option(None, help="JSONL prompt file (lines with prompt or messages, optional domain), or \"sharegpt\" (held-out real user prompts)."),
     limit: int = typer.Option(8, min=1, help="Evaluation prompts per domain."),
     max_tokens: int = typer.Option(96, min=1, help="New tokens per prompt."),
-    k: int = typer.Option(4, min=1, help="Drafted tokens per step."),
+    k: int = typer.Option(8, min=1, help="Most drafted tokens (tree nodes) per step; serving's default."),
     drafter: str = typer.Option("suffix", help="suffix | eagle | standalone | hybrid"),
     warm: int = typer.Option(16, min=0, help="Other prompts of the same domain served before measuring (0 = day 0 only)."),
     artifact: str = typer.Option(None, help="Drafter artifact directory for learned drafters (default: day-0 init)."),
     threads: int = typer.Option(2, min=1, help="torch threads."),
     dtype: str = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
     domain: list[str] = typer.Option(None, help="Only these domains (repeatable)."),
-    policy: str = typer.Option("fixed", help="fixed (k every step) | adaptive (GoodputPolicy picks 0..k) | "
+    policy: str = typer.Option("adaptive", help="adaptive (GoodputPolicy picks 0..k, serving's default) | fixed (k every step) | "
                                "both (same prompts, adds adaptive_vs_fixed)."),
     tree: bool = typer.Option(True, "--tree/--no-tree", help="Suffix drafter proposes token trees of "
                               "up to k nodes (the adaptive policy cuts them to what pays)."),
     batch: str = typer.Option("", help="Comma-separated batch sizes (e.g. 1,4,8) for the never-slower "
                               "check: target-only vs adaptive speculation at each, A/B in one process."),
-    batch_repeats: int = typer.Option(2, min=1, help="A/B rounds per batch size."),
+    batch_repeats: int = typer.Option(4, min=1, help="A/B rounds per batch size (ABBA order)."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""

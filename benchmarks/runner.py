@@ -44,6 +44,12 @@ class StepTimer(BaseObserver):
     def reset(self) -> None:
         self.__init__()
 
+    def plain_step_ms(self, rows: int) -> float | None:
+        """Median verify ms of the steps of ``rows`` rows that drafted nothing: the same work in
+        two engines, so a gap between them is the machine's drift, not speculation."""
+        ms = [v for v, r, n in zip(self.verify_ms, self.rows, self.nodes) if r == rows and n == 0]
+        return float(np.median(ms)) if ms else None
+
     def summary(self) -> dict:
         steps = len(self.verify_ms)
         drafted = sum(self.drafted)

@@ -46,4 +46,8 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
     for entry in out["by_batch"].values():
         assert entry["lossless"] is True
         assert entry["speedup"] > 0 and entry["never_slower"] == (entry["speedup"] >= 0.97)
+        plain = entry["plain_step_ms"]
+        if plain["target_only"] and plain["speculative"]:  # scaled by the engines' plain steps
+            expected = entry["speedup"] * plain["speculative"] / plain["target_only"]
+            assert abs(entry["speedup_at_equal_plain_step"] - expected) < 2e-3
     assert "nodes_per_row_step" in out["warmed"]["by_domain"]["code"]
