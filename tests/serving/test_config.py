@@ -65,3 +65,10 @@ def test_explicitly_set_tells_defaults_from_choices(monkeypatch):
     s = ServingSettings(**SGLANG, device="cuda:1")
     assert s.explicitly_set("dtype") and s.explicitly_set("device")
     assert not s.explicitly_set("max_batch_size")
+
+
+def test_k_is_a_budget_of_8_for_torch_and_a_fixed_4_for_sglang_unless_set():
+    assert ServingSettings(device="cpu").k == 8
+    assert ServingSettings(device="cpu").adaptive_k
+    assert ServingSettings(**SGLANG).k == 4
+    assert ServingSettings(**SGLANG, k=6).k == 6
