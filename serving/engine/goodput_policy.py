@@ -88,12 +88,9 @@ class GoodputPolicy:
         """Measured verify costs per (batch size, width): robust medians (verify_costs.py)."""
         self._predicted: float | None = None
         self.zero_widths = 0
-        """Drafts in a row that were cut to nothing or expected to save less than they cost."""
-        self._draft_step_ms: float | None = None
-        self._chose_width = False
-        """EMA of a drafting step's host time (the draft and the width choice), ms."""
-        self._probing = False
         """Consecutive drafts that ``choose_width`` cut to nothing."""
+        self._probing = False
+        """This step is a probe: ``choose_width`` verifies a non-empty width."""
         self._since_plain: dict[int, int] = {}  # batch size -> width choices since the last W = 0
         self._probe_new = False
         """Probe at the next k = 0 decision: a new drafter (``on_drafter_change``)."""
@@ -198,13 +195,7 @@ class GoodputPolicy:
         expected = batch + np.concatenate([[0.0], np.cumsum(cum.sum(axis=0))])  # [K+1]
         rates = [expected[w] / self.verify_ms(w, batch) for w in range(k + 1)]
         width = int(np.argmax(rates))
-        # what the chosen width is expected to save over plain steps making as many tokens; a
-        # draft that does not save more than drafting costs counts as cut to nothing (enough in
-        # a row and the drafter drafts on probes only)
-        plain = self.verify_ms(0, batch)
-        saving = expected[width] / batch * plain - self.verify_ms(width, batch)
-        self.zero_widths = self.zero_widths + 1 if saving <= (self._draft_step_ms or 0.0) else 0
-        self._chose_width = True
+        self.zero_widths = self.zero_widths + 1 if width == 0 else 0
         if self._probing and k > 0:  # a probe verifies the best non-empty width, whatever it costs
             width = 1 + int(np.argmax(rates[1:]))
         probing, self._probing = self._probing, False
@@ -228,10 +219,6 @@ class GoodputPolicy:
             if int(width) == 0:
                 self._since_plain[int(batch)] = 0
             self.verify.observe(int(batch), int(width), float(verify_ms))
-        chose, self._chose_width = self._chose_width, False
-        if chose:  # a step that drafted and chose a width
-            prev = self._draft_step_ms
-            self._draft_step_ms = float(draft_ms) if prev is None else 0.8 * prev + 0.2 * draft_ms
         predicted, self._predicted = self._predicted, None
         if predicted is not None and predicted > 0.05 * len(accepted):
             ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration
