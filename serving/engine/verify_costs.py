@@ -14,12 +14,6 @@ So the plain step (width 0) at each batch size is the median of its recent steps
 W > 0 is remembered as the median of its recent ratios to the plain median at the time it ran:
 cost(W) = plain median x ratio median. Plain steps are most steps, so their median follows the
 machine's current speed, and the ratio carries it over to the widths measured more rarely.
-
-A width not yet run at a batch size is priced by token count (``steepest_slope``): a verify of W
-drafts for B rows is a forward of B(W + 1) tokens, and on a CPU its cost grows with the tokens
-beyond a knee (FMA-bound; measured on this machine, 16 tokens cost 1.35-1.45 plain steps whether
-they are 1 row x 16 or 8 rows x 2). Pricing a width by its draft count alone let the first 8-row
-drafts of 4 nodes look like 1.09 plain steps; they cost 2.7.
 """
 
 from __future__ import annotations
@@ -64,28 +58,6 @@ class VerifyCosts:
         if plain is not None and ratios:
             return plain * statistics.median(ratios)
         return statistics.median(ms for ms, _ in samples)
-
-    def steepest_slope(self, tokens: int) -> float:
-        """The steepest measured cost growth per drafted token, (ratio - 1) / (B x W), over the
-        widths run in forwards of at most ``tokens`` tokens (B(W + 1)), at any batch size; 0.0
-        where none was run."""
-        key = ("slope", tokens)
-        if key not in self._memo:
-            self._memo[key] = self._steepest_slope(tokens)
-        return self._memo[key]
-
-    def _steepest_slope(self, tokens: int) -> float:
-        slopes = [0.0]
-        for batch, widths in self._wide.items():
-            for width in widths:
-                if batch * (width + 1) <= tokens and (ratio := self.ratio(batch, width)) is not None:
-                    slopes.append((ratio - 1.0) / (batch * width))
-        return max(slopes)
-
-    def ratio(self, batch: int, width: int) -> float | None:
-        """Measured cost of ``width`` over a plain step at the same batch size; None if unknown."""
-        plain, wide = self.plain_ms(batch), self.get(batch, width)
-        return wide / plain if plain and wide is not None else None
 
     def measured(self, batch: int) -> dict[int, float]:
         """{width: ms} of every width run at ``batch`` rows (do not modify: shared until the next
