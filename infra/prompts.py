@@ -50,7 +50,7 @@ def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {name!r} is not installed (make install)")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def load_mtbench(categories: list[str] | None = None) -> list[PromptItem]:

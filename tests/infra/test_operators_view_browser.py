@@ -26,7 +26,7 @@ def _render(url: str) -> str:
     out = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000",
          "--dump-dom", url],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, check=False,
     )
     return out.stdout
 

@@ -37,7 +37,7 @@ def test_gate_refuses_equal_candidate_within_margin(trained_student, domain_a_re
 
 
 def test_gate_refuses_nan_weights_and_diverged_loss(trained_student, domain_a_replay):
-    good, res = trained_student
+    good, _res = trained_student
     broken = StandaloneStudent(copy.deepcopy(good.model))
     with torch.no_grad():
         next(broken.model.parameters()).view(-1)[0] = float("nan")

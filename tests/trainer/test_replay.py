@@ -70,4 +70,4 @@ def test_small_stream_still_gets_its_heldout_share():
     rb = ReplayBuffer(heldout_fraction=0.15, min_heldout=2)
     rb.extend(recs)
     assert len(rb.heldout) == 2 and len(rb) == 18
-    assert set(r.request_id for r in rb.heldout).isdisjoint(r.request_id for r in rb.train_records)
+    assert {r.request_id for r in rb.heldout}.isdisjoint(r.request_id for r in rb.train_records)

@@ -67,7 +67,7 @@ def _loop(student, traces, tmp_path, fp, exporter):
 
 
 def test_engine_traces_carry_features_and_rejections(engine_setup):
-    target, traces = engine_setup
+    _target, traces = engine_setup
     assert len(traces) == 96
     t = traces[0]
     assert t.hidden_layers == FEATURE_LAYERS

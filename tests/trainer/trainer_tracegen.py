@@ -39,7 +39,7 @@ def make_trace(domain: str = "a", *, prompt_len: int = 6, out_len: int = 24, k: 
     rng = np.random.default_rng(seed if seed is not None else next(_ids))
     prompt = rng.integers(0, VOCAB, size=prompt_len)
     ctx = list(prompt)
-    steps = dict(pos=[], nd=[], na=[], ids=[], probs=[], tid=[], tlp=[])
+    steps = {"pos": [], "nd": [], "na": [], "ids": [], "probs": [], "tid": [], "tlp": []}
     out: list[int] = []
     while len(out) < out_len:
         draft = rng.integers(0, VOCAB, size=k)

@@ -29,7 +29,7 @@ def test_registered_version_downloads_bit_identical_with_lineage(registry, tmp_p
                                  curves={"train_loss": [(0, 2.0), (1, 1.5)]})
     reg = registry.register("acme", rid)
     assert reg.version == "1" and registry.champion("acme").version == "1"
-    path, got = registry.download("acme")
+    path, _got = registry.download("acme")
     assert _digest(path) == _digest(src)
     run = registry.client.get_run(rid)
     assert run.data.params["offsets"] == "0:0-10"
@@ -59,7 +59,7 @@ def test_load_champion_validates_through_the_artifact(registry, tmp_path):
     model = build_standalone(cfg)
     save_drafter(model, cfg, FP, tmp_path / "art", version="c1")
     registry.register("t1", registry.log_candidate(FP, tmp_path / "art"))
-    loaded, meta = registry.load_champion("t1", FP)
+    loaded, _meta = registry.load_champion("t1", FP)
     for k, v in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v), k
     other = TargetFingerprint(model_id="other", tokenizer_hash="cd" * 8, vocab_size=48)
