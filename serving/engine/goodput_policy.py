@@ -121,7 +121,7 @@ class GoodputPolicy:
         self._remember(k)
         return k
 
-    def _probe_or_plain(self, k: int, costly: bool, batch: int = 1) -> int:
+    def _probe_or_plain(self, k: int, costly: bool, batch: int) -> int:
         """k = 0, except every ``probe_interval`` steps (``cheap_probe_interval`` for a cheap
         drafter, or at once after ``on_drafter_change``): then a probe of ``k`` drafts, whose
         width ``choose_width`` keeps non-empty so that the estimates keep learning."""

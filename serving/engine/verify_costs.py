@@ -31,11 +31,12 @@ class VerifyCosts:
         self._wide: dict[int, dict[int, deque[tuple[float, float | None]]]] = {}
         """batch -> width -> recent (ms, plain median at the time or None)"""
         self._plain_window, self._wide_window = plain_window, wide_window
-        self._memo: dict[tuple, object] = {}
-        """Answers since the last observation: the width choice asks for every width each step."""
+        self._measured_memo: dict[int, dict[int, float]] = {}
+        """``measured`` per batch since the last observation: the width choice asks for every
+        width each step."""
 
     def observe(self, batch: int, width: int, ms: float) -> None:
-        self._memo.clear()
+        self._measured_memo.clear()
         if width == 0:
             self._plain.setdefault(batch, deque(maxlen=self._plain_window)).append(ms)
             return
@@ -62,11 +63,9 @@ class VerifyCosts:
     def measured(self, batch: int) -> dict[int, float]:
         """{width: ms} of every width run at ``batch`` rows (do not modify: shared until the next
         observation)."""
-        key = ("measured", batch)
-        if key not in self._memo:
-            self._memo[key] = self._measured(batch)
-        return self._memo[key]
-
-    def _measured(self, batch: int) -> dict[int, float]:
-        widths = ([0] if batch in self._plain else []) + sorted(self._wide.get(batch, {}))
-        return {w: ms for w in widths if (ms := self.get(batch, w)) is not None}
+        if batch not in self._measured_memo:
+            widths = ([0] if batch in self._plain else []) + sorted(self._wide.get(batch, {}))
+            self._measured_memo[batch] = {
+                w: ms for w in widths if (ms := self.get(batch, w)) is not None
+            }
+        return self._measured_memo[batch]
