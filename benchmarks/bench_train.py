@@ -16,9 +16,9 @@ from pathlib import Path
 import typer
 
 from benchmarks.runner import median_ms
-from feedback.bus import codec
 from feedback.bus.sink import InProcessTraceSink
 from feedback.bus.trace import TraceRecord
+from feedback.bus.trace_file import load_traces, save_traces
 
 
 def generate_traces(
@@ -72,29 +72,6 @@ def generate_traces(
     if missing:
         raise RuntimeError(f"{len(missing)} requests left no trace (first: {missing[0]})")
     return [by_id[r] for r in ids]
-
-
-def save_traces(records: list[TraceRecord], path: str | Path) -> None:
-    """Length-prefixed trace codec blobs (no pickle)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        for r in records:
-            blob = codec.encode(r)
-            f.write(len(blob).to_bytes(4, "little"))
-            f.write(blob)
-    tmp.replace(path)
-
-
-def load_traces(path: str | Path) -> list[TraceRecord]:
-    data = Path(path).read_bytes()
-    out, i = [], 0
-    while i < len(data):
-        n = int.from_bytes(data[i : i + 4], "little")
-        out.append(codec.decode(data[i + 4 : i + 4 + n]))
-        i += 4 + n
-    return out
 
 
 def cpu_model() -> str:
@@ -189,7 +166,7 @@ def run(args) -> dict:
         special_token_ids,
         standalone_from_target,
     )
-    from infra.prompts import interleave_categories, load_humaneval, load_mtbench
+    from infra.prompts import interleave_categories, load_humaneval, load_mtbench, load_sharegpt
     from serving.target import load_target
     from trainer.distill import DistillConfig, Distiller
     from trainer.eagle_student import EagleStudent, traffic_frequencies
@@ -201,14 +178,19 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     target = load_target(args.model)
     layers = default_feature_layers(int(target.model.config.num_hidden_layers))
-    items = interleave_categories(load_mtbench()) if args.domain == "chat" else load_humaneval()
+    n_prompts = args.train_prompts + args.heldout_prompts
+    if args.prompts == "sharegpt":  # the held-out real-user set: never tuned on
+        items = [it for it in load_sharegpt(n_prompts, n_prompts) if it.domain == args.domain]
+    else:
+        items = interleave_categories(load_mtbench()) if args.domain == "chat" else load_humaneval()
     prompts = [it.token_ids(target.tokenizer) for it in items[: args.train_prompts + args.heldout_prompts]]
     train_p, held_p = prompts[: args.train_prompts], prompts[args.train_prompts :]
     # selfspec/standalone need no captured features: their traces are cached without them
     layers = layers if args.student == "eagle" else ()
     t0 = time.perf_counter()
-    train = _cached_traces(target, "train", train_p, args, layers, args.cache_dir, args.domain)
-    held = _cached_traces(target, "heldout", held_p, args, layers, args.cache_dir, args.domain)
+    tag = "" if args.prompts is None else f"{args.prompts}-"
+    train = _cached_traces(target, f"{tag}train", train_p, args, layers, args.cache_dir, args.domain)
+    held = _cached_traces(target, f"{tag}heldout", held_p, args, layers, args.cache_dir, args.domain)
     gen_s = time.perf_counter() - t0
 
     vocab = int(target.model.get_output_embeddings().weight.shape[0])
@@ -217,6 +199,10 @@ def run(args) -> dict:
                               frequencies=traffic_frequencies(train, vocab))
         student = EagleStudent(eagle_from_target(target.model, feature_layers=layers, draft_vocab=dv),
                                depth=args.depth, max_len=args.max_len)
+    elif args.student == "selfspec" and args.init is not None:
+        from trainer.students import selfspec_student_from_artifact
+
+        student = selfspec_student_from_artifact(args.init, target.model, target.fingerprint, args.max_len)
     elif args.student == "selfspec":
         from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
         from trainer.students import SelfSpecStudent
@@ -261,6 +247,7 @@ def run(args) -> dict:
         **({"exit_layer": args.exit_layer, "adapter_layers": args.adapter_layers,
             "adapter_init": args.adapter_init, "draft_vocab": args.draft_vocab}
            if args.student == "selfspec" else {}),
+        "init": str(args.init) if args.init else None, "prompts": args.prompts or "mtbench+humaneval",
         "cpu": cpu_model(),
         "train_prompts": len(train), "heldout_prompts": len(held), "max_new_tokens": args.max_new_tokens,
         "expected_acceptance_before": before.expected_acceptance, "expected_acceptance_after": after.expected_acceptance,
@@ -281,6 +268,10 @@ def bench_train(
     model: str = typer.Option("SmolLM2-135M-Instruct", help="Target model."),
     student: str = typer.Option("eagle", help="eagle | standalone | selfspec"),
     domain: str = typer.Option("chat", help="chat (MT-Bench) | code (HumanEval)."),
+    prompts: str | None = typer.Option(None, help="sharegpt: the domain's prompts from the held-out ShareGPT set "
+                                       "instead of MT-Bench / HumanEval."),
+    init: Path | None = typer.Option(None, help="selfspec: start from this artifact (e.g. pre-trained with "
+                                     "`specloop train --corpus`) instead of the day-0 copy of a target layer."),
     exit_layer: int = typer.Option(2, help="selfspec: target layers shared before the adapter."),
     adapter_layers: int = typer.Option(1, help="selfspec: trainable adapter decoder layers."),
     adapter_init: str = typer.Option("next", help="selfspec: adapter starts as target layer E (next) or its last (last)."),

