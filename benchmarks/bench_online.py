@@ -103,9 +103,9 @@ def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
     pre = loop.served[: loop.snapshot_at]
     records = [teacher_trace(target.model, target.fingerprint, list(p), list(o), domain="pre-shift")
                for p, o in pre if o]
-    if cfg.day0_init == "selfspec":
+    if cfg.day0_init == "selfspec" or cfg.day0_artifact:  # the same start as the loop's student
         student = make_selfspec_student(target, cfg.draft_vocab_size, cfg.selfspec_exit_layer,
-                                        cfg.selfspec_adapter_layers)
+                                        cfg.selfspec_adapter_layers, cfg.day0_artifact)
     else:
         student = make_student(target, cfg.draft_vocab_size, cfg.day0_init)
     fit = train_offline(student, records, target.fingerprint, max_steps=steps, k=cfg.k,
@@ -196,6 +196,9 @@ def bench_online(
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
     learned: str = typer.Option("target-layers", help="Learned drafter: target-layers (standalone LM copying the "
                                 "target's first layers) | selfspec (target's own first layers + trained adapter)."),
+    day0_artifact: str = typer.Option(None, help="Start the learned drafter (serving's and the trainer's, and "
+                                      "the offline static baseline) from this selfspec artifact, e.g. one "
+                                      "pre-trained with `specloop train --corpus`."),
     static: str = typer.Option("offline", help="Static baseline after the shift: offline (same kind trained offline "
                                "on the target's pre-shift responses) | snapshot (the loop's drafter frozen at the shift)."),
 ) -> None:
@@ -210,7 +213,7 @@ def bench_online(
     torch.set_num_threads(threads)
     target = load_target()
     stream = encode(stream_items(prompts, chat, code), target.tokenizer)
-    cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned)
+    cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned, day0_artifact=day0_artifact)
     with tempfile.TemporaryDirectory(prefix="specloop-bench-online-") as tmp:
         stack = build_stack(load_settings(), tmp)
         try:

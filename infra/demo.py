@@ -200,6 +200,9 @@ def demo(
     run_dir: Path = typer.Option(None, help="Where the plot, summary and stack data go "
                                  "(default: ./specloop-demo/<timestamp>)."),
     threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),
+    day0_artifact: Path = typer.Option(None, help="Start the learned drafter from this selfspec artifact (e.g. "
+                                       "pre-trained with `specloop train --corpus`): the hybrid drafts with it "
+                                       "from the first request and the trainer refines it."),
 ) -> None:
     """Run the closed loop live: serve -> trace -> train -> register -> swap, on a domain shift."""
     import torch
@@ -222,7 +225,8 @@ def demo(
         console.print(f"stack up: kafka {info.bootstrap_servers}, {info.redis_url}, mlflow {info.mlflow_uri}")
         target = load_target()
         stream = encode(stream_items(None, chat, code), target.tokenizer)
-        cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k)
+        cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k,
+                         day0_artifact=str(day0_artifact) if day0_artifact else None)
         summary = asyncio.run(run_demo(target, info, stream, cfg, run_dir, baseline, console))
     except KeyboardInterrupt:
         console.print("interrupted: stopping the stack")

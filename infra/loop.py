@@ -54,6 +54,10 @@ class LoopConfig:
     """Day-0 learned drafter and student: "target-layers" (a standalone LM copying the target's first
     layers), "random", or "selfspec" (the target's own first layers + a trained adapter + its
     lm_head; feedback/drafters/from_target.py)."""
+    day0_artifact: str | None = None
+    """A selfspec artifact to start from (e.g. pre-trained on package text with ``specloop train
+    --corpus``): serving's day-0 learned drafter (the hybrid's learned half from the first request)
+    and the trainer's first student and champion. None: ``day0_init``."""
     selfspec_exit_layer: int = 2
     """selfspec: target layers shared before the adapter."""
     selfspec_adapter_layers: int = 1
@@ -101,12 +105,18 @@ class FrozenDrafter:
 
 
 def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: str = "target-layers",
-                 selfspec: dict | None = None):
+                 selfspec: dict | None = None, artifact: str | None = None):
     """The drafter serving starts with. ``hybrid`` starts as the suffix drafter alone: an untrained
     learned drafter only costs draft time (day-0 acceptance ~0.01), so the learned half joins at
-    the first promotion (the Swapper's loader wraps the running suffix drafter into the hybrid)."""
+    the first promotion (the Swapper's loader wraps the running suffix drafter into the hybrid).
+    With a pre-trained selfspec ``artifact``, the learned drafter (the hybrid's learned half) is
+    that one from the first request."""
     from serving.drafters.factory import build_drafter
 
+    if artifact is not None and kind in ("hybrid", "standalone"):
+        if kind == "hybrid":
+            return build_drafter("hybrid", target, artifact, learned="selfspec")
+        return build_drafter("selfspec", target, artifact)
     if kind == "hybrid":
         return build_drafter("suffix", target)
     if kind == "standalone" and init == "selfspec":
@@ -118,16 +128,20 @@ def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: s
 
 def learned_kind(cfg: LoopConfig) -> str:
     """The artifact kind the trainer publishes for this loop."""
-    return "selfspec" if cfg.day0_init == "selfspec" else "standalone"
+    return "selfspec" if cfg.day0_init == "selfspec" or cfg.day0_artifact else "standalone"
 
 
 def make_selfspec_student(target, draft_vocab_size: int | None = None, exit_layer: int = 2,
-                          adapter_layers: int = 1):
+                          adapter_layers: int = 1, artifact: str | None = None):
     """The trainer's selfspec student: serving's day-0 selfspec drafter (the target's first
-    ``exit_layer`` layers shared, adapter = a copy of the next layer), same draft vocabulary."""
+    ``exit_layer`` layers shared, adapter = a copy of the next layer), same draft vocabulary; or
+    the adapter of a pre-trained ``artifact``."""
     from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
     from feedback.drafters.models import day0_draft_vocab, special_token_ids
-    from trainer.students import SelfSpecStudent
+    from trainer.students import SelfSpecStudent, selfspec_student_from_artifact
+
+    if artifact is not None:
+        return selfspec_student_from_artifact(artifact, target.model, target.fingerprint)
 
     vocab = None
     if draft_vocab_size is not None:
@@ -261,7 +275,7 @@ class OnlineLoop:
         if drafter is None and self.cfg.k > 0:
             drafter = day0_drafter(self.cfg.drafter, self.target, self.cfg.draft_vocab_size, self.cfg.day0_init,
                                    {"exit_layer": self.cfg.selfspec_exit_layer,
-                                    "adapter_layers": self.cfg.selfspec_adapter_layers})
+                                    "adapter_layers": self.cfg.selfspec_adapter_layers}, self.cfg.day0_artifact)
         sink = None
         if self.cfg.train:
             from feedback.bus.kafka_sink import KafkaTraceSink
@@ -302,9 +316,14 @@ class OnlineLoop:
         from trainer.actor import RemoteTrainer
 
         c = self.cfg
-        if c.day0_init == "selfspec":
+        champion = None
+        if c.day0_artifact is not None:
+            from feedback.registry.artifact import read_meta
+
+            champion = read_meta(c.day0_artifact).version  # serving runs it: candidates must beat it
+        if c.day0_init == "selfspec" or c.day0_artifact is not None:
             student = make_selfspec_student(self.target, c.draft_vocab_size, c.selfspec_exit_layer,
-                                            c.selfspec_adapter_layers)
+                                            c.selfspec_adapter_layers, c.day0_artifact)
         else:
             student = make_student(self.target, c.draft_vocab_size, c.day0_init)
         self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(self.target, student, c.k)
@@ -314,7 +333,8 @@ class OnlineLoop:
             "verify_costs": self.costs.get("verify_costs")})
         export_config = getattr(student, "config", None) or StandaloneConfig.for_target(self.target.model.config)
         # The student travels to the worker pickled (tens of MB with frozen target embeddings).
-        factory = trainer_loop_factory(self.settings, student, self.target.fingerprint, export_config)
+        factory = trainer_loop_factory(self.settings, student, self.target.fingerprint, export_config,
+                                       initial_champion=champion)
         self.trainer = RemoteTrainer(factory, threads=torch.get_num_threads(), nice=c.trainer_nice).start()
 
     # ---- serving --------------------------------------------------------------------------

@@ -61,14 +61,16 @@ def build_serving(tree: SpecloopSettings, *, target=None, drafter=None, registry
                         ops)
 
 
-def trainer_loop_factory(tree: SpecloopSettings, student, fingerprint, export_config):
+def trainer_loop_factory(tree: SpecloopSettings, student, fingerprint, export_config,
+                         initial_champion: str | None = None):
     """A picklable ``() -> TrainerLoop`` for the trainer's Ray worker (trainer/actor.py):
-    ``tree.trainer``'s loop around ``student``, exporting artifacts of ``export_config``."""
+    ``tree.trainer``'s loop around ``student``, exporting artifacts of ``export_config``.
+    ``initial_champion``: the version serving starts with when it is ``student`` itself."""
     from trainer.actor import build_loop
     from trainer.export import artifact_exporter
 
     return functools.partial(build_loop, tree.trainer, student, fingerprint, None,
-                             exporter=artifact_exporter(export_config))
+                             exporter=artifact_exporter(export_config), initial_champion=initial_champion)
 
 
 def build_stack(tree: SpecloopSettings, run_dir=None):

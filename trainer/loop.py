@@ -96,9 +96,12 @@ class TrainerLoop:
         deletions=None,
         ops=None,
         rollbacks_from=None,
+        initial_champion: str | None = None,
     ):
         """``deletions``: data deletion requests (``pending_deletions(tenant) -> [tenant]``,
-        ``complete_deletion(tenant)``): feedback.control.plane.ControlPlane; None = ``delete_tenant`` only."""
+        ``complete_deletion(tenant)``): feedback.control.plane.ControlPlane; None = ``delete_tenant`` only.
+        ``initial_champion``: the version serving starts with when it is ``student`` as given (a
+        pre-trained artifact): the first champion, so a candidate must beat it, not suffix-only."""
         self.source = source
         self.fingerprint = fingerprint
         self.cfg = loop or LoopConfig()
@@ -117,6 +120,10 @@ class TrainerLoop:
         self.champion_version: str | None = None
         self._champions: dict[str, object] = {}
         """Recent champions by version (bounded): where a rollback sends the champion back to."""
+        if initial_champion is not None:
+            self.champion = copy.deepcopy(student)
+            self.champion_version = initial_champion
+            self._champions[initial_champion] = self.champion
         self._refused: dict[str, str] = {}
         """Rolled-back version -> digest of its weights: never re-promoted unchanged."""
         self._rollbacks: queue.SimpleQueue = queue.SimpleQueue()
