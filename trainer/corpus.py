@@ -50,8 +50,8 @@ def _sources(seed: int, only: set[str] | None) -> tuple[list[tuple[str, object]]
             continue
         if only is not None and name not in only:
             continue
-        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
-        if body and len(body) >= 400:
+        body = _description(dist)
+        if len(body) >= 400:
             prose.append((f"{name}:METADATA", body))
         for f in dist.files or ():
             s = str(f)
@@ -61,6 +61,17 @@ def _sources(seed: int, only: set[str] | None) -> tuple[list[tuple[str, object]]
     rng.shuffle(code)
     rng.shuffle(prose)
     return code, prose
+
+
+def _description(dist) -> str:
+    """The long description: the body of METADATA after its header block (read as text, so it
+    does not depend on how the email parser is configured)."""
+    try:
+        text = dist.read_text("METADATA") or ""
+    except OSError:
+        return ""
+    _, sep, body = text.replace("\r\n", "\n").partition("\n\n")
+    return body if sep else ""
 
 
 def _read(item) -> str | None:

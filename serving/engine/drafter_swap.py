@@ -25,7 +25,6 @@ from serving.engine.rows import Row
 log = logging.getLogger(__name__)
 
 _PREPARE_ROUNDS = 3
-_PREPARE_ROUNDS = 3
 """Snapshots a prepared swap takes: each one prepares the requests that joined during the last."""
 
 

@@ -28,7 +28,7 @@ from serving.observers import BaseObserver
 LONG = [[1, 2, 3, 4, 5], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12]]
 SHORT = [42, 42, 42]
 LATE = [5, 17, 33, 2]
-MAX = {"long0": 48, "long1": 48, "short": 16, "late": 40}
+MAX = {"long0": 64, "long1": 64, "short": 32, "late": 40}
 
 
 def _req(rid, prompt):
@@ -99,14 +99,15 @@ def test_requests_joining_and_finishing_during_preparation_stay_lossless(
     new = GatedStandalone(standalone_from_target(model, num_layers=2), gate)
 
     class Old(drafters.Recording):
-        """Proposes nothing (one token per step, predictable); once ``slow`` is set, each step
-        takes 20 ms, so the requests are still running when the preparation ends."""
+        """Proposes nothing (one token per step, predictable). Each step takes at least 3 ms, so
+        the short request is still running when the swap's snapshot is taken (on a fast machine
+        its tiny-model steps once all ran before it); once ``slow`` is set, 20 ms, so the others are
+        still running when the preparation ends."""
 
         slow = threading.Event()
 
         def propose(self, views, k):
-            if self.slow.is_set():
-                time.sleep(0.02)
+            time.sleep(0.02 if self.slow.is_set() else 0.003)
             return super().propose(views, k)
 
     old = Old(version="old")

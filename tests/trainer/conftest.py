@@ -22,3 +22,16 @@ def trained_student(domain_a_replay):
     st = StandaloneStudent(tiny_lm(seed=0))
     res = Distiller(st, DistillConfig(lr=3e-3, eval_every=20)).fit(domain_a_replay, 80, k=3)
     return st, res
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A tiny target (the real tokenizer, random weights) and the directory it is saved in, as
+    ``specloop train --model DIR`` reads it."""
+    from serving.target import tiny_target
+
+    target = tiny_target(num_layers=4, seed=0)
+    d = tmp_path_factory.mktemp("tiny") / "tiny-target"
+    target.model.save_pretrained(d)
+    target.tokenizer.save_pretrained(d)
+    return target, d

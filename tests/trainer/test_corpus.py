@@ -6,18 +6,8 @@ import pytest
 import torch
 
 from feedback.registry.artifact import DrafterArtifactError, load_drafter, read_meta
-from serving.target import tiny_target
 from trainer.corpus import EXCLUDED_DISTRIBUTIONS, package_corpus
 from trainer.offline import corpus_traces, teacher_trace
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    target = tiny_target(num_layers=4, seed=0)  # real tokenizer, random weights
-    d = tmp_path_factory.mktemp("tiny") / "tiny-target"
-    target.model.save_pretrained(d)
-    target.tokenizer.save_pretrained(d)
-    return target, d
 
 
 def test_corpus_has_code_and_prose_from_many_packages_and_none_of_the_evaluation_sets(target_dir):

@@ -13,15 +13,6 @@ from trainer.examples import build_examples
 from trainer.offline import generate_traces, read_prompts
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    target = tiny_target(num_layers=4, seed=0)  # real tokenizer, random weights
-    d = tmp_path_factory.mktemp("tiny") / "tiny-target"
-    target.model.save_pretrained(d)
-    target.tokenizer.save_pretrained(d)
-    return target, d
-
-
 def prompts_file(tmp_path, n=10):
     rows = [{"messages": [{"role": "user", "content": f"Write function number {i}."}], "domain": "code"}
             for i in range(n)]
