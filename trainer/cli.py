@@ -50,8 +50,7 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
     target = AutoModelForCausalLM.from_pretrained(model)
     if init is not None:
         if kind != "selfspec":
-            raise typer.BadParameter(f"--init starts a selfspec drafter (the kind cut from the target), not {kind}; "
-                                     "set SPECLOOP_TRAINER_DRAFTER=selfspec")
+            raise ValueError(f"init: only a selfspec student starts from an artifact, not {kind}")
         from trainer.students import selfspec_student_from_artifact
 
         return selfspec_student_from_artifact(init, target.float(), fingerprint, max_len)
@@ -148,6 +147,9 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     from trainer.offline import cached_corpus_traces, generate_traces, read_prompts, train_offline
 
     settings = _settings()
+    if init is not None and settings.drafter != "selfspec":  # before minutes of generation
+        raise typer.BadParameter(f"--init starts a selfspec drafter, not {settings.drafter}; "
+                                 "set SPECLOOP_TRAINER_DRAFTER=selfspec")
     t0 = time.perf_counter()
     path, fp = model_fingerprint(model)
     model = str(path)

@@ -114,3 +114,16 @@ def test_corpus_traces_are_cached_per_target_and_text(target_dir, tmp_path):
     other = target.fingerprint.model_copy(update={"model_id": "another-model"})
     with pytest.raises(TypeError):  # another target misses the cache and needs its model
         cached_corpus_traces(None, other, chunks, tmp_path)
+
+
+def test_init_of_another_kind_is_refused_before_any_work(target_dir, tmp_path, monkeypatch):
+    import typer
+
+    from trainer.cli import run_offline
+
+    target, d = target_dir
+    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFTER", "standalone")
+    with pytest.raises(typer.BadParameter, match="selfspec"):
+        run_offline(str(d), None, tmp_path / "x", target.model_id, max_new_tokens=8, steps=1, corpus=2,
+                    init=tmp_path / "whatever")
+    assert not (tmp_path / "x").exists()
