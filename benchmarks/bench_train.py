@@ -183,7 +183,7 @@ def run(args) -> dict:
         items = [it for it in load_sharegpt(n_prompts, n_prompts) if it.domain == args.domain]
     else:
         items = interleave_categories(load_mtbench()) if args.domain == "chat" else load_humaneval()
-    prompts = [it.token_ids(target.tokenizer) for it in items[: args.train_prompts + args.heldout_prompts]]
+    prompts = [it.token_ids(target.tokenizer) for it in items[:n_prompts]]
     train_p, held_p = prompts[: args.train_prompts], prompts[args.train_prompts :]
     # selfspec/standalone need no captured features: their traces are cached without them
     layers = layers if args.student == "eagle" else ()

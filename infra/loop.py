@@ -113,9 +113,9 @@ def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: s
     that one from the first request."""
     from serving.drafters.factory import build_drafter
 
-    if artifact is not None and kind in ("hybrid", "standalone"):
-        if kind == "hybrid":
-            return build_drafter("hybrid", target, artifact, learned="selfspec")
+    if artifact is not None and kind == "hybrid":
+        return build_drafter("hybrid", target, artifact, learned="selfspec")
+    if artifact is not None and kind == "standalone":
         return build_drafter("selfspec", target, artifact)
     if kind == "hybrid":
         return build_drafter("suffix", target)

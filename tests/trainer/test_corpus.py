@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from feedback.registry.artifact import DrafterArtifactError, load_drafter, read_meta
-from trainer.corpus import EXCLUDED_DISTRIBUTIONS, package_corpus
+from trainer.corpus import EXCLUDED_DISTRIBUTIONS, canonical_name, package_corpus
 from trainer.offline import corpus_traces, teacher_trace
 
 
@@ -17,7 +17,7 @@ def test_corpus_has_code_and_prose_from_many_packages_and_none_of_the_evaluation
     assert all(len(c.ids) == 32 for c in chunks)
     for domain in ("code", "prose"):
         assert len({c.source for c in chunks if c.domain == domain}) >= 6  # at most 2 per source
-    assert not {c.source.split(":")[0] for c in chunks} & EXCLUDED_DISTRIBUTIONS
+    assert not {canonical_name(c.source.split(":")[0]) for c in chunks} & EXCLUDED_DISTRIBUTIONS
     again = package_corpus(target.tokenizer, 12, chunk_tokens=32, per_source=2)
     assert [c.ids for c in again] == [c.ids for c in chunks]  # seeded: the same corpus every run
     other = package_corpus(target.tokenizer, 12, chunk_tokens=32, per_source=2, seed=1)
