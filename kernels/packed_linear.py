@@ -39,7 +39,7 @@ def available() -> bool:
 
 
 def panel_width() -> int:
-    """Outputs per panel (64 with AVX-512, 32 otherwise); 0 where the kernel is not available."""
+    """Outputs per panel (48 with AVX-512, 32 otherwise); 0 where the kernel is not available."""
     lib = _load()
     return int(lib.packed_linear_panel_width()) if lib is not None else 0
 

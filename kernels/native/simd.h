@@ -6,7 +6,7 @@
 #define SPECLOOP_SIMD_H
 
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -17,6 +17,17 @@
 #endif
 typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* Every lane = a (one broadcast instruction; `(vf){0} + a` costs an add, since 0 + -0 is +0). */
+static inline vf vbroadcast(float a) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(a);
+#elif defined(__AVX__)
+    return (vf)_mm256_set1_ps(a);
+#else
+    return (vf){0} + a;
+#endif
+}
 
 /* The sum of a vector's lanes (a fixed order per build: a result never depends on what else
  * the caller computes). */
