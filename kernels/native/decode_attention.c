@@ -14,7 +14,9 @@
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]).
  *
  * Softmax in fp32: scores, their max, exp(score - max) by simd.h's vector exp (vexp_nonpos),
- * their sum; then the weighted sum of values.
+ * their sum; then the weighted sum of values. One task per (row, kv head, token): the query heads
+ * that share a kv head (3 in SmolLM2) read each key and value row once, and sum their outputs in
+ * registers (on a 2-core Xeon, 8 tokens over 272 keys: 0.094 -> 0.053 ms per layer).
  * Results agree with torch's SDPA to float rounding (tests compare).
  */
 #include <math.h>
@@ -81,6 +83,82 @@ static void attend_one(const float *q, const float *K, const float *V, const uin
     for (long d = 0; d < D; d++) out[d] *= inv;
 }
 
+/* The PV pass keeps DCH vectors of each head's output in registers while the values stream by. */
+#if VW == 16
+#define DCH 4 /* AVX-512: up to 4 heads x 4 accumulators + 4 value vectors */
+#else
+#define DCH 2 /* AVX2, 16 registers: 4 x 2 accumulators + 2 values + 1 broadcast */
+#endif
+#define GMAX 4 /* query heads of one kv head attended together */
+
+/* G query heads that share one kv head, one token (the grouped-query case): each key and value
+ * row is read once for all G heads, and the outputs are summed in registers, not through memory.
+ * Same arithmetic, in the same order, as attend_one for each head. q [G, D] rotated, out [G, D];
+ * scores: scratch of G x L floats. Needs D % (DCH * VW) == 0. */
+#define DEFINE_GROUP(G)                                                                        \
+    static void attend_group_##G(const float *q, const float *K, const float *V,                 \
+                                 const uint8_t *visible, long L, long D, float scale,            \
+                                 float *scores, float *out) {                                    \
+        float m[G];                                                                            \
+        for (int g = 0; g < G; g++) m[g] = -INFINITY;                                          \
+        for (long j = 0; j < L; j++) {                                                         \
+            if (!visible[j]) {                                                                 \
+                for (int g = 0; g < G; g++) scores[g * L + j] = -INFINITY;                     \
+                continue;                                                                      \
+            }                                                                                  \
+            const float *k = K + j * D;                                                        \
+            vf acc[G];                                                                         \
+            for (int g = 0; g < G; g++) acc[g] = (vf){0};                                      \
+            for (long d = 0; d < D; d += VW) {                                                 \
+                vf kv = load(k + d);                                                           \
+                for (int g = 0; g < G; g++) acc[g] += load(q + g * D + d) * kv;                \
+            }                                                                                  \
+            for (int g = 0; g < G; g++) {                                                      \
+                float s = hsum(acc[g]) * scale;                                                \
+                scores[g * L + j] = s;                                                         \
+                if (s > m[g]) m[g] = s;                                                        \
+            }                                                                                  \
+        }                                                                                      \
+        float inv[G];                                                                          \
+        for (int g = 0; g < G; g++) {                                                          \
+            float *sc = scores + g * L, sum = 0.0f;                                            \
+            long j = 0;                                                                        \
+            for (; j + VW <= L; j += VW) store(sc + j, vexp_nonpos(load(sc + j) - m[g]));      \
+            for (; j < L; j++) sc[j] = expf(sc[j] - m[g]);                                     \
+            for (j = 0; j < L; j++)                                                            \
+                if (visible[j]) sum += sc[j];                                                  \
+            inv[g] = 1.0f / sum; /* a token always sees itself: sum > 0 */                      \
+        }                                                                                      \
+        for (long d0 = 0; d0 < D; d0 += DCH * VW) {                                            \
+            vf acc[G][DCH];                                                                    \
+            for (int g = 0; g < G; g++)                                                        \
+                for (int c = 0; c < DCH; c++) acc[g][c] = (vf){0};                             \
+            for (long j = 0; j < L; j++) {                                                     \
+                if (!visible[j]) continue;                                                     \
+                vf v[DCH];                                                                     \
+                for (int c = 0; c < DCH; c++) v[c] = load(V + j * D + d0 + c * VW);           \
+                for (int g = 0; g < G; g++) {                                                  \
+                    vf p = vbroadcast(scores[g * L + j]);                                      \
+                    for (int c = 0; c < DCH; c++) acc[g][c] += v[c] * p;                       \
+                }                                                                              \
+            }                                                                                  \
+            for (int g = 0; g < G; g++)                                                        \
+                for (int c = 0; c < DCH; c++) store(out + g * D + d0 + c * VW, acc[g][c]);     \
+        }                                                                                      \
+        for (int g = 0; g < G; g++)                                                            \
+            for (long d = 0; d < D; d++) out[g * D + d] *= inv[g];                             \
+    }
+
+DEFINE_GROUP(1)
+DEFINE_GROUP(2)
+DEFINE_GROUP(3)
+DEFINE_GROUP(4)
+
+typedef void (*group_fn)(const float *, const float *, const float *, const uint8_t *, long, long,
+                         float, float *, float *);
+static const group_fn GROUPS[GMAX + 1] = {0, attend_group_1, attend_group_2, attend_group_3,
+                                          attend_group_4};
+
 /* See the header for layouts. Returns 0, or -1 on bad arguments. */
 int decode_attention(const float *qkv, const float *cos, const float *sin, float *kcache,
                      float *vcache, const int64_t *cols, const uint8_t *mask, float *out, long B,
@@ -91,7 +169,7 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         if (cols[i] < 0 || cols[i] >= L) return -1;
     long width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
     float *qrot = malloc(sizeof(float) * B * T * Hq * D); /* rotated queries [B, T, Hq, D] */
-    float *scratch = malloc(sizeof(float) * L * threads);
+    float *scratch = malloc(sizeof(float) * GMAX * L * threads);
     if (!qrot || !scratch) {
         free(qrot);
         free(scratch);
@@ -111,14 +189,22 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
                 memcpy(vcache + at, row + (Hq + Hkv + h) * D, sizeof(float) * D);
             }
         }
-        /* 2. attention, one (row, query head, token) per task */
-        float *scores = scratch + L * omp_get_thread_num();
+        /* 2. attention, one (row, kv head, token) per task: the kv head's query heads together */
+        float *scores = scratch + GMAX * L * omp_get_thread_num();
+        int grouped = D % (DCH * VW) == 0;
 #pragma omp for schedule(static)
-        for (long task = 0; task < B * Hq * T; task++) {
-            long b = task / (Hq * T), h = task / T % Hq, t = task % T;
-            long kv = ((b * Hkv + h / group) * C) * D;
-            attend_one(qrot + ((b * T + t) * Hq + h) * D, kcache + kv, vcache + kv,
-                       mask + (b * T + t) * L, L, D, scale, scores, out + ((b * T + t) * Hq + h) * D);
+        for (long task = 0; task < B * Hkv * T; task++) {
+            long b = task / (Hkv * T), g = task / T % Hkv, t = task % T;
+            long kv = ((b * Hkv + g) * C) * D, bt = b * T + t;
+            const uint8_t *visible = mask + bt * L;
+            for (long h = g * group; h < (g + 1) * group;) {
+                long n = grouped ? ((g + 1) * group - h < GMAX ? (g + 1) * group - h : GMAX) : 1;
+                const float *q = qrot + (bt * Hq + h) * D;
+                float *o = out + (bt * Hq + h) * D;
+                if (grouped) GROUPS[n](q, kcache + kv, vcache + kv, visible, L, D, scale, scores, o);
+                else attend_one(q, kcache + kv, vcache + kv, visible, L, D, scale, scores, o);
+                h += n;
+            }
         }
     }
     free(qrot);

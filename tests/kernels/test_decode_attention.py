@@ -73,6 +73,20 @@ def test_matches_torch_rope_cache_write_and_sdpa(t, tree):
 
 
 @needs_native
+@pytest.mark.parametrize(("hq", "hkv"), [(7, 1), (4, 2), (8, 8)])
+def test_groups_of_any_size(hq, hkv):
+    """The kernel attends a kv head's query heads up to 4 at a time: 7 of one kv head take a
+    group of 4 and one of 3; 2 per kv head and 1 per kv head (no grouping) take one each."""
+    d = 64  # the grouped path needs D to be a multiple of 4 AVX-512 vectors (2 AVX2 ones)
+    args = _case(2, 4, hq, hkv, d, [11, 3], 24, seed=hq + hkv)
+    qkv, cos, sin, keys, values, cols, mask = args
+    rk, rv = keys.clone(), values.clone()
+    ref = _reference(qkv, cos, sin, rk, rv, cols, mask, hq, hkv, d**-0.5)
+    got = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 def test_odd_head_dim_and_one_kv_head():
     args = _case(2, 3, 4, 1, 20, [5, 0], 16, seed=9)
     qkv, cos, sin, keys, values, cols, mask = args
