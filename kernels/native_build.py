@@ -4,8 +4,9 @@ Each kernel is compiled on first use with the machine's C compiler and ``-march=
 (AVX-512 or AVX2, whichever the CPU has) into a cache directory keyed by the source, the compiler
 and the CPU's flags, so a second process loads it in milliseconds, and loaded with ctypes (no torch
 headers to build against; the build takes under a second; ctypes releases the GIL for each call).
-Loaded after torch, a kernel shares torch's libgomp (the soname is already loaded), so its OpenMP
-threads are torch's. Where no compiler is found or the build fails, ``load`` returns None and the
+Every kernel runs on one set of worker threads per process, ``native/pool.c`` (why not OpenMP:
+``native/pool.h``), which is built like a kernel and loaded first with ``RTLD_GLOBAL``, so that
+the kernels' calls to it resolve to the one copy. Where no compiler is found or the build fails, ``load`` returns None and the
 caller uses its torch reference; ``SPECLOOP_NATIVE_KERNELS=0`` forces that everywhere.
 """
 
@@ -25,8 +26,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).parent / "native"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11")
 LIBS = ("-lm",)
+POOL = "pool"
+"""The worker threads' library (native/pool.c): loaded before, and shared by, every kernel."""
 
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -103,7 +106,10 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | Non
             log.warning("%s: no C compiler found; using the torch reference", name)
         else:
             try:
-                lib = ctypes.CDLL(str(build(name, cc)))
+                if name != POOL and _pool(cc) is None:
+                    raise OSError("the worker pool (native/pool.c) did not load")
+                mode = ctypes.RTLD_GLOBAL if name == POOL else ctypes.DEFAULT_MODE
+                lib = ctypes.CDLL(str(build(name, cc)), mode=mode)
                 declare(lib)
             except (OSError, AttributeError, subprocess.CalledProcessError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
@@ -112,3 +118,14 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | Non
                 lib = None
         _loaded[name] = lib
         return lib
+
+
+def _pool(cc: str) -> ctypes.CDLL | None:
+    """The worker pool, loaded once (called with ``_lock`` held, so not through ``load``)."""
+    if POOL not in _loaded:
+        try:
+            _loaded[POOL] = ctypes.CDLL(str(build(POOL, cc)), mode=ctypes.RTLD_GLOBAL)
+        except (OSError, subprocess.CalledProcessError) as e:
+            log.warning("pool: native build failed (%s)", (getattr(e, "stderr", "") or str(e))[-500:])
+            _loaded[POOL] = None
+    return _loaded[POOL]

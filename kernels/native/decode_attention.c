@@ -20,11 +20,11 @@
  * Results agree with torch's SDPA to float rounding (tests compare).
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "simd.h"
 
 /* Unaligned vector load/store through vf (aligned(4), so any float address is fine). Not memcpy:
@@ -159,6 +159,52 @@ typedef void (*group_fn)(const float *, const float *, const float *, const uint
 static const group_fn GROUPS[GMAX + 1] = {0, attend_group_1, attend_group_2, attend_group_3,
                                           attend_group_4};
 
+struct job {
+    const float *qkv, *cos, *sin;
+    float *kcache, *vcache, *out, *qrot, *scratch;
+    const int64_t *cols;
+    const uint8_t *mask;
+    long B, T, Hq, Hkv, D, C, L;
+    float scale;
+};
+
+static void run(void *ctx, int id, int n) {
+    const struct job *j = ctx;
+    long B = j->B, T = j->T, Hq = j->Hq, Hkv = j->Hkv, D = j->D, C = j->C, L = j->L;
+    long width = (Hq + 2 * Hkv) * D, group = Hq / Hkv, lo, hi;
+    /* 1. rotary on q (to qrot) and k (into the cache); v copied into the cache */
+    spl_range(B * T, id, n, &lo, &hi);
+    for (long bt = lo; bt < hi; bt++) {
+        long b = bt / T;
+        const float *row = j->qkv + bt * width, *c = j->cos + bt * D, *s = j->sin + bt * D;
+        for (long h = 0; h < Hq; h++) rope(row + h * D, c, s, j->qrot + (bt * Hq + h) * D, D);
+        for (long h = 0; h < Hkv; h++) {
+            long at = ((b * Hkv + h) * C + j->cols[bt]) * D;
+            rope(row + (Hq + h) * D, c, s, j->kcache + at, D);
+            memcpy(j->vcache + at, row + (Hq + Hkv + h) * D, sizeof(float) * D);
+        }
+    }
+    spl_barrier(n); /* every new key and value is in the cache before anyone attends */
+    /* 2. attention, one (row, kv head, token) per task: the kv head's query heads together */
+    float *scores = j->scratch + GMAX * L * id;
+    int grouped = D % (DCH * VW) == 0;
+    spl_range(B * Hkv * T, id, n, &lo, &hi);
+    for (long task = lo; task < hi; task++) {
+        long b = task / (Hkv * T), g = task / T % Hkv, t = task % T;
+        long kv = ((b * Hkv + g) * C) * D, bt = b * T + t;
+        const uint8_t *visible = j->mask + bt * L;
+        for (long h = g * group; h < (g + 1) * group;) {
+            long m = grouped ? ((g + 1) * group - h < GMAX ? (g + 1) * group - h : GMAX) : 1;
+            const float *q = j->qrot + (bt * Hq + h) * D;
+            float *o = j->out + (bt * Hq + h) * D;
+            const float *K = j->kcache + kv, *V = j->vcache + kv;
+            if (grouped) GROUPS[m](q, K, V, visible, L, D, j->scale, scores, o);
+            else attend_one(q, K, V, visible, L, D, j->scale, scores, o);
+            h += m;
+        }
+    }
+}
+
 /* See the header for layouts. Returns 0, or -1 on bad arguments. */
 int decode_attention(const float *qkv, const float *cos, const float *sin, float *kcache,
                      float *vcache, const int64_t *cols, const uint8_t *mask, float *out, long B,
@@ -167,7 +213,6 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         return -1;
     for (long i = 0; i < B * T; i++)
         if (cols[i] < 0 || cols[i] >= L) return -1;
-    long width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
     float *qrot = malloc(sizeof(float) * B * T * Hq * D); /* rotated queries [B, T, Hq, D] */
     float *scratch = malloc(sizeof(float) * GMAX * L * threads);
     if (!qrot || !scratch) {
@@ -175,38 +220,9 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         free(scratch);
         return -1;
     }
-#pragma omp parallel num_threads(threads)
-    {
-        /* 1. rotary on q (to qrot) and k (into the cache); v copied into the cache */
-#pragma omp for schedule(static)
-        for (long bt = 0; bt < B * T; bt++) {
-            long b = bt / T;
-            const float *row = qkv + bt * width, *c = cos + bt * D, *s = sin + bt * D;
-            for (long h = 0; h < Hq; h++) rope(row + h * D, c, s, qrot + (bt * Hq + h) * D, D);
-            for (long h = 0; h < Hkv; h++) {
-                long at = ((b * Hkv + h) * C + cols[bt]) * D;
-                rope(row + (Hq + h) * D, c, s, kcache + at, D);
-                memcpy(vcache + at, row + (Hq + Hkv + h) * D, sizeof(float) * D);
-            }
-        }
-        /* 2. attention, one (row, kv head, token) per task: the kv head's query heads together */
-        float *scores = scratch + GMAX * L * omp_get_thread_num();
-        int grouped = D % (DCH * VW) == 0;
-#pragma omp for schedule(static)
-        for (long task = 0; task < B * Hkv * T; task++) {
-            long b = task / (Hkv * T), g = task / T % Hkv, t = task % T;
-            long kv = ((b * Hkv + g) * C) * D, bt = b * T + t;
-            const uint8_t *visible = mask + bt * L;
-            for (long h = g * group; h < (g + 1) * group;) {
-                long n = grouped ? ((g + 1) * group - h < GMAX ? (g + 1) * group - h : GMAX) : 1;
-                const float *q = qrot + (bt * Hq + h) * D;
-                float *o = out + (bt * Hq + h) * D;
-                if (grouped) GROUPS[n](q, kcache + kv, vcache + kv, visible, L, D, scale, scores, o);
-                else attend_one(q, kcache + kv, vcache + kv, visible, L, D, scale, scores, o);
-                h += n;
-            }
-        }
-    }
+    struct job j = {qkv, cos, sin, kcache, vcache, out, qrot, scratch, cols, mask,
+                    B, T, Hq, Hkv, D, C, L, scale};
+    spl_parallel(run, &j, threads);
     free(qrot);
     free(scratch);
     return 0;

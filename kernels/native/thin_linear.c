@@ -7,15 +7,14 @@
  * registers; the rows stay in L2 while the next 3 tokens pass), so a forward of 1-8 tokens costs
  * about one pass over the weights from memory.
  *
- * Parallel over output rows with OpenMP; loaded after torch, it shares torch's libgomp (the
- * soname is already loaded), so it uses torch's thread pool. Each output value is summed in the
+ * Parallel over output rows on the process's worker threads (pool.h). Each output value is summed in the
  * same order whatever T is: a token's result does not depend on how many tokens share the call.
  * Built with -march=native by kernels/thin_linear.py (vector width 16 with AVX-512, else 8).
  * thin_linear_bf16 reads bf16 weights (half the bytes; widened to fp32 in registers, fp32 sums):
  * for drafters, whose numerics never change what is emitted, only how often drafts are accepted.
  */
-#include <omp.h>
 
+#include "pool.h"
 #include "simd.h"
 
 #define ROWS_PER_PASS 8 /* weight rows streamed together: each load of x feeds 8 FMAs */
@@ -95,26 +94,35 @@ DEFINE_ROWS(bf16, uint16_t, 1)
 DEFINE_ROWS(bf16, uint16_t, 2)
 DEFINE_ROWS(bf16, uint16_t, 3)
 
-/* One driver per weight type: OpenMP over row blocks, token chunks inside a block. */
+/* One driver per weight type: the worker threads split the rows (whole passes of 8), token
+ * chunks inside a block. */
 #define DEFINE_DRIVER(NAME, SUFFIX, WT)                                                      \
     typedef void (*rows_##SUFFIX##_fn)(const float *, const WT *, float *, long, long, long, long); \
     static const rows_##SUFFIX##_fn ROWS_##SUFFIX[T_CHUNK + 1] = {                          \
         0, rows_##SUFFIX##_1, rows_##SUFFIX##_2, rows_##SUFFIX##_3};                        \
-    int NAME(const float *x, const WT *w, float *y, long T, long N, long K, int threads) {   \
-        if (T < 1 || N < 1 || K < 1 || threads < 1) return -1;                              \
-        _Pragma("omp parallel num_threads(threads)")                                        \
-        {                                                                                   \
-            int nt = omp_get_num_threads(), id = omp_get_thread_num();                      \
-            long per = ((N + nt - 1) / nt + ROWS_PER_PASS - 1) / ROWS_PER_PASS * ROWS_PER_PASS; \
-            long lo = id * per, hi = lo + per < N ? lo + per : N;                           \
-            for (long b = lo; b < hi; b += ROW_BLOCK) {                                     \
-                long e = b + ROW_BLOCK < hi ? b + ROW_BLOCK : hi;                           \
-                for (long t0 = 0; t0 < T; t0 += T_CHUNK) {                                  \
-                    long tt = T - t0 < T_CHUNK ? T - t0 : T_CHUNK;                          \
-                    ROWS_##SUFFIX[tt](x + t0 * K, w, y + t0 * N, N, K, b, e);               \
-                }                                                                           \
+    struct NAME##_job {                                                                     \
+        const float *x;                                                                     \
+        const WT *w;                                                                        \
+        float *y;                                                                           \
+        long T, N, K;                                                                       \
+    };                                                                                      \
+    static void NAME##_run(void *ctx, int id, int nt) {                                     \
+        const struct NAME##_job *j = ctx;                                                   \
+        long N = j->N, T = j->T, K = j->K;                                                  \
+        long per = ((N + nt - 1) / nt + ROWS_PER_PASS - 1) / ROWS_PER_PASS * ROWS_PER_PASS; \
+        long lo = id * per < N ? id * per : N, hi = lo + per < N ? lo + per : N;            \
+        for (long b = lo; b < hi; b += ROW_BLOCK) {                                         \
+            long e = b + ROW_BLOCK < hi ? b + ROW_BLOCK : hi;                               \
+            for (long t0 = 0; t0 < T; t0 += T_CHUNK) {                                      \
+                long tt = T - t0 < T_CHUNK ? T - t0 : T_CHUNK;                              \
+                ROWS_##SUFFIX[tt](j->x + t0 * K, j->w, j->y + t0 * N, N, K, b, e);          \
             }                                                                               \
         }                                                                                   \
+    }                                                                                       \
+    int NAME(const float *x, const WT *w, float *y, long T, long N, long K, int threads) {   \
+        if (T < 1 || N < 1 || K < 1 || threads < 1) return -1;                              \
+        struct NAME##_job j = {x, w, y, T, N, K};                                           \
+        spl_parallel(NAME##_run, &j, threads);                                              \
         return 0;                                                                           \
     }
 

@@ -9,9 +9,9 @@
  * trace stores log-probs as float16). Rows go in parallel over torch's OpenMP pool.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 
+#include "pool.h"
 #include "simd.h"
 
 /* Insert (v, id) into the descending list vals/ids of length t (v beats vals[t-1]). */
@@ -62,9 +62,25 @@ static void one_row(const float *x, long V, int t, int64_t *ids, float *lp) {
 
 /* logits [N, V] contiguous fp32 -> ids [N, T] int64 and logprobs [N, T] fp32, descending.
  * Returns 0, or -1 on bad arguments (T must be 1..64 and at most V). */
+struct job {
+    const float *logits;
+    long N, V;
+    int T;
+    int64_t *ids;
+    float *lp;
+};
+
+static void run(void *ctx, int id, int n) {
+    const struct job *j = ctx;
+    long lo, hi;
+    spl_range(j->N, id, n, &lo, &hi);
+    for (long r = lo; r < hi; r++)
+        one_row(j->logits + r * j->V, j->V, j->T, j->ids + r * j->T, j->lp + r * j->T);
+}
+
 int topk_logprobs(const float *logits, long N, long V, int T, int64_t *ids, float *lp, int threads) {
     if (N < 0 || V < 1 || T < 1 || T > 64 || T > V || threads < 1) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long r = 0; r < N; r++) one_row(logits + r * V, V, T, ids + r * T, lp + r * T);
+    struct job j = {logits, N, V, T, ids, lp};
+    spl_parallel(run, &j, threads);
     return 0;
 }
