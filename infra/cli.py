@@ -3,6 +3,10 @@ them together and imports them lazily so ``specloop --help`` stays fast."""
 
 from __future__ import annotations
 
+from infra import omp_env
+
+omp_env.configure()  # before anything imports torch (why: infra/omp_env.py)
+
 import typer
 
 app = typer.Typer(help="specloop: speculative decoding whose drafter learns from live traffic.",
