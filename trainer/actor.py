@@ -65,7 +65,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
                               ce_weight=s.ce_weight, lr=s.lr, weight_decay=s.weight_decay,
                               batch_traces=s.batch_traces, max_len=s.max_len),
         gate=GateConfig(k=s.k, acceptance_margin=s.acceptance_margin, speedup_margin=s.speedup_margin,
-                        draft_cost=s.draft_cost, hybrid=s.hybrid,
+                        draft_cost=s.draft_cost, hybrid=s.hybrid, refresh_after_s=s.refresh_after_s,
                         **({"verify_cost": s.verify_cost} if s.verify_cost is not None else {}),
                         **({"verify_costs": tuple(s.verify_costs)} if s.verify_costs else {})),
         replay=ReplayBuffer(capacity=s.replay_capacity, heldout_fraction=s.heldout_fraction,

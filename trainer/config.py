@@ -68,6 +68,10 @@ class TrainerSettings(BaseSettings):
     k: int = Field(4, description="Serving draft length the gate simulates.")
     acceptance_margin: float = Field(0.005, description="Absolute expected-acceptance margin to promote.")
     speedup_margin: float = Field(0.0, description="Relative simulated-speedup margin to promote.")
+    refresh_after_s: float | None = Field(
+        20.0, gt=0, description="Promote a candidate no worse than the champion (on both gate measures) "
+        "once the champion has been live this long: small updates promoted often (trace -> live "
+        "freshness); None = only a candidate that beats the champion by the margins.")
     draft_cost: float = Field(0.16, description="Learned draft token cost relative to a target step.")
     verify_cost: float | None = Field(None, description="Verify cost of k+1 tokens relative to a target step "
                                       "(as measured where serving runs); None = the gate's default.")

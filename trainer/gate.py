@@ -1,6 +1,7 @@
 """The promotion gate: candidate vs champion on held-out recent traces, never by loss.
 
-Two measures, both must beat the champion by a margin:
+Two measures, both must beat the champion by a margin (or, for a refresh, merely match a champion
+older than ``GateConfig.refresh_after_s``: see ``judge``):
 - expected acceptance ``sum_x min(p(x), q(x))`` over the target's top-k at every accepted-path row
   of the held-out traces (a lower bound: the tail outside the top-k counts as 0);
 - simulated speedup at the serving k: replay the held-out outputs step by step with the draft's
@@ -50,6 +51,11 @@ class GateConfig:
     tokens already costs ~1.2 steps, 5 tokens ~1.35), so the line under-charges short drafts."""
     hybrid: bool = True
     """Simulate inside the hybrid policy with the suffix drafter (suffix first, else learned)."""
+    refresh_after_s: float | None = 20.0
+    """A candidate that is no worse than a learned champion on both measures is promoted anyway
+    once that champion has been live this long: small updates, promoted often, keep the live
+    drafter trained on recent traffic (the median trace -> live time), not only on what it had
+    when it last beat its predecessor by the margin. None: only a candidate that beats it."""
 
 
 @dataclass
@@ -282,8 +288,10 @@ def judge(
     *,
     suffix: SuffixProposer | None = None,
     losses: list[float] | None = None,
+    champion_age_s: float | None = None,
 ) -> GateDecision:
-    """Promote ``candidate`` over ``champion`` (None: suffix-only / no learned drafter)?"""
+    """Promote ``candidate`` over ``champion`` (None: suffix-only / no learned drafter)?
+    ``champion_age_s``: how long the champion has been live (for a refresh, see GateConfig)."""
     if not weights_finite(candidate.model):
         return GateDecision(False, "candidate has non-finite weights", None, None)
     if not loss_healthy(losses or []):
@@ -292,6 +300,16 @@ def judge(
         return GateDecision(False, "no held-out traces yet", None, None)
     cand = score(candidate, heldout, cfg, suffix)
     champ = score(champion, heldout, cfg, suffix)
+    beats = (cand.expected_acceptance > champ.expected_acceptance + cfg.acceptance_margin
+             and cand.sim_speedup > champ.sim_speedup * (1.0 + cfg.speedup_margin))
+    stale = (champion is not None and cfg.refresh_after_s is not None and champion_age_s is not None
+             and champion_age_s >= cfg.refresh_after_s)
+    if not beats and stale and cand.expected_acceptance >= champ.expected_acceptance \
+            and cand.sim_speedup >= champ.sim_speedup:
+        return GateDecision(True, f"refresh: candidate no worse than a champion live for {champion_age_s:.0f} s "
+                            f"(expected acceptance {cand.expected_acceptance:.4f} vs "
+                            f"{champ.expected_acceptance:.4f}, simulated speedup {cand.sim_speedup:.4f} vs "
+                            f"{champ.sim_speedup:.4f})", cand, champ)
     if not (cand.expected_acceptance > champ.expected_acceptance + cfg.acceptance_margin):
         return GateDecision(False, f"expected acceptance {cand.expected_acceptance:.4f} does not beat "
                             f"champion {champ.expected_acceptance:.4f} + {cfg.acceptance_margin}", cand, champ)

@@ -118,6 +118,8 @@ class TrainerLoop:
         decision with its reason. None: not logged."""
         self.champion = None
         self.champion_version: str | None = None
+        self._champion_since = time.monotonic()
+        """When the champion went live here (its age decides a refresh: GateConfig.refresh_after_s)."""
         self._champions: dict[str, object] = {}
         """Recent champions by version (bounded): where a rollback sends the champion back to."""
         if initial_champion is not None:
@@ -268,6 +270,7 @@ class TrainerLoop:
                 self._refused[msg.from_version] = _digest(bad)
             back = self._champions.get(msg.to_version)
             self.champion = back
+            self._champion_since = time.monotonic()
             self.champion_version = msg.to_version if back is not None else None
             log.warning("serving rolled back %s -> %s (%s): champion is now %s", msg.from_version,
                         msg.to_version, msg.reason, self.champion_version or "none")
@@ -329,7 +332,9 @@ class TrainerLoop:
     def gate(self) -> GateDecision:
         suffix = build_suffix_index(self.replay.train_records) if self.gate_cfg.hybrid else None
         recent = self.stats.losses[-10 * self.cfg.steps_per_round:]
-        d = judge(self.student, self.champion, self.replay.heldout, self.gate_cfg, suffix=suffix, losses=recent)
+        age = time.monotonic() - self._champion_since if self.champion is not None else None
+        d = judge(self.student, self.champion, self.replay.heldout, self.gate_cfg, suffix=suffix, losses=recent,
+                  champion_age_s=age)
         self.stats.last_decision = d.reason
         log.info("gate: %s", d.reason)
         if self.ops is not None:
@@ -364,6 +369,7 @@ class TrainerLoop:
                 version = self.registry.register(self.cfg.tenant, rid).version
             self._mark_lineage()  # registered: the next version's trace range starts after this one's
         self.champion = copy.deepcopy(self.student)
+        self._champion_since = time.monotonic()
         self.champion_version = version or f"local-{self.stats.promotions + 1}"
         self._champions[self.champion_version] = self.champion
         while len(self._champions) > _CHAMPIONS_KEPT:

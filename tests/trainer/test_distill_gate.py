@@ -1,4 +1,5 @@
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -34,6 +35,24 @@ def test_gate_refuses_equal_candidate_within_margin(trained_student, domain_a_re
     good, _ = trained_student
     twin = StandaloneStudent(copy.deepcopy(good.model))
     assert not judge(twin, good, domain_a_replay.heldout, CFG).promote
+
+
+def test_gate_refreshes_a_champion_live_long_enough_with_a_candidate_no_worse(trained_student, domain_a_replay):
+    """Small updates promoted often: a candidate that only matches the champion is promoted once
+    the champion has been live refresh_after_s, never before, and a worse one never."""
+    good, _ = trained_student
+    twin = StandaloneStudent(copy.deepcopy(good.model))
+    young = judge(twin, good, domain_a_replay.heldout, CFG, champion_age_s=CFG.refresh_after_s - 1)
+    assert not young.promote
+    old = judge(twin, good, domain_a_replay.heldout, CFG, champion_age_s=CFG.refresh_after_s + 1)
+    assert old.promote and old.reason.startswith("refresh")
+    worse = judge(StandaloneStudent(tiny_lm(seed=5)), good, domain_a_replay.heldout, CFG,
+                  champion_age_s=CFG.refresh_after_s * 10)
+    assert not worse.promote
+    off = dataclasses.replace(CFG, refresh_after_s=None)
+    assert not judge(twin, good, domain_a_replay.heldout, off, champion_age_s=1e6).promote
+    # with no learned champion the candidate must beat suffix-only as before, whatever the age
+    assert not judge(twin, None, domain_a_replay.heldout, CFG, champion_age_s=1e6).reason.startswith("refresh")
 
 
 def test_gate_refuses_nan_weights_and_diverged_loss(trained_student, domain_a_replay):
