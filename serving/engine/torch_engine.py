@@ -313,9 +313,9 @@ class TorchEngine(DrafterSwaps):
             self._notify_start(row, feats)
 
     def _drop_rows(self, ids: set[int]) -> None:
-        keep = [i for i, r in enumerate(self._rows) if id(r) not in ids]
-        self._rows = [self._rows[i] for i in keep]
-        self._cache.keep_rows(keep)
+        gone = {i for i, r in enumerate(self._rows) if id(r) in ids}
+        order = self._cache.drop_rows(gone)  # survivors, reordered: rows follow the cache
+        self._rows = [self._rows[i] for i in order]
 
     def _prefill(self, prompt_ids: list[int]) -> tuple[RaggedKVCache, torch.Tensor | None]:
         """Admission's prefill (model_runner.ModelRunner.prefill); a seam tests and bench swap time."""
