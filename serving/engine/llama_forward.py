@@ -221,6 +221,43 @@ class LlamaForward:
         # always are); checking all 2 x layers buffers here too cost ~40 us per step.
         return cache.write_columns()
 
+    @staticmethod
+    def _packed(row_tokens: torch.Tensor | None, b: int, q: int) -> torch.Tensor | None:
+        """[B, q] bool of the real inputs when padding is worth skipping, else None.
+
+        A ragged verify pads every row to the widest (8 rows with one draft between them is 16
+        inputs); the projections, which cost by the token, then run on the real ones only (9),
+        and only attention, whose kernel takes rows of equal width, sees the padded layout."""
+        if row_tokens is None or q == 1:
+            return None
+        n = row_tokens.to(torch.long).clamp(1, q)  # [B]
+        if int(n.sum()) == b * q:
+            return None
+        return torch.arange(q)[None, :] < n[:, None]  # [B, q]
+
+    def _forward_packed(self, x, real, cos, sin, cols, attention_mask, cache) -> ForwardOutput:
+        """The native forward over the real inputs only: x [B, q, H] -> logits [B, q, V], zeros at
+        padded inputs. Padded inputs still write (zero) keys and values at their uncommitted cache
+        columns, which the engine never commits."""
+        b, q, _ = x.shape
+        h = x[real]  # [N, H] real inputs, row-major
+        for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
+            qkv_real = self._normed_linear(h, ln1, qkv_w)  # [N, W]
+            qkv = qkv_real.new_zeros(b, q, qkv_real.shape[-1])  # [B, q, W]
+            qkv[real] = qkv_real
+            att = native_attention.decode_attention(
+                qkv, cos[:, 0], sin[:, 0], cache.keys[i], cache.values[i], cols,
+                attention_mask[:, 0], self.num_heads, self.num_kv_heads, self.scale,
+            )[real]  # [N, Hq*D]
+            h = self._linear_plus(att, o_w, h)  # [N, H]
+            gu = self._normed_linear(h, ln2, gu_w)  # [N, 2I]
+            h = self._mlp_down_plus(gu, down_w, h)  # [N, H]
+        h = self._norm(h, self.final_norm)
+        logits_real = self._linear(h, self.lm_head_served)  # [N, V]
+        logits = logits_real.new_zeros(b, q, logits_real.shape[-1])  # [B, q, V]
+        logits[real] = logits_real
+        return ForwardOutput(logits=logits, hidden_states=None)
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; bit-identical to the unfused fp32 math
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -242,9 +279,12 @@ class LlamaForward:
         past_key_values,
         logits_to_keep: int = 0,
         hidden_layers: tuple[int, ...] = (),
+        row_tokens: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """input_ids, position_ids [B, q]; attention_mask bool [B, 1, q, L] over the cache after this
-        step's update; past_key_values: the engine's cache (``update(k, v, layer) -> (K, V)``)."""
+        step's update; past_key_values: the engine's cache (``update(k, v, layer) -> (K, V)``).
+        ``row_tokens`` [B]: how many of each row's q inputs are real; the rest is padding, whose
+        logits come back as zeros (see ``_packed``)."""
         b, q = input_ids.shape
         x = F.embedding(input_ids, self.embed)  # [B, q, H]
         cos, sin = self.rotary(x, position_ids)  # [B, q, D] each
@@ -254,6 +294,9 @@ class LlamaForward:
         if 0 in want:
             hidden[0] = x
         cols = self._fused_attention_columns(past_key_values, attention_mask)
+        real = self._packed(row_tokens, b, q) if cols is not None and not want and not logits_to_keep else None
+        if real is not None:
+            return self._forward_packed(x, real, cos, sin, cols, attention_mask, past_key_values)
         qd, kvd, d = self.q_dim, self.kv_dim, self.head_dim
         for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             qkv = self._normed_linear(x, ln1, qkv_w)  # [B, q, Hq*D + 2*Hkv*D]

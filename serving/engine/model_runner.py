@@ -40,14 +40,17 @@ class ModelRunner:
             return RaggedKVCache.for_model(self.model)
         return RaggedKVCache.for_model(self.model, batch_size=batch_size)
 
-    def forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0):
+    def forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0,
+                row_tokens: torch.Tensor | None = None):
         """One target forward of ``input_ids`` [B, q] appended to ``cache`` (uncommitted until the
         caller commits); ``.logits`` [B, q or logits_to_keep, V], ``.hidden_states`` when
-        ``feature_layers`` are set."""
+        ``feature_layers`` are set. ``row_tokens`` [B]: row b's inputs beyond its first
+        ``row_tokens[b]`` are padding (their logits are not read; the fast forward may skip them)."""
         positions, mask = cache.prepare(input_ids.shape[1])  # [B, q], [B, 1, q, L]
         if self.fast is not None:
             return self.fast(input_ids.to(self.device), positions, mask, cache,
-                             logits_to_keep=logits_to_keep, hidden_layers=self.feature_layers)
+                             logits_to_keep=logits_to_keep, hidden_layers=self.feature_layers,
+                             row_tokens=row_tokens)
         if self._additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(self.model.dtype).min

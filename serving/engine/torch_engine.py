@@ -354,7 +354,7 @@ class TorchEngine(DrafterSwaps):
         parents = plan.node_parents()  # [B, K+1]
         if plan.is_tree():
             self._cache.set_tree(tree_depths(parents), tree_ancestors(parents))
-        out = self.runner.forward(self._cache, inputs)
+        out = self.runner.forward(self._cache, inputs, row_tokens=plan.lengths + 1)  # padding skipped
         logits = out.logits  # [B, K+1, V]
         result = verify_rows(rows, plan, parents, logits)
         num_accepted = result.num_accepted.tolist()

@@ -66,6 +66,39 @@ def test_logits_and_features_match_hf_on_ragged_rows(q, native):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tree", [False, True])
+@torch.inference_mode()
+def test_padding_is_skipped_and_real_inputs_come_out_the_same(tree):
+    """A ragged verify (rows of 1, 3 and 5 real inputs padded to 5): the projections run on the 9
+    real inputs only, and each real input's logits are exactly those of the padded forward (a
+    token's projection does not depend on what else shares the call); padded logits are zeros."""
+    if not packed_linear.available():
+        pytest.skip("native kernel not built here")
+    model = tiny_target(vocab_size=97, num_layers=3).model
+    fast = LlamaForward(model, native=True)
+    cache = _prefilled(model, [5, 11, 2])
+    twin = _twin(cache)
+    ids = torch.randint(0, 97, (3, 5), generator=torch.Generator().manual_seed(7))
+    real_tokens = torch.tensor([1, 3, 5])
+    if tree:  # node 2 branches off the root beside node 1, node 3 follows node 1
+        ancestors = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                                  [1, 1, 0, 1, 1]], dtype=torch.bool).expand(3, 5, 5)
+        depth = torch.tensor([0, 1, 1, 2, 3]).expand(3, 5)
+        cache.set_tree(depth, ancestors)
+        twin.set_tree(depth, ancestors)
+    pos, mask = cache.prepare(5)
+    full = fast(ids, pos, mask, cache).logits  # [3, 5, V]
+    pos2, mask2 = twin.prepare(5)
+    packed = fast(ids, pos2, mask2, twin, row_tokens=real_tokens).logits
+    real = torch.arange(5)[None, :] < real_tokens[:, None]  # [3, 5]
+    assert torch.equal(packed[real], full[real])
+    assert torch.count_nonzero(packed[~real]) == 0
+    for b, n in enumerate(real_tokens.tolist()):  # the real inputs' keys and values, the same
+        start = cache.lengths[b]
+        for a, c in zip(cache.keys + cache.values, twin.keys + twin.values):
+            assert torch.equal(a[b, :, start:start + n], c[b, :, start:start + n])
+
+
 @torch.inference_mode()
 def test_tree_shaped_mask_matches_hf():
     """An arbitrary mask (here: two branches that must not see each other) is honoured exactly."""
