@@ -6,8 +6,9 @@ and the CPU's flags, so a second process loads it in milliseconds, and loaded wi
 headers to build against; the build takes under a second; ctypes releases the GIL for each call).
 Every kernel runs on one set of worker threads per process, ``native/pool.c`` (why not OpenMP:
 ``native/pool.h``), which is built like a kernel and loaded first with ``RTLD_GLOBAL``, so that
-the kernels' calls to it resolve to the one copy. Where no compiler is found or the build fails, ``load`` returns None and the
-caller uses its torch reference; ``SPECLOOP_NATIVE_KERNELS=0`` forces that everywhere.
+the kernels' calls to it resolve to the one copy. Where no compiler is found or the build fails,
+``load`` returns None and the caller uses its torch reference; ``SPECLOOP_NATIVE_KERNELS=0``
+forces that everywhere.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ LIBS = ("-lm",)
 POOL = "pool"
 """The worker threads' library (native/pool.c): loaded before, and shared by, every kernel."""
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered: loading a kernel loads the pool first
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -106,7 +107,7 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | Non
             log.warning("%s: no C compiler found; using the torch reference", name)
         else:
             try:
-                if name != POOL and _pool(cc) is None:
+                if name != POOL and load(POOL, lambda _: None) is None:
                     raise OSError("the worker pool (native/pool.c) did not load")
                 mode = ctypes.RTLD_GLOBAL if name == POOL else ctypes.DEFAULT_MODE
                 lib = ctypes.CDLL(str(build(name, cc)), mode=mode)
@@ -119,13 +120,3 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | Non
         _loaded[name] = lib
         return lib
 
-
-def _pool(cc: str) -> ctypes.CDLL | None:
-    """The worker pool, loaded once (called with ``_lock`` held, so not through ``load``)."""
-    if POOL not in _loaded:
-        try:
-            _loaded[POOL] = ctypes.CDLL(str(build(POOL, cc)), mode=ctypes.RTLD_GLOBAL)
-        except (OSError, subprocess.CalledProcessError) as e:
-            log.warning("pool: native build failed (%s)", (getattr(e, "stderr", "") or str(e))[-500:])
-            _loaded[POOL] = None
-    return _loaded[POOL]

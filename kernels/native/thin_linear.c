@@ -7,8 +7,9 @@
  * registers; the rows stay in L2 while the next 3 tokens pass), so a forward of 1-8 tokens costs
  * about one pass over the weights from memory.
  *
- * Parallel over output rows on the process's worker threads (pool.h). Each output value is summed in the
- * same order whatever T is: a token's result does not depend on how many tokens share the call.
+ * Parallel over output rows on the process's worker threads (pool.h). Each output value is summed
+ * in the same order whatever T is: a token's result does not depend on how many tokens share the
+ * call.
  * Built with -march=native by kernels/thin_linear.py (vector width 16 with AVX-512, else 8).
  * thin_linear_bf16 reads bf16 weights (half the bytes; widened to fp32 in registers, fp32 sums):
  * for drafters, whose numerics never change what is emitted, only how often drafts are accepted.

@@ -6,7 +6,7 @@
  * verify step. Here each row is read once for its max and top-T candidates (vector compares
  * against the current T-th value; the few elements above it go into a small sorted list) and once
  * more, from cache, for the sum of exp(x - max) with a polynomial exp (relative error < 2e-7; the
- * trace stores log-probs as float16). Rows go in parallel over torch's OpenMP pool.
+ * trace stores log-probs as float16). Rows go in parallel on the process's worker threads (pool.h).
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,8 +60,6 @@ static void one_row(const float *x, long V, int t, int64_t *ids, float *lp) {
     for (int i = 0; i < t; i++) lp[i] = vals[i] - lse;
 }
 
-/* logits [N, V] contiguous fp32 -> ids [N, T] int64 and logprobs [N, T] fp32, descending.
- * Returns 0, or -1 on bad arguments (T must be 1..64 and at most V). */
 struct job {
     const float *logits;
     long N, V;
@@ -78,6 +76,8 @@ static void run(void *ctx, int id, int n) {
         one_row(j->logits + r * j->V, j->V, j->T, j->ids + r * j->T, j->lp + r * j->T);
 }
 
+/* logits [N, V] contiguous fp32 -> ids [N, T] int64 and logprobs [N, T] fp32, descending.
+ * Returns 0, or -1 on bad arguments (T must be 1..64 and at most V). */
 int topk_logprobs(const float *logits, long N, long V, int T, int64_t *ids, float *lp, int threads) {
     if (N < 0 || V < 1 || T < 1 || T > 64 || T > V || threads < 1) return -1;
     struct job j = {logits, N, V, T, ids, lp};

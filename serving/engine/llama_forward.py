@@ -56,6 +56,12 @@ def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.t().reshape(*shape[:-1], w.shape[0])
 
 
+def _unpack(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """t [N, F] of the real inputs back to the padded layout [B, q, F], zeros at padding."""
+    out = t.new_zeros(*real.shape, t.shape[-1])  # [B, q, F]
+    out[real] = t
+    return out
+
 
 _THIN_MAX = 4
 """Without the native kernel, token counts up to this use w @ x^T; above it F.linear's gemm is as
@@ -235,28 +241,25 @@ class LlamaForward:
             return None
         return torch.arange(q)[None, :] < n[:, None]  # [B, q]
 
-    def _forward_packed(self, x, real, cos, sin, cols, attention_mask, cache) -> ForwardOutput:
-        """The native forward over the real inputs only: x [B, q, H] -> logits [B, q, V], zeros at
-        padded inputs. Padded inputs still write (zero) keys and values at their uncommitted cache
-        columns, which the engine never commits."""
-        b, q, _ = x.shape
-        h = x[real]  # [N, H] real inputs, row-major
-        for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
-            qkv_real = self._normed_linear(h, ln1, qkv_w)  # [N, W]
-            qkv = qkv_real.new_zeros(b, q, qkv_real.shape[-1])  # [B, q, W]
-            qkv[real] = qkv_real
-            att = native_attention.decode_attention(
+    def _attention(self, i: int, qkv, cos, sin, cols, attention_mask, cache) -> torch.Tensor:
+        """Layer i's attention: qkv [B, q, Hq*D + 2*Hkv*D] -> [B, q, Hq*D], this step's keys and
+        values written to ``cache``."""
+        if cols is not None:  # rotary + cache write + attention in one native call
+            return native_attention.decode_attention(
                 qkv, cos[:, 0], sin[:, 0], cache.keys[i], cache.values[i], cols,
                 attention_mask[:, 0], self.num_heads, self.num_kv_heads, self.scale,
-            )[real]  # [N, Hq*D]
-            h = self._linear_plus(att, o_w, h)  # [N, H]
-            gu = self._normed_linear(h, ln2, gu_w)  # [N, 2I]
-            h = self._mlp_down_plus(gu, down_w, h)  # [N, H]
-        h = self._norm(h, self.final_norm)
-        logits_real = self._linear(h, self.lm_head_served)  # [N, V]
-        logits = logits_real.new_zeros(b, q, logits_real.shape[-1])  # [B, q, V]
-        logits[real] = logits_real
-        return ForwardOutput(logits=logits, hidden_states=None)
+            )  # [B, q, Hq*D]
+        b, q, _ = qkv.shape
+        qd, kvd, d = self.q_dim, self.kv_dim, self.head_dim
+        qs = qkv[..., :qd].view(b, q, self.num_heads, d).transpose(1, 2)  # [B, Hq, q, D]
+        ks = qkv[..., qd : qd + kvd].view(b, q, self.num_kv_heads, d).transpose(1, 2)
+        vs = qkv[..., qd + kvd :].view(b, q, self.num_kv_heads, d).transpose(1, 2)
+        qs, ks = self._rope(qs, cos, sin), self._rope(ks, cos, sin)
+        keys, values = cache.update(ks, vs, i)  # [B, Hkv, L, D] each
+        att = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=attention_mask, scale=self.scale, enable_gqa=True
+        )  # [B, Hq, q, D]
+        return att.transpose(1, 2).reshape(b, q, qd)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; bit-identical to the unfused fp32 math
@@ -295,35 +298,27 @@ class LlamaForward:
             hidden[0] = x
         cols = self._fused_attention_columns(past_key_values, attention_mask)
         real = self._packed(row_tokens, b, q) if cols is not None and not want and not logits_to_keep else None
-        if real is not None:
-            return self._forward_packed(x, real, cos, sin, cols, attention_mask, past_key_values)
-        qd, kvd, d = self.q_dim, self.kv_dim, self.head_dim
+        # The residual stream: [B, q, H], or [N, H] of the real inputs only (attention alone sees
+        # the padded layout; padded inputs write zero keys and values at columns never committed).
+        h = x if real is None else x[real]
         for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
-            qkv = self._normed_linear(x, ln1, qkv_w)  # [B, q, Hq*D + 2*Hkv*D]
-            if cols is not None:  # rotary + cache write + attention in one native call
-                att = native_attention.decode_attention(
-                    qkv, cos[:, 0], sin[:, 0], past_key_values.keys[i], past_key_values.values[i],
-                    cols, attention_mask[:, 0], self.num_heads, self.num_kv_heads, self.scale,
-                )  # [B, q, Hq*D]
-            else:
-                qs = qkv[..., :qd].view(b, q, self.num_heads, d).transpose(1, 2)  # [B, Hq, q, D]
-                ks = qkv[..., qd : qd + kvd].view(b, q, self.num_kv_heads, d).transpose(1, 2)
-                vs = qkv[..., qd + kvd :].view(b, q, self.num_kv_heads, d).transpose(1, 2)
-                qs, ks = self._rope(qs, cos, sin), self._rope(ks, cos, sin)
-                keys, values = past_key_values.update(ks, vs, i)  # [B, Hkv, L, D] each
-                att = F.scaled_dot_product_attention(
-                    qs, keys, values, attn_mask=attention_mask, scale=self.scale, enable_gqa=True
-                )  # [B, Hq, q, D]
-                att = att.transpose(1, 2).reshape(b, q, qd)
-            x = self._linear_plus(att, o_w, x)  # [B, q, H]
-            gu = self._normed_linear(x, ln2, gu_w)  # [B, q, 2I]
-            x = self._mlp_down_plus(gu, down_w, x)  # [B, q, H]
+            qkv = self._normed_linear(h, ln1, qkv_w)  # [B, q | N, Hq*D + 2*Hkv*D]
+            if real is not None:
+                qkv = _unpack(qkv, real)  # [B, q, W]
+            att = self._attention(i, qkv, cos, sin, cols, attention_mask, past_key_values)  # [B, q, Hq*D]
+            if real is not None:
+                att = att[real]  # [N, Hq*D]
+            h = self._linear_plus(att, o_w, h)  # [B, q | N, H]
+            gu = self._normed_linear(h, ln2, gu_w)  # [B, q | N, 2I]
+            h = self._mlp_down_plus(gu, down_w, h)  # [B, q | N, H]
             if i + 1 in want and i + 1 < self.num_layers:
-                hidden[i + 1] = x
-        x = self._norm(x, self.final_norm)
+                hidden[i + 1] = h
+        h = self._norm(h, self.final_norm)
         if self.num_layers in want:
-            hidden[self.num_layers] = x
+            hidden[self.num_layers] = h
         if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        logits = self._linear(x, self.lm_head_served)  # [B, q', V]
+            h = h[:, -logits_to_keep:]
+        logits = self._linear(h, self.lm_head_served)  # [B, q', V] or [N, V]
+        if real is not None:
+            logits = _unpack(logits, real)  # [B, q, V], zeros at padding
         return ForwardOutput(logits=logits, hidden_states=tuple(hidden) if want else None)

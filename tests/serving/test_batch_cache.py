@@ -1,4 +1,5 @@
-"""RaggedKVCache.drop_rows: the same rows as keep_rows, without copying the whole cache."""
+"""RaggedKVCache.drop_rows: every survivor keeps its keys, values and length, without a copy of
+the whole cache."""
 
 import random
 
@@ -37,7 +38,7 @@ def test_drop_rows_keeps_each_survivors_keys_values_and_length(seed):
     assert all(k.is_contiguous() and k.shape[0] == len(order) for k in cache.keys + cache.values)
 
 
-def test_drop_rows_shrinks_a_far_too_large_capacity_as_keep_rows_does():
+def test_drop_rows_shrinks_a_far_too_large_capacity():
     cache = _filled(3, 4 * _GROW, seed=1)
     cache.lengths = [10, 4 * _GROW - 1, 20]
     kept = cache.drop_rows({1})
