@@ -186,7 +186,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     save_drafter(student.model, config, fp, out, version=version, overwrite=True,
                  draft_vocab=student_draft_vocab(student),
                  extra={"offline_prompts": str(prompts), "corpus_chunks_per_domain": corpus, "init": str(init),
-               **{k: v for k, v in fit.items() if k != "stopped_early"}})
+                        **{k: v for k, v in fit.items() if k != "stopped_early"}})
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
               "corpus_chunks": 2 * corpus, "init": str(init) if init else None,
               "generation_s": gen_s, **fit}

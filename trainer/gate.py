@@ -300,20 +300,19 @@ def judge(
         return GateDecision(False, "no held-out traces yet", None, None)
     cand = score(candidate, heldout, cfg, suffix)
     champ = score(champion, heldout, cfg, suffix)
-    beats = (cand.expected_acceptance > champ.expected_acceptance + cfg.acceptance_margin
-             and cand.sim_speedup > champ.sim_speedup * (1.0 + cfg.speedup_margin))
+    if not (cand.expected_acceptance > champ.expected_acceptance + cfg.acceptance_margin):
+        reason = (f"expected acceptance {cand.expected_acceptance:.4f} does not beat "
+                  f"champion {champ.expected_acceptance:.4f} + {cfg.acceptance_margin}")
+    elif not (cand.sim_speedup > champ.sim_speedup * (1.0 + cfg.speedup_margin)):
+        reason = (f"simulated speedup {cand.sim_speedup:.4f} does not beat champion "
+                  f"{champ.sim_speedup:.4f} x (1 + {cfg.speedup_margin})")
+    else:
+        return GateDecision(True, "candidate beats champion", cand, champ)
     stale = (champion is not None and cfg.refresh_after_s is not None and champion_age_s is not None
              and champion_age_s >= cfg.refresh_after_s)
-    if not beats and stale and cand.expected_acceptance >= champ.expected_acceptance \
-            and cand.sim_speedup >= champ.sim_speedup:
+    if stale and cand.expected_acceptance >= champ.expected_acceptance and cand.sim_speedup >= champ.sim_speedup:
         return GateDecision(True, f"refresh: candidate no worse than a champion live for {champion_age_s:.0f} s "
                             f"(expected acceptance {cand.expected_acceptance:.4f} vs "
                             f"{champ.expected_acceptance:.4f}, simulated speedup {cand.sim_speedup:.4f} vs "
                             f"{champ.sim_speedup:.4f})", cand, champ)
-    if not (cand.expected_acceptance > champ.expected_acceptance + cfg.acceptance_margin):
-        return GateDecision(False, f"expected acceptance {cand.expected_acceptance:.4f} does not beat "
-                            f"champion {champ.expected_acceptance:.4f} + {cfg.acceptance_margin}", cand, champ)
-    if not (cand.sim_speedup > champ.sim_speedup * (1.0 + cfg.speedup_margin)):
-        return GateDecision(False, f"simulated speedup {cand.sim_speedup:.4f} does not beat champion "
-                            f"{champ.sim_speedup:.4f} x (1 + {cfg.speedup_margin})", cand, champ)
-    return GateDecision(True, "candidate beats champion", cand, champ)
+    return GateDecision(False, reason, cand, champ)
