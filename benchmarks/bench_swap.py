@@ -23,6 +23,9 @@ MLflow registry and validated on every swap). Prints one JSON object:
     load_stall_p99_ms  the same sum from the start of ``Swapper.swap_to`` to the swap_drafter call,
                      while the Swapper downloads and validates the artifact: also caused by a swap,
                      reported apart (the artifact load is the Swapper's, not the engine's)
+    null_stall_p99_ms  the noise floor of stall_p99_ms: the same sum over windows as long as the
+                     median swap's (call to first new step) that hold no swap and no artifact load
+                     (the quiet stretch between a swap's first step and the next load), same base
     lossless         every output equals target-only greedy decoding of its prompt
 """
 
@@ -110,6 +113,38 @@ def _window_stalls(
             if inside > 0:
                 extra += inside / (t1 - t0) * (gaps[i] - base)
         out.append(max(0.0, extra))
+    return out
+
+
+def _null_stalls(
+    steps: list[tuple[float, str, int]],
+    gaps: list[float],
+    base: float,
+    swap_called: list[float],
+    load_started: list[float],
+) -> list[float]:
+    """The swap windows' statistic (``_window_stalls``) over windows without a swap: as long as
+    the median swap window, laid every half width through each quiet stretch (from two steps
+    after a swap's first new step to the next artifact load), floored at 0."""
+    import numpy as np
+
+    times = [t for t, _, _ in steps]
+    firsts = [i for i in range(1, len(steps)) if steps[i][1] != steps[i - 1][1]]
+    if not firsts:
+        return []
+    width = float(np.median([times[f] - s for s, f in zip(swap_called, firsts)]))
+    out = []
+    for n, first in enumerate(firsts):
+        t = times[min(first + 2, len(times) - 1)]
+        end = load_started[n + 1] if n + 1 < len(load_started) else times[-1]
+        while width > 0 and t + width < end:
+            extra = 0.0
+            for i in range(1, len(times)):
+                inside = min(times[i], t + width) - max(times[i - 1], t)
+                if inside > 0:
+                    extra += inside / (times[i] - times[i - 1]) * (gaps[i] - base)
+            out.append(max(0.0, extra))
+            t += width / 2
     return out
 
 
@@ -257,6 +292,7 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
     installs, base = _stall_ms(clock.steps, gaps)
     stalls = _window_stalls(clock.steps, gaps, base, swap_called, None)
     loads = _window_stalls(clock.steps, gaps, base, load_started, swap_called)
+    nulls = _null_stalls(clock.steps, gaps, base, swap_called, load_started)
     import numpy as np
 
     def pct(xs, q):
@@ -279,6 +315,8 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
         "install_stall_median_ms": pct(installs, 50),
         "load_stall_p99_ms": pct(loads, 99),
         "load_stall_median_ms": pct(loads, 50),
+        "null_stall_p99_ms": pct(nulls, 99),
+        "null_windows": len(nulls),
         "handover_median_ms": pct(handover_ms, 50),
         "step_median_ms": round(base, 2),
         "lossless": lossless,

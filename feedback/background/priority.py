@@ -1,5 +1,5 @@
 """Per-thread niceness for background work that must yield to decoding: the engine's swap
-preparer and the trainer actor's training thread."""
+preparer, the Swapper's artifact loads and the trainer actor's training thread."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 import threading
+
+from kernels.threads import compute_alone
 
 log = logging.getLogger(__name__)
 
@@ -22,3 +24,11 @@ def lower_thread_priority(nice: int, what: str) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError as e:
         log.warning("could not lower the %s's priority: %s", what, e)
+
+
+def become_background(nice: int, what: str) -> None:
+    """The calling thread becomes background work beside the decode steps: ``nice`` steps nicer
+    and its tensor work on itself alone (kernels.threads.compute_alone), never on the worker
+    threads the steps use. For a thread of its own (both are irreversible)."""
+    lower_thread_priority(nice, what)
+    compute_alone()

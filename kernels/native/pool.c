@@ -92,9 +92,13 @@ static void forget_workers(void) { /* in a forked child: the threads did not com
 
 static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forget_workers); }
 
+static __thread int alone; /* set by spl_run_alone: this thread never takes the workers */
+
+void spl_run_alone(int on) { alone = on; }
+
 void spl_parallel(spl_task task, void *ctx, int n) {
     if (n > MAX_WORKERS + 1) n = MAX_WORKERS + 1;
-    if (n <= 1 || pthread_mutex_trylock(&call_lock) != 0) {
+    if (n <= 1 || alone || pthread_mutex_trylock(&call_lock) != 0) {
         task(ctx, 0, 1); /* alone, or another thread's call holds the workers */
         return;
     }

@@ -21,6 +21,11 @@ typedef void (*spl_task)(void *ctx, int id, int n);
  * running runs task(ctx, 0, 1) on the caller alone (tasks must split their work by n). */
 void spl_parallel(spl_task task, void *ctx, int n);
 
+/* From now on (on = 1), every spl_parallel call made by the calling thread runs on that thread
+ * alone: for background threads (a hot swap's preparer, an artifact load), so that they never
+ * hold the workers that the decode steps are about to need. */
+void spl_run_alone(int on);
+
 /* Wait until all n threads of the current spl_parallel call have reached this barrier. */
 void spl_barrier(int n);
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from feedback.background.priority import lower_thread_priority
+from feedback.background.priority import become_background
 from serving.drafters.base import Drafter, DraftRequestView
 from serving.engine.rows import Row
 
@@ -120,8 +120,8 @@ class DrafterSwaps:
             return self._preparer
 
     def _lower_priority(self) -> None:
-        """Preparer thread: nicer by ``swap_prepare_nice``."""
-        lower_thread_priority(self.config.swap_prepare_nice, "swap preparer")
+        """Preparer thread: nicer by ``swap_prepare_nice``, its tensor work on itself alone."""
+        become_background(self.config.swap_prepare_nice, "swap preparer")
 
     def _set_pending(self, seq: int, pending: _PendingSwap) -> None:
         with self._swap_lock:

@@ -306,6 +306,34 @@ def test_downloads_are_deleted_once_loaded_or_refused(target, tmp_path, sqlite_r
     assert len(downloads) == 2 and not any(p.exists() for p in downloads)
 
 
+def test_artifacts_are_loaded_on_a_background_thread_that_computes_alone(target, tmp_path, sqlite_registry):
+    """The download, checks and build run on the Swapper's loader thread, niced and with its
+    tensor work on itself (one OpenMP thread), not on the caller's thread."""
+    import threading
+
+    version = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    seen = {}
+    load = swapper.loader.load
+
+    def recording(path, current=None):
+        seen.update(thread=threading.current_thread(), threads=torch.get_num_threads())
+        return load(path, current)
+
+    swapper.loader.load = recording
+    swapper.swap_to(version)
+    assert engine.drafter.version == version
+    assert seen["thread"] is not threading.current_thread()
+    assert seen["thread"].name.startswith("drafter-load") and seen["threads"] == 1
+    swapper.stop()
+    assert not seen["thread"].is_alive() or _joins(seen["thread"])
+
+
+def _joins(thread, timeout: float = 5.0) -> bool:
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
 # ---- admin routes -------------------------------------------------------------------------------
 
 

@@ -232,3 +232,23 @@ def test_standalone_net_drafts_alike_in_bf16():
         with torch.no_grad():
             out[bf16] = net.logits(net.extend(ids, None, pos, DynamicCache(), None)[:, -1])  # [1, 200]
     torch.testing.assert_close(out[True], out[False], rtol=5e-2, atol=5e-2)
+
+
+def test_gemm_row_buckets_are_few_and_waste_at_most_a_quarter():
+    from feedback.drafters.models import gemm_rows_bucket
+
+    sizes = {gemm_rows_bucket(n) for n in range(33, 1025)}
+    assert all(n <= gemm_rows_bucket(n) <= 1.25 * n for n in range(1, 5000))
+    assert len(sizes) <= 24  # 4 per power of two, where every length gave its own shape
+
+
+def test_bucketed_bf16_projection_equals_the_plain_one():
+    from feedback.drafters.models import _bf16_gemm_bucketed
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    x = torch.randn(2, 37, 64, generator=g)  # 74 rows -> 80
+    out = _bf16_gemm_bucketed(x, w)
+    assert out.shape == (2, 37, 96) and out.dtype == torch.float32
+    ref = torch.nn.functional.linear(x.bfloat16(), w).float()
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)

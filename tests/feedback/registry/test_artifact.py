@@ -208,3 +208,49 @@ def test_missing_config_is_refused(target, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DrafterArtifactError, match="config.json"):
         load_drafter(tmp_path / "empty", expected_fingerprint=target.fingerprint)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_any_nan_or_infinity_is_found_in_every_float_type(dtype, bad):
+    from feedback.registry.artifact import _non_finite
+
+    good = torch.randn(1000).to(dtype)
+    poisoned = good.clone()
+    poisoned[617] = bad
+    assert _non_finite({"good": good, "bad": poisoned, "ids": torch.arange(5), "empty": torch.empty(0)}) == ["bad"]
+
+
+def test_a_loaded_standalone_drafter_computes_what_was_saved_and_draws_no_random_numbers(target, tmp_path):
+    """Loading builds the model without initialising its parameters (they are all overwritten):
+    the global RNG is untouched and the loaded model, buffers included, equals the saved one."""
+    model = standalone_from_target(target.model, num_layers=2)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=2, vocab_size=V)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1")
+    torch.manual_seed(123)
+    expected_rng = torch.get_rng_state()
+    loaded, _ = load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    ids = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_building_an_empty_model_leaves_other_threads_initialisation_alone():
+    """The skip of parameter initialisation is a per-thread torch function mode: a layer built on
+    another thread meanwhile is initialised as usual."""
+    import threading
+
+    from feedback.drafters.kinds import _SkipParameterInit
+
+    built = {}
+    with _SkipParameterInit():
+        inside = torch.nn.Linear(64, 64)
+        inside.weight.data.fill_(7.0)  # a fill that is no init: .data is not a Parameter
+        t = threading.Thread(target=lambda: built.setdefault("other", torch.nn.Linear(64, 64)))
+        t.start()
+        t.join()
+        torch.nn.init.zeros_(inside.weight)  # skipped: the parameter keeps its values
+    assert torch.all(inside.weight == 7.0)
+    other = built["other"].weight
+    assert other.abs().max() > 0 and other.std() > 0.01  # kaiming-uniform, not left empty

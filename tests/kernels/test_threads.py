@@ -1,0 +1,51 @@
+"""kernels.threads.compute_alone: a background thread's tensor work runs on that thread only,
+and no other thread is affected."""
+
+import threading
+
+import torch
+
+from kernels import packed_linear
+from kernels.packed_linear import PackedLinear
+from kernels.threads import compute_alone
+
+
+def _on_thread(fn):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", fn()))
+    t.start()
+    t.join()
+    return out["r"]
+
+
+def test_only_the_calling_thread_computes_alone():
+    torch.set_num_threads(2)
+
+    def background():
+        compute_alone()
+        return torch.get_num_threads()
+
+    assert _on_thread(background) == 1
+    assert torch.get_num_threads() == 2  # this thread, and any other, keep their width
+    assert _on_thread(torch.get_num_threads) == 2
+
+
+def test_results_are_the_same_computed_alone():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(300, 96, generator=g), torch.randn(5, 96, generator=g)
+    a, b = torch.randn(200, 300, generator=g), torch.randn(300, 100, generator=g)
+    packed = PackedLinear.pack(w) if packed_linear.available() else None
+
+    def work():
+        return (packed(x) if packed is not None else None), a @ b
+
+    expected = work()
+
+    def background():
+        compute_alone()
+        return work()
+
+    got = _on_thread(background)
+    if packed is not None:  # each output is one FMA chain whatever the split: exact
+        assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
