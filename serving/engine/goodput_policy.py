@@ -20,13 +20,17 @@ per drafted token) then costs about that much, not a probe every 16 steps (~9 %)
 (``on_drafter_change``, called by the engine at a swap) starts from the prior and is probed at
 the next step that would not draft.
 
-Width (token trees, and chains with per-token confidences): after the draft, ``choose_width`` cuts
-the proposal to the node count W in 0..K with the highest expected tokens per verify millisecond
-over the batch, ``sum_b (1 + c * sum_{j < W} P_b(node j accepted)) / verify_ms(W | batch)``, where
-P is the product of the drafter's confidences along the node's path and c an online calibration
-(accepted / predicted). Verify costs are measured per (batch size, width) as robust medians
-(verify_costs.py: a plain step's median, and each width's ratio to it): a width that pays at
-batch 1 may not at batch 8, and W = 0 (plain decoding) wins where nothing pays. A drafter whose
+Width (token trees, and chains with per-token confidences): after the draft, ``choose_widths``
+cuts each row's proposal to a prefix of its nodes. It takes the batch's nodes most likely to be
+accepted first, across rows (``best_nodes_first``: P = the product of the drafter's confidences
+along the node's path, times c, an online calibration of accepted / predicted), and verifies the
+node total n with the highest expected tokens per verify millisecond,
+``(B + sum of the first n nodes' P) / verify_ms(n | batch)``. A verify forwards only the real
+tokens (B + n; padding is skipped), so what it costs is a matter of n, not of how the nodes split
+over the rows: at batch 8 three confident rows may draft while five do not, where one width for
+every row had to pay for eight. Verify costs are measured per (batch size, node total) as robust
+medians (verify_costs.py: a plain step's median, and each total's ratio to it): a total that pays
+at batch 1 may not at batch 8, and n = 0 (plain decoding) wins where nothing pays. A drafter whose
 draft costs next to nothing (the suffix index) is asked for the full budget every step and the
 width decides; a costly drafter gets k from the acceptance estimate. Either way, once
 ``probe_every`` drafts in a row were cut to nothing, it drafts only on probes (a probe verifies
@@ -37,6 +41,7 @@ are spaced to cost at most ``probe_budget`` (``probe_interval`` for a costly dra
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -48,6 +53,35 @@ from serving.engine.verify_costs import VerifyCosts
 
 _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
+
+
+def node_totals(available: int) -> list[int]:
+    """The node totals a step may verify, up to ``available``: every count to 8, then four per
+    power of two (10, 12, 14, 16, 20, ...), so that each is measured often enough (VerifyCosts
+    keeps a median per total)."""
+    out, n = [], 0
+    while n <= available:
+        out.append(n)
+        n += 1 if n < 8 else 1 << (n.bit_length() - 3)
+    return out
+
+
+def best_nodes_first(cum: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's drafted nodes in the order a budget takes them: each row's nodes in its own
+    order (a prefix of them is a subtree), the rows merged by the acceptance probability of their
+    next node. Returns each taken node's row and probability ([N], [N])."""
+    heap = [(-float(cum[b, 0]), b) for b in range(len(lengths)) if lengths[b] > 0]
+    heapq.heapify(heap)
+    taken = np.zeros(len(lengths), dtype=np.int64)
+    rows, gains = [], []
+    while heap:
+        g, b = heapq.heappop(heap)
+        rows.append(b)
+        gains.append(-g)
+        taken[b] += 1
+        if taken[b] < lengths[b]:
+            heapq.heappush(heap, (-float(cum[b, taken[b]]), b))
+    return np.asarray(rows, dtype=np.int64), np.asarray(gains, dtype=np.float64)
 
 
 class GoodputPolicy:
@@ -83,15 +117,15 @@ class GoodputPolicy:
         self.calibration = 1.0
         """EMA of accepted / predicted (confidence-based) tokens: scales the drafter's confidences."""
         self.widths: list[int] = []
-        """Recent widths chosen by ``choose_width`` (bounded)."""
+        """Recent node totals chosen by ``choose_widths`` (bounded)."""
         self.verify = VerifyCosts()
-        """Measured verify costs per (batch size, width): robust medians (verify_costs.py)."""
+        """Measured verify costs per (batch size, node total): robust medians (verify_costs.py)."""
         self._predicted: float | None = None
         self.zero_widths = 0
-        """Consecutive drafts that ``choose_width`` cut to nothing."""
+        """Consecutive drafts that ``choose_widths`` cut to nothing."""
         self._probing = False
-        """This step is a probe: ``choose_width`` verifies a non-empty width."""
-        self._since_plain: dict[int, int] = {}  # batch size -> width choices since the last W = 0
+        """This step is a probe: ``choose_widths`` verifies a non-empty total."""
+        self._since_plain: dict[int, int] = {}  # batch size -> choices since the last n = 0
         self._probe_new = False
         """Probe at the next k = 0 decision: a new drafter (``on_drafter_change``)."""
         self._costly_probe = False
@@ -124,7 +158,7 @@ class GoodputPolicy:
     def _probe_or_plain(self, k: int, costly: bool, batch: int) -> int:
         """k = 0, except every ``probe_interval`` steps (``cheap_probe_interval`` for a cheap
         drafter, or at once after ``on_drafter_change``): then a probe of ``k`` drafts, whose
-        width ``choose_width`` keeps non-empty so that the estimates keep learning."""
+        width ``choose_widths`` keeps non-empty so that the estimates keep learning."""
         self.off_streak += 1
         interval = self.probe_interval() if costly else self.cheap_probe_interval(batch)
         if self.off_streak >= interval or self._probe_new:
@@ -155,7 +189,7 @@ class GoodputPolicy:
         ``probe_budget`` of the plain steps between two probes at this batch size. At batch 8
         on this CPU that verify costs ~0.5 plain steps: a probe every 16 steps was 3 % of
         serving, the whole never-slower margin."""
-        extra = self.verify_ms(1, batch) / self.verify_ms(0, batch) - 1.0
+        extra = self.verify_ms(batch, batch) / self.verify_ms(0, batch) - 1.0
         return max(self.probe_every, math.ceil(extra / self.probe_budget))
 
     def on_drafter_change(self) -> None:
@@ -168,55 +202,71 @@ class GoodputPolicy:
         self.off_streak = 0
         self._probe_new = True
 
-    def verify_ms(self, width: int, batch: int) -> float:
-        """Verify milliseconds of ``width`` drafts per row at this batch size: measured; else at
-        least the widest width measured below it, and at least the prior's per-token growth over
-        the B x W tokens the drafts add (a verify of W drafts for B rows is a forward of B(W + 1)
-        tokens: pricing it by W alone let the first 8-row drafts of 4 nodes look like 1.09 plain
-        steps; they cost 2.7). Where nothing is measured at this batch size, the prior."""
+    def verify_ms(self, nodes: int, batch: int) -> float:
+        """Verify milliseconds of ``nodes`` drafted tokens in all at this batch size: measured;
+        else at least the most nodes measured below it, and at least the prior's per-token growth
+        over the tokens they add (a verify of n drafts for B rows is a forward of B + n real
+        tokens: pricing 8 rows x 4 nodes like 4 nodes let the first 8-row drafts look like 1.09
+        plain steps; they cost 2.7), and at least on the line between the measured totals around
+        it. Where nothing is measured at this batch size, the prior."""
         seen = self.verify.measured(batch)
-        if width in seen:
-            return seen[width]
-        grown = 1.0 + self.costs.verify_slope * batch * width
+        if nodes in seen:
+            return seen[nodes]
+        grown = 1.0 + self.costs.verify_slope * nodes
         if not seen:
             return self.costs.verify_ms(0) * batch * grown
         plain = seen.get(0, min(seen.values()))
-        return max([plain * grown] + [ms for w, ms in seen.items() if w < width])
+        below = [n for n in seen if n < nodes]
+        above = [n for n in seen if n > nodes]
+        bounds = [plain * grown] + [seen[n] for n in below]
+        if below and above:  # on the line between the measured totals around it
+            lo, hi = max(below), min(above)
+            bounds.append(seen[lo] + (seen[hi] - seen[lo]) * (nodes - lo) / (hi - lo))
+        return max(bounds)
 
-    def choose_width(self, parents, confidence, lengths, batch: int) -> int:
-        """Node budget W for this step from the drafted plan (see the module docstring)."""
+    def choose_widths(self, parents, confidence, lengths, batch: int) -> np.ndarray:
+        """Per row, how many of its drafted nodes to verify this step ([B] ints; see the module
+        docstring): the nodes most likely to be accepted across the whole batch, as many in all
+        as pay for the verify they widen."""
         conf = confidence.numpy() if hasattr(confidence, "numpy") else np.asarray(confidence)
         par = parents.numpy() if hasattr(parents, "numpy") else np.asarray(parents)
-        k = conf.shape[1]
+        lens = np.minimum(np.asarray(lengths), conf.shape[1])
         cum = path_confidence(par, conf) * self.calibration  # [B, K]
-        cum[np.arange(k)[None, :] >= np.asarray(lengths)[:, None]] = 0.0
-        expected = batch + np.concatenate([[0.0], np.cumsum(cum.sum(axis=0))])  # [K+1]
-        rates = [expected[w] / self.verify_ms(w, batch) for w in range(k + 1)]
-        width = int(np.argmax(rates))
-        self.zero_widths = self.zero_widths + 1 if width == 0 else 0
-        if self._probing and k > 0:  # a probe verifies the best non-empty width, whatever it costs
-            width = 1 + int(np.argmax(rates[1:]))
+        rows, gains = best_nodes_first(cum, lens)  # [N], [N]
+        expected = batch + np.concatenate([[0.0], np.cumsum(gains)])  # [N+1] by node total
+        totals = node_totals(len(rows))
+        rates = [expected[n] / self.verify_ms(n, batch) for n in totals]
+        pick = int(np.argmax(rates))
+        self.zero_widths = self.zero_widths + 1 if totals[pick] == 0 else 0
+        if self._probing and len(totals) > 1:  # a probe verifies the best non-empty total,
+            cap = max(1, batch)  # at most a node per row, whatever it costs
+            pick = 1 + int(np.argmax([r if n <= cap else -1.0 for n, r in zip(totals[1:], rates[1:])]))
         probing, self._probing = self._probing, False
         since = self._since_plain.get(batch, self.remeasure_every)
-        if width > 0 and since >= self.remeasure_every and not probing:
-            width = 0  # keep the plain step's cost at this batch size measured, now and then
-        self._since_plain[batch] = 0 if width == 0 else since + 1
-        self._predicted = float(expected[width] - batch)
-        self.widths.append(width)
+        if totals[pick] > 0 and since >= self.remeasure_every and not probing:
+            pick = 0  # keep the plain step's cost at this batch size measured, now and then
+        nodes = totals[pick]
+        self._since_plain[batch] = 0 if nodes == 0 else since + 1
+        self._predicted = float(expected[nodes] - batch)
+        self.widths.append(nodes)
         if len(self.widths) > 4096:
             del self.widths[:2048]
-        return width
+        return np.bincount(rows[:nodes], minlength=len(lens)).astype(np.int64)
 
     def observe(
-        self, k, num_drafted, num_accepted, draft_ms, verify_ms, width=None, batch=None
+        self, k, num_drafted, num_accepted, draft_ms, verify_ms, width=None, batch=None,
+        nodes=None,
     ) -> None:
+        """One verify step: ``width`` its widest row's drafts, ``nodes`` the drafts verified in
+        all (default: ``width`` for every row)."""
         drafted = np.asarray(num_drafted)
         accepted = np.asarray(num_accepted)
         self.acceptance.observe(drafted, accepted)
         if batch is not None and width is not None:
-            if int(width) == 0:
+            nodes = int(width) * int(batch) if nodes is None else int(nodes)
+            if nodes == 0:
                 self._since_plain[int(batch)] = 0
-            self.verify.observe(int(batch), int(width), float(verify_ms))
+            self.verify.observe(int(batch), nodes, float(verify_ms))
         predicted, self._predicted = self._predicted, None
         if predicted is not None and predicted > 0.05 * len(accepted):
             ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration

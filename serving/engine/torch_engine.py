@@ -422,20 +422,20 @@ class TorchEngine(DrafterSwaps):
             return DraftPlan.none(len(rows))
 
     def _trim(self, plan: DraftPlan, batch: int) -> DraftPlan:
-        """Let a tree-aware policy cut the drafts to the node count that pays (confidences)."""
-        width_for = getattr(self.policy, "choose_width", None)
-        if width_for is None or plan.k == 0 or plan.confidence is None:
+        """Let a tree-aware policy cut each row's drafts to the nodes that pay (confidences)."""
+        widths_for = getattr(self.policy, "choose_widths", None)
+        if widths_for is None or plan.k == 0 or plan.confidence is None:
             return plan
         try:
-            width = int(width_for(plan.node_parents(), plan.confidence, plan.lengths, batch))
+            widths = widths_for(plan.node_parents(), plan.confidence, plan.lengths, batch)  # [B]
         except Exception:
-            log.exception("speculation policy failed to choose a width")
+            log.exception("speculation policy failed to choose the widths")
             return plan
-        return trim_plan(plan, width)
+        return trim_plan(plan, widths)
 
     def _observe(self, k: int, plan: DraftPlan, tried, num_accepted, report: VerifyBatch) -> None:
         """Policy: per-row verified path lengths (acceptance trials) and the width that was paid."""
-        if getattr(self.policy, "choose_width", None) is not None:
+        if getattr(self.policy, "choose_widths", None) is not None:
             self.policy.observe(
                 k,
                 tried,
@@ -444,6 +444,7 @@ class TorchEngine(DrafterSwaps):
                 report.verify_ms,
                 width=plan.k,
                 batch=len(num_accepted),
+                nodes=int(plan.lengths.sum()),
             )
         else:
             self.policy.observe(

@@ -16,15 +16,16 @@ import torch
 from serving.engine.drafting import DraftPlan
 
 
-def trim_plan(plan: DraftPlan, width: int) -> DraftPlan:
-    """The plan's first ``width`` nodes per row (drafters order nodes so that a prefix of them is a
-    subtree, e.g. best-first)."""
-    width = max(0, int(width))
-    if width >= plan.k:
+def trim_plan(plan: DraftPlan, width) -> DraftPlan:
+    """The plan's first ``width`` nodes per row (an int for every row, or [B] ints; drafters order
+    nodes so that a prefix of them is a subtree, e.g. best-first)."""
+    per_row = torch.as_tensor(np.asarray(width), dtype=plan.lengths.dtype).clamp(min=0)
+    lengths = torch.minimum(plan.lengths, per_row)  # [B]
+    if torch.equal(lengths, plan.lengths):
         return plan
+    width = int(lengths.max()) if lengths.numel() else 0
     if width == 0:
         return DraftPlan.none(plan.tokens.shape[0])
-    lengths = plan.lengths.clamp(max=width)
     source = plan.source.copy()
     source[lengths.numpy() == 0] = 0
     return DraftPlan(

@@ -1,6 +1,7 @@
-"""VerifyCosts: what a verify step of W drafts per row costs at each batch size, as measured.
+"""VerifyCosts: what a verify step of n drafted nodes (in all, over the rows) costs at each batch
+size, as measured. The methods say "width" for that n.
 
-The width choice (GoodputPolicy.choose_width) compares a plain step with wider ones, so what
+The width choice (GoodputPolicy.choose_widths) compares a plain step with wider ones, so what
 matters is their ratio, and on a shared VM two things bias it:
 
 - spikes: single steps 10-20 ms slow (a neighbour, a page-fault storm). An EMA carries one for

@@ -187,10 +187,10 @@ def test_unmeasured_widths_are_priced_by_the_tokens_of_their_forward():
         p.observe(0, np.zeros(8), np.zeros(8), 0.0, 30.0, width=0, batch=8)
     slope = p.costs.verify_slope
     assert p.verify_ms(8, 1) == pytest.approx(20.0 * (1 + slope * 8))
-    assert p.verify_ms(4, 8) == pytest.approx(30.0 * (1 + slope * 32))
-    p.observe(1, np.ones(8), np.zeros(8), 0.0, 60.0, width=1, batch=8)  # 2 plain steps
-    assert p.verify_ms(2, 8) == pytest.approx(60.0)
-    assert p.verify_ms(8, 8) == pytest.approx(30.0 * (1 + slope * 64))
+    assert p.verify_ms(32, 8) == pytest.approx(30.0 * (1 + slope * 32))  # 4 nodes per row
+    p.observe(1, np.ones(8), np.zeros(8), 0.0, 60.0, width=1, batch=8)  # 8 nodes: 2 plain steps
+    assert p.verify_ms(16, 8) == pytest.approx(60.0)
+    assert p.verify_ms(64, 8) == pytest.approx(30.0 * (1 + slope * 64))
 
 
 def test_a_cheap_drafters_probes_are_spaced_by_what_their_verify_costs_at_the_batch_size():
@@ -203,3 +203,15 @@ def test_a_cheap_drafters_probes_are_spaced_by_what_their_verify_costs_at_the_ba
     assert p.cheap_probe_interval(1) == p.probe_every  # 2 % extra: every 16 steps is within budget
     assert p.cheap_probe_interval(8) == 25  # 50 % extra per probe, 2 % budget
 
+
+
+def test_node_totals_are_every_count_to_8_then_four_per_power_of_two():
+    from serving.engine.goodput_policy import best_nodes_first, node_totals
+
+    assert node_totals(0) == [0]
+    assert node_totals(20) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20]
+    assert len(node_totals(256)) <= 30
+    # rows merged by their next node's probability, each row in its own order
+    cum = np.array([[0.9, 0.5, 0.1], [0.8, 0.7, 0.6]])
+    rows, gains = best_nodes_first(cum, np.array([3, 2]))
+    assert rows.tolist() == [0, 1, 1, 0, 0] and gains.tolist() == [0.9, 0.8, 0.7, 0.5, 0.1]

@@ -208,10 +208,27 @@ def test_width_follows_measured_costs_and_batch():
         policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 60.0 if w == 0 else 100.0, width=w, batch=1)
         policy.observe(w, np.zeros(8), np.zeros(8), 0.0, 80.0 * (1 + 0.5 * w), width=w, batch=8)
     policy.calibration = 1.0
-    assert policy.choose_width(*_chain(1, 8, 0.9), batch=1) == 8  # long confident drafts pay
-    assert policy.choose_width(*_chain(1, 8, 0.3), batch=1) == 0  # ~0.43 tokens: not for 1.67x
-    assert policy.choose_width(*_chain(8, 8, 0.9), batch=8) < 8  # shrinks with batch size
-    assert policy.choose_width(*_chain(8, 8, 0.05), batch=8) == 0
+    assert policy.choose_widths(*_chain(1, 8, 0.9), batch=1).max() == 8  # long confident drafts pay
+    assert policy.choose_widths(*_chain(1, 8, 0.3), batch=1).max() == 0  # ~0.43 tokens: not for 1.67x
+    assert policy.choose_widths(*_chain(8, 8, 0.9), batch=8).max() < 8  # shrinks with batch size
+    assert policy.choose_widths(*_chain(8, 8, 0.05), batch=8).max() == 0
+
+
+def test_nodes_go_to_the_rows_whose_drafts_are_likely_accepted():
+    """At batch 8 a verify costs by the drafted tokens in all (padding is skipped): the budget
+    goes to the three rows with confident drafts, and the five others verify nothing."""
+    from serving.engine.goodput_policy import node_totals
+
+    policy = GoodputPolicy(8, remeasure_every=10_000)
+    for n in node_totals(64):  # 40 ms plain, +1.2 ms per drafted token
+        policy.observe(0, np.zeros(8), np.zeros(8), 0.0, 40.0 + 1.2 * n, width=min(n, 8), batch=8,
+                       nodes=n)
+    parents, conf, lengths = _chain(8, 8, 0.05)
+    conf[:3] = torch.tensor([0.97] * 4 + [0.5] * 4)
+    widths = policy.choose_widths(parents, conf, lengths, batch=8)
+    assert widths[3:].sum() == 0
+    assert (widths[:3] >= 4).all()  # each confident row's 4 likely nodes at ~0.9 tokens each
+    assert widths.sum() < 24  # and not the doubtful tail (P = 0.86 x 0.5^j) that costs more
 
 
 def test_width_calibration_learns_from_outcomes():
@@ -219,11 +236,11 @@ def test_width_calibration_learns_from_outcomes():
     for w in range(5):
         policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 60.0 if w == 0 else 80.0, width=w, batch=1)
     for _ in range(200):  # the drafter claims 0.9 but nothing is ever accepted
-        w = policy.choose_width(*_chain(1, 4, 0.9), batch=1)
+        w = policy.choose_widths(*_chain(1, 4, 0.9), batch=1).max()
         ms = 60.0 if w == 0 else 80.0
         policy.observe(4, np.array([min(w, 1)]), np.zeros(1), 0.0, ms, width=w, batch=1)
     assert policy.calibration < 0.2
-    assert policy.choose_width(*_chain(1, 4, 0.9), batch=1) == 0
+    assert policy.choose_widths(*_chain(1, 4, 0.9), batch=1).max() == 0
 
 
 def test_tree_steps_are_traced_and_train(ids_target, refs, run):
@@ -280,12 +297,12 @@ def test_cheap_drafter_that_never_pays_is_only_probed():
         k = policy.choose_k(state)
         if k:
             asked += 1
-            w = policy.choose_width(*_chain(1, 8, 0.2), batch=1)
+            w = policy.choose_widths(*_chain(1, 8, 0.2), batch=1).max()
             assert (w > 0) == (policy.probes > probes)  # never pays; probes still verify some
     assert asked <= 16 + 320 // 16 + 1  # full budget until the streak, then probes only
     while policy.choose_k(state) == 0:  # the next probe finds drafts that pay: back on
         pass
-    assert policy.choose_width(*_chain(1, 8, 0.97), batch=1) > 0
+    assert policy.choose_widths(*_chain(1, 8, 0.97), batch=1).max() > 0
     assert policy.choose_k(state) == 8
 
 
@@ -315,7 +332,7 @@ def test_probes_verify_drafts_so_a_drafter_that_improves_comes_back():
 
     def step(accepted_when_drafted: int) -> int:
         k = policy.choose_k(state)
-        w = policy.choose_width(*_chain(1, 4, 0.8), batch=1) if k else 0
+        w = policy.choose_widths(*_chain(1, 4, 0.8), batch=1).max() if k else 0
         acc = min(w, accepted_when_drafted)
         policy.observe(k, np.array([min(w, acc + 1)]), np.array([acc]), 0.01,
                        60.0 if w == 0 else 90.0, width=w, batch=1)
@@ -431,7 +448,7 @@ def test_a_drafter_whose_drafts_the_batch_cannot_afford_is_only_probed():
         k = policy.choose_k(state)
         drafted.append(k > 0)
         if k:
-            policy.choose_width(*_chain(8, k, 0.3), batch=8)
+            policy.choose_widths(*_chain(8, k, 0.3), batch=8).max()
     assert sum(drafted[:8]) == 8  # drafting until the width step had cut 8 drafts in a row
     assert sum(drafted[8:]) <= (200 - 8) // policy.probe_interval() + 1  # then probes only
     assert sum(drafted[8:]) >= 2
