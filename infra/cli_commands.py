@@ -62,3 +62,6 @@ def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -
     from benchmarks import bench_engine  # light: heavy imports happen inside the command
 
     bench_app.command("engine")(bench_engine.bench_engine)
+    from benchmarks import bench_interference  # light: heavy imports happen inside the command
+
+    bench_app.command("interference")(bench_interference.bench_interference)

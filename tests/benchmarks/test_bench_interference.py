@@ -1,0 +1,56 @@
+"""bench interference's A/B rounds: the trainer process runs only in the 'beside' phases."""
+
+import asyncio
+import multiprocessing as mp
+import time
+
+from benchmarks.bench_interference import _rounds
+
+
+def _count_forever(steps) -> None:
+    while True:
+        time.sleep(0.001)
+        with steps.get_lock():
+            steps.value += 1
+
+
+class _Chunk:
+    def __init__(self, ids):
+        self.token_ids = ids
+
+
+class _FakeEngine:
+    """Serves 4 tokens per request, 20 ms each."""
+
+    def __init__(self, target, drafter, config):
+        pass
+
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    async def generate(self, req):
+        for _ in range(4):
+            await asyncio.sleep(0.02)
+            yield _Chunk([1])
+
+
+def test_the_trainer_steps_only_while_serving_beside_it():
+    ctx = mp.get_context("spawn")
+    steps = ctx.Value("l", 0)
+    proc = ctx.Process(target=_count_forever, args=(steps,), daemon=True)
+    proc.start()
+    try:
+        time.sleep(0.5)
+        out = asyncio.run(_rounds(None, [[1, 2]] * 3, 4, 2, proc.pid, steps, None, _FakeEngine))
+        stopped_at = steps.value
+        time.sleep(0.3)
+        assert steps.value > stopped_at  # resumed once the bench is done
+    finally:
+        proc.terminate()
+        proc.join(5)
+    assert len(out["round_ratios"]) == 2 and out["rounds"] == 2
+    assert out["trainer_steps_per_s"] > 10  # it ran beside serving...
+    assert abs(out["serving_slowdown"]) < 0.5  # ...and the fake engine does not care
