@@ -43,8 +43,8 @@ def _pin(cpus: set[int]) -> None:
 
 
 def _train_forever(model_dir: str, kind: str, traces_path: str, cpus: list[int], threads: int,
-                   nice: int, steps, ready) -> None:
-    """The trainer process: the trainer's student and Distiller, stepping until killed."""
+                   nice: int, steps, ready, stop) -> None:
+    """The trainer process: the trainer's student and Distiller, stepping until ``stop`` is set."""
     _pin(set(cpus))
     os.nice(nice)
     import torch
@@ -61,7 +61,7 @@ def _train_forever(model_dir: str, kind: str, traces_path: str, cpus: list[int],
     distiller.step(batches[0])  # warm: first steps allocate
     ready.set()
     n = 0
-    while True:
+    while not stop.is_set():
         distiller.step(batches[n % len(batches)])
         n += 1
         with steps.get_lock():
@@ -107,10 +107,10 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
         traces_path = Path(tmp) / "traces.bin"
         save_traces(generate_traces(target, prompts, max_new_tokens=max_tokens), traces_path)
         ctx = mp.get_context("spawn")
-        steps, ready = ctx.Value("l", 0), ctx.Event()
+        steps, ready, stop = ctx.Value("l", 0), ctx.Event(), ctx.Event()
         trainer = ctx.Process(target=_train_forever, daemon=True, args=(
             str(model_dir), drafter, str(traces_path), train_cpus, len(train_cpus),
-            LoopConfig().trainer_nice, steps, ready))
+            LoopConfig().trainer_nice, steps, ready, stop))
         trainer.start()
         try:
             if not ready.wait(300):
@@ -118,9 +118,12 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
             result = asyncio.run(_rounds(target, prompts, max_tokens, rounds, trainer.pid, steps,
                                          EngineConfig(k=0, max_batch_size=1), TorchEngine))
         finally:
-            os.kill(trainer.pid, signal.SIGCONT)  # a stopped process cannot die of SIGTERM
-            trainer.terminate()
-            trainer.join(10)
+            stop.set()  # let it finish its step and exit (a killed child leaks its semaphores)
+            os.kill(trainer.pid, signal.SIGCONT)
+            trainer.join(60)
+            if trainer.is_alive():
+                trainer.terminate()
+                trainer.join(10)
     result.update({"model": target.model_id, "prompts": len(prompts), "max_tokens": max_tokens,
                    "drafter": drafter, "serving_cpus": sorted(serve_cpus), "trainer_cpus": train_cpus})
     return result
