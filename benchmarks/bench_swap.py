@@ -106,14 +106,20 @@ def _window_stalls(
     out = []
     for n, (start, first) in enumerate(zip(starts, firsts)):
         end = times[first] if ends is None else ends[n]
-        extra = 0.0
-        for i in range(1, first + 1):
-            t0, t1 = times[i - 1], times[i]
-            inside = min(t1, end) - max(t0, start)
-            if inside > 0:
-                extra += inside / (t1 - t0) * (gaps[i] - base)
-        out.append(max(0.0, extra))
+        out.append(_excess(times[: first + 1], gaps, base, start, end))
     return out
+
+
+def _excess(times: list[float], gaps: list[float], base: float, start: float, end: float) -> float:
+    """The extra time (ms, floored at 0) over ``base`` per step of the steps within (``start``,
+    ``end``]; a step that straddles a bound counts with the fraction of it inside."""
+    extra = 0.0
+    for i in range(1, len(times)):
+        t0, t1 = times[i - 1], times[i]
+        inside = min(t1, end) - max(t0, start)
+        if inside > 0:
+            extra += inside / (t1 - t0) * (gaps[i] - base)
+    return max(0.0, extra)
 
 
 def _null_stalls(
@@ -138,12 +144,7 @@ def _null_stalls(
         t = times[min(first + 2, len(times) - 1)]
         end = load_started[n + 1] if n + 1 < len(load_started) else times[-1]
         while width > 0 and t + width < end:
-            extra = 0.0
-            for i in range(1, len(times)):
-                inside = min(times[i], t + width) - max(times[i - 1], t)
-                if inside > 0:
-                    extra += inside / (times[i] - times[i - 1]) * (gaps[i] - base)
-            out.append(max(0.0, extra))
+            out.append(_excess(times, gaps, base, t, t + width))
             t += width / 2
     return out
 
