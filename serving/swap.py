@@ -19,7 +19,6 @@ logged (once per outage) and retried at the next announcement or poll.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import queue
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from feedback.background.priority import become_background
+from feedback.background.priority import BackgroundWorker
 from feedback.background.supervise import SupervisedThread
 from serving.engine.base import VerifyBatch
 from serving.observers import BaseObserver
@@ -298,7 +297,7 @@ class Swapper:
         self._thread: SupervisedThread | None = None
         self._subscription = None
         self._warned: set[str] = set()
-        self._loader: concurrent.futures.ThreadPoolExecutor | None = None  # made at first load
+        self._loader = BackgroundWorker("drafter-load", self.config.load_nice, "drafter loader")
         self.swaps = 0
         self.rollbacks = 0
         self.refused = 0
@@ -326,9 +325,7 @@ class Swapper:
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
-        loader, self._loader = self._loader, None
-        if loader is not None:
-            loader.shutdown(wait=False)
+        self._loader.stop()
         self._flush_live()
 
     def wait_subscribed(self, timeout: float = 5.0) -> bool:
@@ -431,13 +428,7 @@ class Swapper:
         """Download, validate and build ``version`` on the background loader thread."""
         if self.registry is None:
             raise RegistryUnavailable("no drafter registry configured")
-        with self._op_lock:
-            if self._loader is None:
-                self._loader = concurrent.futures.ThreadPoolExecutor(
-                    1, "drafter-load", initializer=become_background,
-                    initargs=(self.config.load_nice, "drafter loader"))
-            loader = self._loader
-        return loader.submit(self._load_now, version).result()
+        return self._loader.submit(self._load_now, version).result()
 
     def _load_now(self, version: str):
         # the download only lives until the loader has read it into memory (a swap would otherwise

@@ -3,6 +3,7 @@ preparer, the Swapper's artifact loads and the trainer actor's training thread."
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import sys
@@ -32,3 +33,27 @@ def become_background(nice: int, what: str) -> None:
     threads the steps use. For a thread of its own (both are irreversible)."""
     lower_thread_priority(nice, what)
     compute_alone()
+
+
+class BackgroundWorker:
+    """One worker thread for background work beside the decode steps (``become_background``),
+    started at the first ``submit``; ``stop`` lets it go, and a later ``submit`` starts a fresh
+    one. Thread-safe."""
+
+    def __init__(self, name: str, nice: int, what: str):
+        self.name, self.nice, self.what = name, nice, what
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, self.name, initializer=become_background, initargs=(self.nice, self.what))
+            return self._executor.submit(fn, *args)
+
+    def stop(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)

@@ -10,7 +10,6 @@ between steps; ``swap_drafter`` may be called from any thread.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -18,7 +17,7 @@ import time
 
 import torch
 
-from feedback.background.priority import become_background
+from feedback.background.priority import BackgroundWorker
 from serving.drafters.base import Drafter, DraftRequestView
 from serving.engine.rows import Row
 
@@ -67,14 +66,9 @@ class DrafterSwaps:
         self._pending_swap: _PendingSwap | None = None
         self._swap_lock = threading.Lock()  # _pending_swap, _swap_seq
         self._swap_seq = 0  # swap_drafter calls so far: only the latest one is installed
-        self._preparer: concurrent.futures.ThreadPoolExecutor | None = None  # under _swap_lock
+        self._preparer = BackgroundWorker(
+            "specloop-swap-prepare", self.config.swap_prepare_nice, "swap preparer")
         self._snapshot_wanted: list[_SnapshotRequest] = []  # under _cv
-
-    def _stop_preparer(self) -> None:
-        with self._swap_lock:
-            preparer, self._preparer = self._preparer, None
-        if preparer is not None:
-            preparer.shutdown(wait=False)
 
     def swap_drafter(self, drafter: Drafter | None) -> None:
         """Install ``drafter`` between two steps; running requests move to it (removed from the old
@@ -94,7 +88,7 @@ class DrafterSwaps:
         if not self._preparable(drafter):
             self._set_pending(seq, _PendingSwap(drafter))
             return
-        done = self._preparer_pool().submit(self._prepare_swap, seq, drafter)
+        done = self._preparer.submit(self._prepare_swap, seq, drafter)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -110,18 +104,6 @@ class DrafterSwaps:
             and thread is not threading.current_thread()
             and drafter is not self._drafter  # in use by the step thread: rebuild it there
         )
-
-    def _preparer_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        with self._swap_lock:
-            if self._preparer is None:
-                self._preparer = concurrent.futures.ThreadPoolExecutor(
-                    1, "specloop-swap-prepare", initializer=self._lower_priority
-                )
-            return self._preparer
-
-    def _lower_priority(self) -> None:
-        """Preparer thread: nicer by ``swap_prepare_nice``, its tensor work on itself alone."""
-        become_background(self.config.swap_prepare_nice, "swap preparer")
 
     def _set_pending(self, seq: int, pending: _PendingSwap) -> None:
         with self._swap_lock:

@@ -128,7 +128,7 @@ class TorchEngine(DrafterSwaps):
             self._stopping = True
             self._cv.notify_all()
         await asyncio.to_thread(thread.join)
-        self._stop_preparer()
+        self._preparer.stop()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self._validate(request)
