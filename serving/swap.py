@@ -7,11 +7,13 @@ with ``Engine.swap_drafter`` (between decode steps; in-flight requests keep goin
 Engine protocol and the StepObserver stream: ``LiveAcceptance`` (an observer the engine must be
 given) tracks each version's live acceptance.
 
-Live acceptance = mean tokens emitted per verify step and row (accepted drafts + 1), as an EMA per
-drafter version; it is the rollback signal, the ``/metrics`` gauge and the MLflow ``live_acceptance``
-metric. After a swap the new version is watched for ``watch_steps`` verify steps; if its EMA ends
-below ``floor_ratio`` x the previous version's EMA, the Swapper swaps the previous drafter back,
-moves the alias back, announces the rollback on Redis, counts it and tags the version in MLflow.
+Live acceptance = mean tokens emitted per verify step and row (accepted drafts + 1), per drafter
+version (serving/live_acceptance.py); its EMA is the ``/metrics`` gauge and the MLflow
+``live_acceptance`` metric. After a swap the new version is watched: from ``watch_steps`` verify
+steps on, ``RollbackJudge`` compares its steps' mean with ``floor_ratio`` x the previous version's
+last steps, and decides once the difference is beyond ``rollback_z`` standard errors (or at
+``max_watch_steps``). On a rollback the Swapper swaps the previous drafter back, moves the alias
+back, announces the rollback on Redis, counts it and tags the version in MLflow.
 
 Redis or MLflow being down never stops serving: the engine keeps the drafter it has, failures are
 logged (once per outage) and retried at the next announcement or poll.
@@ -27,16 +29,14 @@ import tempfile
 import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from feedback.background.priority import BackgroundWorker
 from feedback.background.supervise import SupervisedThread
-from serving.engine.base import VerifyBatch
-from serving.observers import BaseObserver
+from serving.live_acceptance import LiveAcceptance, RollbackJudge, VersionStats, collectors
 
 # The MLflow client retries a dead server for minutes by default; the Swapper retries on its own.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -77,9 +77,14 @@ class NothingToRollBack(SwapError):
 class SwapConfig:
     tenant: str = "default"
     watch_steps: int = 64
-    """Verify steps of a new version watched before it is kept (or rolled back)."""
+    """Verify steps of a new version watched before it can be kept (or rolled back)."""
     floor_ratio: float = 0.8
-    """Roll back when the new version's EMA < floor_ratio x the previous version's EMA."""
+    """Roll back when the new version's mean tokens per step < floor_ratio x the previous one's."""
+    max_watch_steps: int | None = None
+    """The watch decides on the means here even if the difference is within the noise
+    (default: 8 x watch_steps)."""
+    rollback_z: float = 2.0
+    """Standard errors the difference must exceed before the watch decides earlier."""
     poll_interval_s: float = 30.0
     """Fallback polling of the MLflow champion alias (<= 0: no polling)."""
     log_interval_s: float = 10.0
@@ -90,120 +95,6 @@ class SwapConfig:
     process (and its tensor work on itself alone): a load competes with the decode steps for the
     same cores (on 2 cores a SmolLM2 standalone load cost ~0.2 s of decoding)."""
     replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:8]}")
-
-
-# ---- metrics ------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Collectors:
-    live_accept_len: Gauge
-    live_acceptance_rate: Gauge
-    swaps: Counter
-    rollbacks: Counter
-    refused: Counter
-
-
-_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = weakref.WeakKeyDictionary()
-_collectors_lock = threading.Lock()
-
-
-def _collectors(registry: CollectorRegistry) -> _Collectors:
-    with _collectors_lock:
-        found = _by_registry.get(registry)
-        if found is None:
-            r = registry
-            found = _Collectors(
-                live_accept_len=Gauge(
-                    "specloop_drafter_live_accept_len",
-                    "EMA of tokens per verify step and row, per drafter version.",
-                    ["version"], registry=r,
-                ),
-                live_acceptance_rate=Gauge(
-                    "specloop_drafter_live_acceptance_rate",
-                    "Accepted / drafted tokens since the version went live.",
-                    ["version"], registry=r,
-                ),
-                swaps=Counter("specloop_drafter_swaps", "Drafter swaps applied.", registry=r),
-                rollbacks=Counter(
-                    "specloop_drafter_rollbacks", "Automatic or admin rollbacks.", registry=r
-                ),
-                refused=Counter(
-                    "specloop_drafter_refused", "Drafter artifacts refused by validation.", registry=r
-                ),
-            )
-            _by_registry[registry] = found
-        return found
-
-
-# ---- live acceptance ----------------------------------------------------------------------------
-
-
-@dataclass
-class VersionStats:
-    ema: float | None = None
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rows: int = 0
-    unflushed: tuple[int, int, int] = (0, 0, 0)
-    """drafted, accepted, rows not yet reported to the control plane."""
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-
-class LiveAcceptance(BaseObserver):
-    """Per-version live acceptance from the engine's verify steps (cheap: O(batch) per step).
-
-    ``listener(version, stats)`` is called after each step, on the engine's thread."""
-
-    def __init__(self, alpha: float = 0.1, registry: CollectorRegistry | None = None):
-        self.alpha = alpha
-        self._c = _collectors(registry if registry is not None else REGISTRY)
-        self._stats: dict[str, VersionStats] = {}
-        self._lock = threading.Lock()
-        self.listener = None
-
-    def on_step(self, batch: VerifyBatch) -> None:
-        rows = len(batch.request_ids)
-        if rows == 0:
-            return
-        drafted = int(batch.num_drafted.sum())
-        accepted = int(batch.num_accepted.sum())
-        value = (accepted + rows) / rows
-        version = batch.drafter_version
-        with self._lock:
-            s = self._stats.setdefault(version, VersionStats())
-            s.ema = value if s.ema is None else s.ema + self.alpha * (value - s.ema)
-            s.steps += 1
-            s.drafted += drafted
-            s.accepted += accepted
-            s.rows += rows
-            d, a, r = s.unflushed
-            s.unflushed = (d + drafted, a + accepted, r + rows)
-            ema, rate = s.ema, s.acceptance_rate
-        self._c.live_accept_len.labels(version=version).set(ema)
-        self._c.live_acceptance_rate.labels(version=version).set(rate)
-        if self.listener is not None:
-            self.listener(version, s)
-
-    def get(self, version: str) -> VersionStats:
-        with self._lock:
-            s = self._stats.get(version)
-            return VersionStats(s.ema, s.steps, s.drafted, s.accepted, s.rows) if s else VersionStats()
-
-    def take_unflushed(self) -> dict[str, tuple[VersionStats, tuple[int, int, int]]]:
-        """Snapshot of every version with new steps since the last call, with the deltas."""
-        out = {}
-        with self._lock:
-            for version, s in self._stats.items():
-                if s.unflushed != (0, 0, 0):
-                    out[version] = (VersionStats(s.ema, s.steps, s.drafted, s.accepted, s.rows),
-                                    s.unflushed)
-                    s.unflushed = (0, 0, 0)
-        return out
 
 
 # ---- building drafters from artifacts -----------------------------------------------------------
@@ -250,8 +141,9 @@ class ArtifactDrafterLoader:
 @dataclass
 class _Watch:
     version: str
-    baseline: float | None
-    start_steps: int
+    baseline: list[float]
+    """The previous version's last steps (tokens per row), at the swap."""
+    live: list[float] = field(default_factory=list)
     done: bool = False
 
 
@@ -282,7 +174,7 @@ class Swapper:
         self.engine, self.loader, self.live = engine, loader, live
         self.registry, self.control = registry, control
         self.config = config or SwapConfig()
-        self._c = _collectors(metrics_registry if metrics_registry is not None else REGISTRY)
+        self._c = collectors(metrics_registry if metrics_registry is not None else REGISTRY)
         drafter = engine.drafter
         start_version = version or getattr(drafter, "version", None) or "none"
         self._current = _Installed(start_version, drafter)
@@ -303,6 +195,10 @@ class Swapper:
         self.refused = 0
         self.events: list[dict] = []
         """Swap / rollback / refusal log (newest last), for operators, tests and the demo."""
+        c = self.config
+        self._judge = RollbackJudge(
+            floor_ratio=c.floor_ratio, min_steps=c.watch_steps, z=c.rollback_z,
+            max_steps=c.max_watch_steps if c.max_watch_steps is not None else 8 * c.watch_steps)
         live.listener = self._on_live_step
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -369,8 +265,7 @@ class Swapper:
             old = self._current
             self._install(_Installed(version, drafter))
             self._previous = old
-            baseline = self.live.get(old.version).ema
-            self._watch = _Watch(version, baseline, self.live.get(version).steps)
+            self._watch = _Watch(version, self.live.recent(old.version))
             self._rejected.pop(version, None)
             self.swaps += 1
             self._c.swaps.inc()
@@ -498,16 +393,14 @@ class Swapper:
     def _on_live_step(self, version: str, stats: VersionStats) -> None:
         """Engine thread: decide at the end of the watch; the rollback itself runs on the worker."""
         w = self._watch
-        if w is None or w.done or version != w.version:
+        if w is None or w.done or version != w.version or stats.last is None:
             return
-        if stats.steps - w.start_steps < self.config.watch_steps:
+        w.live.append(stats.last)
+        verdict = self._judge.verdict(w.baseline, w.live)
+        if verdict is None:
             return
         w.done = True
-        ema = stats.ema or 0.0
-        if w.baseline is not None and ema < self.config.floor_ratio * w.baseline:
-            self._inbox.put(("rollback", (w.version, ema, self.config.floor_ratio * w.baseline)))
-        else:
-            self._inbox.put(("kept", (w.version, ema, w.baseline)))
+        self._inbox.put(("rollback" if verdict.rollback else "kept", (w.version, verdict)))
 
     def _run(self) -> None:
         cfg = self.config
@@ -526,16 +419,16 @@ class Swapper:
                 if kind == "announce":
                     self._on_announcement(payload)
                 elif kind == "rollback":
-                    version, ema, floor = payload
-                    reason = (f"live accept length {ema:.3f} below floor {floor:.3f} after "
-                              f"{cfg.watch_steps} steps")
+                    version, v = payload
                     try:
-                        self.rollback(reason=reason, live=ema, floor=floor, from_version=version)
+                        self.rollback(reason=v.describe(), live=v.live, floor=v.floor,
+                                      from_version=version)
                     except NothingToRollBack:
                         pass
                 elif kind == "kept":
-                    version, ema, base = payload
-                    self._event("kept", version=version, live=ema, baseline=base)
+                    version, v = payload
+                    self._event("kept", version=version, live=v.live, baseline=v.baseline,
+                                floor=v.floor, steps=v.steps, reason=v.describe())
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + cfg.poll_interval_s

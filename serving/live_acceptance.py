@@ -1,0 +1,236 @@
+"""Live acceptance per drafter version, and the test that decides a rollback from it.
+
+Live acceptance = tokens emitted per verify step and row (accepted drafts + 1). ``LiveAcceptance``
+(a StepObserver) keeps, per drafter version, an EMA for the ``/metrics`` gauge and MLflow, the
+counts the control plane sums, and the version's recent per-step values.
+
+``RollbackJudge`` compares a freshly swapped version's steps with its predecessor's last ones. An
+EMA over ~10 steps is no basis for that: a step's accept length depends on the request far more
+than on the drafter (suffix drafts on code read 1.2 over one request and 2.3 over the next), and a
+demo rolled a learned version back on its first 32 steps against a floor its predecessor had set
+on other requests. The judge compares window means in units of consecutive steps (blocks, so
+that the steps of one request are not counted as independent evidence) and decides only when the
+difference is beyond ``z`` standard errors, or when the watch has run ``max_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from serving.engine.base import VerifyBatch
+from serving.observers import BaseObserver
+
+# ---- metrics ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Collectors:
+    live_accept_len: Gauge
+    live_acceptance_rate: Gauge
+    swaps: Counter
+    rollbacks: Counter
+    refused: Counter
+
+
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, Collectors] = weakref.WeakKeyDictionary()
+_collectors_lock = threading.Lock()
+
+
+def collectors(registry: CollectorRegistry) -> Collectors:
+    """The swap metrics of ``registry`` (created once per registry)."""
+    with _collectors_lock:
+        found = _by_registry.get(registry)
+        if found is None:
+            r = registry
+            found = Collectors(
+                live_accept_len=Gauge(
+                    "specloop_drafter_live_accept_len",
+                    "EMA of tokens per verify step and row, per drafter version.",
+                    ["version"], registry=r,
+                ),
+                live_acceptance_rate=Gauge(
+                    "specloop_drafter_live_acceptance_rate",
+                    "Accepted / drafted tokens since the version went live.",
+                    ["version"], registry=r,
+                ),
+                swaps=Counter("specloop_drafter_swaps", "Drafter swaps applied.", registry=r),
+                rollbacks=Counter(
+                    "specloop_drafter_rollbacks", "Automatic or admin rollbacks.", registry=r
+                ),
+                refused=Counter(
+                    "specloop_drafter_refused", "Drafter artifacts refused by validation.", registry=r
+                ),
+            )
+            _by_registry[registry] = found
+        return found
+
+
+# ---- live acceptance ----------------------------------------------------------------------------
+
+
+RECENT_STEPS = 256
+"""Per-step values kept per version: the baseline a successor is judged against."""
+
+
+@dataclass
+class VersionStats:
+    ema: float | None = None
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rows: int = 0
+    unflushed: tuple[int, int, int] = (0, 0, 0)
+    """drafted, accepted, rows not yet reported to the control plane."""
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS), repr=False)
+    """The last RECENT_STEPS steps' tokens per row (live only; snapshots leave it empty)."""
+    last: float | None = None
+    """The latest step's tokens per row."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def snapshot(self) -> VersionStats:
+        return VersionStats(self.ema, self.steps, self.drafted, self.accepted, self.rows, last=self.last)
+
+
+class LiveAcceptance(BaseObserver):
+    """Per-version live acceptance from the engine's verify steps (cheap: O(batch) per step).
+
+    ``listener(version, stats)`` is called after each step, on the engine's thread."""
+
+    def __init__(self, alpha: float = 0.1, registry: CollectorRegistry | None = None):
+        self.alpha = alpha
+        self._c = collectors(registry if registry is not None else REGISTRY)
+        self._stats: dict[str, VersionStats] = {}
+        self._lock = threading.Lock()
+        self.listener = None
+
+    def on_step(self, batch: VerifyBatch) -> None:
+        rows = len(batch.request_ids)
+        if rows == 0:
+            return
+        drafted = int(batch.num_drafted.sum())
+        accepted = int(batch.num_accepted.sum())
+        value = (accepted + rows) / rows
+        version = batch.drafter_version
+        with self._lock:
+            s = self._stats.setdefault(version, VersionStats())
+            s.ema = value if s.ema is None else s.ema + self.alpha * (value - s.ema)
+            s.last = value
+            s.recent.append(value)
+            s.steps += 1
+            s.drafted += drafted
+            s.accepted += accepted
+            s.rows += rows
+            d, a, r = s.unflushed
+            s.unflushed = (d + drafted, a + accepted, r + rows)
+            ema, rate = s.ema, s.acceptance_rate
+        self._c.live_accept_len.labels(version=version).set(ema)
+        self._c.live_acceptance_rate.labels(version=version).set(rate)
+        if self.listener is not None:
+            self.listener(version, s)
+
+    def get(self, version: str) -> VersionStats:
+        with self._lock:
+            s = self._stats.get(version)
+            return s.snapshot() if s else VersionStats()
+
+    def recent(self, version: str) -> list[float]:
+        """The version's last RECENT_STEPS per-step values, oldest first."""
+        with self._lock:
+            s = self._stats.get(version)
+            return list(s.recent) if s else []
+
+    def take_unflushed(self) -> dict[str, tuple[VersionStats, tuple[int, int, int]]]:
+        """Snapshot of every version with new steps since the last call, with the deltas."""
+        out = {}
+        with self._lock:
+            for version, s in self._stats.items():
+                if s.unflushed != (0, 0, 0):
+                    out[version] = (s.snapshot(), s.unflushed)
+                    s.unflushed = (0, 0, 0)
+        return out
+
+
+# ---- the rollback test --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    rollback: bool
+    live: float
+    """Mean tokens per row and step of the watched version."""
+    baseline: float
+    """The predecessor's mean over its last steps before the swap."""
+    floor: float
+    """floor_ratio x baseline."""
+    stderr: float
+    """Standard error of live - floor, from block means."""
+    steps: int
+    conclusive: bool
+    """False when the watch ran out (max_steps) before the difference was beyond z errors."""
+
+    def describe(self) -> str:
+        side = "below" if self.rollback else "not below"
+        how = "" if self.conclusive else ", inconclusive at the end of the watch"
+        return (f"live accept length {self.live:.3f} {side} floor {self.floor:.3f} "
+                f"(+-{self.stderr:.3f}) after {self.steps} steps{how}")
+
+
+def block_means(values: Sequence[float], block: int) -> list[float]:
+    """Means of consecutive blocks of ``block`` values (a partial last block is dropped unless it
+    is the only one)."""
+    n = len(values) // block
+    if n == 0:
+        return [sum(values) / len(values)] if values else []
+    return [sum(values[i * block:(i + 1) * block]) / block for i in range(n)]
+
+
+def _mean_and_var_of_mean(values: Sequence[float], block: int) -> tuple[float, float]:
+    means = block_means(values, max(1, min(block, len(values) // 4)))
+    m = sum(means) / len(means)
+    if len(means) < 2:
+        return m, math.inf
+    var = sum((x - m) ** 2 for x in means) / (len(means) - 1)
+    return m, var / len(means)
+
+
+@dataclass(frozen=True)
+class RollbackJudge:
+    """Decides whether a watched version fell below ``floor_ratio`` x its predecessor.
+
+    ``verdict`` returns None while undecided: before ``min_steps``, and after it while the
+    watched mean is within ``z`` standard errors of the floor (errors from block means of
+    ``block_steps`` steps, at least 4 blocks per side). At ``max_steps`` it decides on the means."""
+
+    floor_ratio: float = 0.8
+    min_steps: int = 64
+    max_steps: int = 512
+    z: float = 2.0
+    block_steps: int = 8
+
+    def verdict(self, baseline: Sequence[float], live: Sequence[float]) -> Verdict | None:
+        n = len(live)
+        if n < self.min_steps:
+            return None
+        live_mean, live_var = _mean_and_var_of_mean(live, self.block_steps)
+        if len(baseline) < 2:  # nothing to compare with: keep
+            return Verdict(False, live_mean, 0.0, 0.0, 0.0, n, True)
+        base_mean, base_var = _mean_and_var_of_mean(baseline, self.block_steps)
+        floor = self.floor_ratio * base_mean
+        stderr = math.sqrt(live_var + self.floor_ratio ** 2 * base_var)
+        if live_mean + self.z * stderr < floor:
+            return Verdict(True, live_mean, base_mean, floor, stderr, n, True)
+        if live_mean - self.z * stderr >= floor:
+            return Verdict(False, live_mean, base_mean, floor, stderr, n, True)
+        if n >= self.max_steps:
+            return Verdict(live_mean < floor, live_mean, base_mean, floor, stderr, n, False)
+        return None

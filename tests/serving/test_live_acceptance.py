@@ -1,0 +1,73 @@
+"""The rollback test: decide on evidence, not on the last few steps of one request."""
+
+import random
+
+import pytest
+
+from serving.live_acceptance import RollbackJudge, block_means
+
+
+def _requests(rng: random.Random, means: list[float], steps_per_request: int = 24) -> list[float]:
+    """Per-step tokens per row for consecutive requests, each with its own mean (what serving sees:
+    the request decides the accept length far more than the drafter)."""
+    out = []
+    for m in means:
+        out += [max(1.0, rng.gauss(m, 0.6)) for _ in range(steps_per_request)]
+    return out
+
+
+def test_block_means():
+    assert block_means([1, 2, 3, 4, 5], 2) == [1.5, 3.5]
+    assert block_means([1, 2], 4) == [1.5]
+    assert block_means([], 4) == []
+
+
+def test_a_successor_on_harder_requests_is_not_rolled_back_on_its_first_steps():
+    rng = random.Random(0)
+    judge = RollbackJudge(floor_ratio=0.8, min_steps=32, max_steps=512)
+    baseline = _requests(rng, [1.3, 2.9, 1.2, 3.1, 2.8])  # suffix drafts on repetitive code and not
+    live = _requests(rng, [1.3, 1.4])                      # the next requests happen to be hard ones
+    # the old rule: EMA over ~10 steps of the predecessor vs the successor's -> rolled back
+    assert sum(live[:32]) / 32 < 0.8 * sum(baseline[-10:]) / 10
+    assert judge.verdict(baseline, live[:32]) is None  # within the noise: keep watching
+    # the traffic goes on as the predecessor's did: kept, conclusively
+    live += _requests(rng, [3.0, 1.2, 2.9, 3.1, 1.3, 2.8, 3.0, 1.2, 2.9, 3.1])
+    for n in range(33, len(live) + 1):
+        v = judge.verdict(baseline, live[:n])
+        if v is not None:
+            break
+    assert v is not None and not v.rollback and v.conclusive
+
+
+def test_a_version_that_drafts_nothing_useful_is_rolled_back_at_the_first_look():
+    rng = random.Random(1)
+    judge = RollbackJudge(floor_ratio=0.8, min_steps=32)
+    baseline = _requests(rng, [2.4, 2.6, 2.2, 2.5, 2.7])
+    v = judge.verdict(baseline, [1.0] * 32)
+    assert v is not None and v.rollback and v.conclusive
+    assert v.live == 1.0 and v.floor == pytest.approx(0.8 * sum(baseline) / len(baseline))
+    assert "below floor" in v.describe()
+
+
+def test_a_clearly_better_version_is_kept_at_the_first_look():
+    rng = random.Random(2)
+    judge = RollbackJudge(floor_ratio=0.8, min_steps=32)
+    v = judge.verdict(_requests(rng, [1.3, 1.2, 1.4, 1.3]), _requests(rng, [2.6, 2.8]))
+    assert v is not None and not v.rollback and v.conclusive
+
+
+def test_at_the_end_of_the_watch_the_means_decide():
+    judge = RollbackJudge(floor_ratio=0.8, min_steps=8, max_steps=64)
+    rng = random.Random(3)
+    baseline = _requests(rng, [2.0] * 8, steps_per_request=32)
+    # a mean just below the floor, buried in per-request noise: undecided until max_steps
+    live = _requests(random.Random(4), [0.9, 2.0, 0.9, 2.0], steps_per_request=16)
+    assert judge.verdict(baseline, live[:63]) is None
+    v = judge.verdict(baseline, live)
+    assert v is not None and not v.conclusive
+    assert v.live < v.floor and v.rollback and "inconclusive" in v.describe()
+
+
+def test_without_a_baseline_the_version_is_kept():
+    v = RollbackJudge(min_steps=4).verdict([], [1.0] * 4)
+    assert v is not None and not v.rollback
