@@ -7,8 +7,9 @@ run (so the before/after ratio is measured on the same machine at the same time)
   fresh 256 MB fp32 tensor (``bandwidth_gbs_256mb_tensor``, the figure earlier runs reported).
   This VM's bandwidth moves with its neighbours and with where an allocation lands.
 - ``bound_ms`` = weight bytes / bandwidth: the least a decode step can cost (every weight read once).
-- ``step_ms``: one-token forward at context ``--context``, batch 1, median; ``bound_fraction`` =
-  bound_ms / step_ms.
+- ``step_ms``: one-token forward at context ``--context``, batch 1, median, timed on a thread set
+  up as serving's step thread (its own torch ops serial, kernels/threads.py); ``bound_fraction`` =
+  bound_ms / step_ms. ``step_ms_plain_thread``: the same from a thread left as torch starts it.
 - ``verify_cost["q"]``: forward of q tokens / one-token forward, same context.
 - ``lossless``: greedy outputs of the fast path equal the reference forward's on a few prompts.
 - ``startup_s``: model load + building the fast forward + a warm-up forward.
@@ -24,11 +25,13 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import typer
 
 from kernels import packed_linear
+from kernels.threads import serial_torch
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +143,37 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         else sum(p.numel() * p.element_size() for p in target.model.parameters())
     )
     times: dict[str, dict[int, list[float]]] = {p.name: {q: [] for q in (1,) + _QS} for p in paths}
+    # The fast path runs where serving runs it: on a step thread whose own torch ops are serial
+    # (kernels/threads.py); the reference paths on this thread. Each timed forward follows an
+    # untimed one of the same path, so that the OpenMP workers a reference forward left spinning
+    # (~15 ms on Intel) are asleep again, as they would be in serving.
+    step_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-step-thread",
+                                     initializer=serial_torch, initargs=(threads,))
+
+    def timed(p: _Path, cache, q: int) -> float:
+        def twice() -> float:
+            with torch.inference_mode():
+                p.forward_ms(cache, q, vocab)
+                return p.forward_ms(cache, q, vocab)
+
+        return step_thread.submit(twice).result() if p is paths[0] else twice()
+
     with torch.inference_mode():
         cache = RaggedKVCache.for_model(target.model, batch_size=1)
         fast.runner.forward(cache, torch.randint(0, vocab, (1, context)), logits_to_keep=1)
         cache.commit([context])
-        for p in paths:  # warm both paths at every width
+        for p in paths:  # warm every path at every width
             for q in (1,) + _QS:
-                p.forward_ms(cache, q, vocab)
+                timed(p, cache, q)
         for _ in range(reps):  # interleaved, so drift on a shared machine hits all alike
             for q in (1,) + _QS:
                 probe.sample()
                 probe_256mb.sample()
                 for p in paths:
-                    times[p.name][q].append(p.forward_ms(cache, q, vocab))
-        # Serving runs its forwards on the engine's step thread, not the main thread: the same
-        # one-token step timed there (the main thread has run parallel work by now, as in serving).
+                    times[p.name][q].append(timed(p, cache, q))
+        step_thread.shutdown()
+        # The one-token step from a plain thread (torch ops parallel, as before serving made its
+        # step thread's serial): what the serial step thread saves.
         thread_ms: list[float] = []
 
         def on_a_thread() -> None:
@@ -162,7 +181,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
                 for _ in range(reps):
                     thread_ms.append(paths[0].forward_ms(cache, 1, vocab))
 
-        worker = threading.Thread(target=on_a_thread, name="bench-step-thread")
+        worker = threading.Thread(target=on_a_thread, name="bench-plain-thread")
         worker.start()
         worker.join()
         # The bound uses the faster of the two reads: never flattered by slow pages of one.
@@ -202,7 +221,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
             "panel_width": packed_linear.panel_width(),
         },
         **figures("fast"),
-        "step_ms_step_thread": round(statistics.median(thread_ms), 2),
+        "step_ms_plain_thread": round(statistics.median(thread_ms), 2),
         "startup_s": round(startup_s, 2),
         "lossless": lossless,
         "reference": figures("reference"),

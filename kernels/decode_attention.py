@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from kernels import native_build
+from kernels import native_build, threads
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -76,7 +76,7 @@ def decode_attention(
     rc = lib.decode_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
         cols.data_ptr(), mask.data_ptr(), out.data_ptr(),
-        b, t, num_heads, num_kv_heads, d, capacity, length, scale, torch.get_num_threads(),
+        b, t, num_heads, num_kv_heads, d, capacity, length, scale, threads.kernel_threads(),
     )
     if rc != 0:  # a column outside [0, L), or L > capacity: refused, nothing silently wrong
         raise ValueError(

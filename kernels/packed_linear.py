@@ -15,7 +15,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels import native_build
+from kernels import native_build, threads
 
 _NONE, _RMSNORM, _SWIGLU = 0, 1, 2  # prologues of packed_linear_fused (see the C source)
 
@@ -140,7 +140,7 @@ class PackedLinear:
         rc = self._lib.packed_linear_fused(
             x2.data_ptr(), prologue, weight.data_ptr() if weight is not None else None, eps,
             self.panels.data_ptr(), res.data_ptr() if res is not None else None, y.data_ptr(),
-            tokens, self.out_features, self.in_features, torch.get_num_threads(),
+            tokens, self.out_features, self.in_features, threads.kernel_threads(),
         )
         if rc != 0:  # arguments the kernel refused: never silently wrong
             raise RuntimeError(f"packed_linear refused x={tuple(x.shape)} w={tuple(self.panels.shape)}")

@@ -17,7 +17,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from kernels import native_build
+from kernels import native_build, threads
 
 MAX_TOKENS = 32
 """Above this many tokens BLAS's gemm is the better path (measured: ARCHITECTURE.md, "Decode
@@ -73,7 +73,7 @@ def thin_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     kernel = lib.thin_linear_bf16 if w.dtype == torch.bfloat16 else lib.thin_linear
     rc = kernel(
         x2.data_ptr(), w.data_ptr(), y.data_ptr(), tokens, w.shape[0], w.shape[1],
-        torch.get_num_threads(),
+        threads.kernel_threads(),
     )
     if rc != 0:  # arguments the kernel refused: never silently wrong
         raise RuntimeError(f"thin_linear refused shapes x={tuple(x.shape)} w={tuple(w.shape)}")

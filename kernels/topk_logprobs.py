@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from kernels import native_build
+from kernels import native_build, threads
 
 MAX_T = 64
 
@@ -49,7 +49,7 @@ def topk_logprobs(logits: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Ten
     ids = torch.empty(n, t, dtype=torch.long)
     lp = torch.empty(n, t, dtype=torch.float32)
     rc = lib.topk_logprobs(x.data_ptr(), n, vocab, t, ids.data_ptr(), lp.data_ptr(),
-                           torch.get_num_threads())
+                           threads.kernel_threads())
     if rc != 0:
         raise RuntimeError(f"topk_logprobs refused logits {tuple(logits.shape)}, t={t}")
     return ids, lp

@@ -50,6 +50,12 @@ class EngineConfig(BaseModel):
         ge=1,
         description="torch intra-op threads (process-wide, set at start); None = unchanged.",
     )
+    serial_step_ops: bool = Field(
+        True,
+        description="The step thread's own torch ops run serially and only the native kernels "
+        "use the intra-op threads: an OpenMP team's idle worker spins for ~15 ms on Intel cores "
+        "after each parallel torch op, against the kernels' workers (kernels/threads.py).",
+    )
     max_context: int | None = Field(
         None,
         ge=2,

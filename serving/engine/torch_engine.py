@@ -37,6 +37,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import torch
 
+from kernels.threads import serial_torch
 from kernels.tree_verify import tree_ancestors, tree_depths
 from serving.drafters.base import Drafter
 from serving.engine.base import (
@@ -185,7 +186,9 @@ class TorchEngine(DrafterSwaps):
             if self.config.num_threads:
                 torch.set_num_threads(self.config.num_threads)
             self._announce_drafter()
-            self._thread = threading.Thread(target=self._run, name="specloop-engine", daemon=True)
+            width = torch.get_num_threads() if self.config.serial_step_ops else None
+            self._thread = threading.Thread(target=self._run, args=(width,), name="specloop-engine",
+                                            daemon=True)
             self._thread.start()
 
     def _request_abort(self, request_id: str) -> None:
@@ -220,7 +223,9 @@ class TorchEngine(DrafterSwaps):
         if not all(_is_int(t) for t in p.stop_token_ids):
             bad("stop_token_ids must be integers")
 
-    def _run(self) -> None:
+    def _run(self, kernel_width: int | None) -> None:
+        if kernel_width is not None:
+            serial_torch(kernel_width)
         with torch.inference_mode():
             while True:
                 with self._cv:

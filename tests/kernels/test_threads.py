@@ -1,5 +1,6 @@
-"""kernels.threads.compute_alone: a background thread's tensor work runs on that thread only,
-and no other thread is affected."""
+"""kernels.threads: compute_alone (a background thread's tensor work runs on that thread only) and
+serial_torch (the step thread's torch ops serial, its kernels as wide as asked); no other thread is
+affected."""
 
 import threading
 
@@ -7,7 +8,7 @@ import torch
 
 from kernels import packed_linear
 from kernels.packed_linear import PackedLinear
-from kernels.threads import compute_alone
+from kernels.threads import compute_alone, kernel_threads, serial_torch
 
 
 def _on_thread(fn):
@@ -49,3 +50,22 @@ def test_results_are_the_same_computed_alone():
     if packed is not None:  # each output is one FMA chain whatever the split: exact
         assert torch.equal(got[0], expected[0])
     torch.testing.assert_close(got[1], expected[1])
+
+
+def test_serial_torch_keeps_the_kernels_width_and_their_results():
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(300, 96, generator=g), torch.randn(12, 96, generator=g)
+    packed = PackedLinear.pack(w) if packed_linear.available() else None
+
+    def step_thread():
+        serial_torch(2)
+        y = packed(x) if packed is not None else None
+        return torch.get_num_threads(), kernel_threads(), y
+
+    torch_width, width, y = _on_thread(step_thread)
+    assert (torch_width, width) == (1, 2)
+    assert kernel_threads() == 2 and _on_thread(kernel_threads) == 2  # others: torch's width
+    if packed is not None:
+        assert torch.equal(y, packed(x))
+    assert _on_thread(lambda: (compute_alone(), kernel_threads())[1]) == 1
