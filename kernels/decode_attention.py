@@ -19,7 +19,7 @@ from kernels import native_build, threads
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_attention.argtypes = (
-        [ctypes.c_void_p] * 8 + [ctypes.c_long] * 7 + [ctypes.c_float, ctypes.c_int]
+        [ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
     )
     lib.decode_attention.restype = ctypes.c_int
 
@@ -55,9 +55,11 @@ def decode_attention(
     num_heads: int,
     num_kv_heads: int,
     scale: float,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """qkv [B, T, (Hq + 2 Hkv) D]; cos, sin [B, T, D]; keys, values [B, Hkv, C, D] (written at
-    ``cols`` [B, T]); mask [B, T, L] bool. Returns the attention output [B, T, Hq * D]."""
+    """qkv [B, T, (Hq + 2 Hkv) D]; cos, sin [B, T, D]; keys, values [Bc, Hkv, C, D] (written at
+    ``cols`` [B, T]); mask [B, T, L] bool; ``rows`` [B] int64: the cache row of each row (None:
+    the same row, Bc = B). Returns the attention output [B, T, Hq * D]."""
     lib = _load()
     if lib is None:
         raise RuntimeError("decode_attention: native kernel not available (check available())")
@@ -68,18 +70,24 @@ def decode_attention(
         raise ValueError(f"qkv width {width} does not fit {num_heads}+2x{num_kv_heads} heads of {d}")
     if cos.shape != (b, t, d) or sin.shape != (b, t, d) or values.shape != keys.shape:
         raise ValueError("cos/sin must be [B, T, D] and values shaped as keys")
-    if cols.shape != (b, t) or mask.shape != (b, t, length) or keys.shape[0] != b:
+    if cols.shape != (b, t) or mask.shape != (b, t, length):
         raise ValueError("cols must be [B, T] and mask [B, T, L] for the same rows")
+    if rows is None and keys.shape[0] != b:
+        raise ValueError(f"{b} rows of queries for a cache of {keys.shape[0]} rows (pass rows=)")
+    if rows is not None and (rows.shape != (b,) or rows.dtype != torch.int64 or not takes(rows)):
+        raise ValueError("rows must be [B] contiguous int64 on the CPU")
     if not takes(qkv, cos, sin, keys, values, cols, mask) or cols.dtype != torch.int64:
         raise ValueError("decode_attention takes contiguous fp32 CPU tensors (int64 cols, bool mask)")
     out = torch.empty(b, t, num_heads * d, dtype=torch.float32)  # [B, T, Hq * D]
     rc = lib.decode_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
-        cols.data_ptr(), mask.data_ptr(), out.data_ptr(),
-        b, t, num_heads, num_kv_heads, d, capacity, length, scale, threads.kernel_threads(),
+        cols.data_ptr(), rows.data_ptr() if rows is not None else None, mask.data_ptr(),
+        out.data_ptr(), b, keys.shape[0], t, num_heads, num_kv_heads, d, capacity, length, scale,
+        threads.kernel_threads(),
     )
-    if rc != 0:  # a column outside [0, L), or L > capacity: refused, nothing silently wrong
+    if rc != 0:  # a column outside [0, L), a row outside the cache, or L > capacity: refused
         raise ValueError(
-            f"decode_attention refused: cols outside [0, {length}) or L > capacity {capacity}"
+            f"decode_attention refused: cols outside [0, {length}), rows outside the cache's "
+            f"{keys.shape[0]}, or L > capacity {capacity}"
         )
     return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.argmax_rows import argmax_rows
 from kernels.sampling import sample_from_uniform
 
 
@@ -89,9 +90,20 @@ def tree_accept(tokens: Tensor, parents: Tensor, target_tokens: Tensor) -> TreeV
     return TreeVerifyResult(num, target_tokens[rows, cur], path)
 
 
-def greedy_tree_verify(tokens: Tensor, parents: Tensor, target_logits: Tensor) -> TreeVerifyResult:
-    """Greedy: follow the target's argmax. ``target_logits`` [B, N, V]."""
-    return tree_accept(tokens, parents, target_logits.argmax(dim=-1))
+def greedy_tree_verify(
+    tokens: Tensor, parents: Tensor, target_logits: Tensor, lengths: Tensor | None = None
+) -> TreeVerifyResult:
+    """Greedy: follow the target's argmax. ``target_logits`` [B, N, V]. ``lengths`` [B]: each
+    row's drafted nodes, when rows are padded to N - 1: only nodes 0..lengths[b] are read (the
+    walk never leaves them)."""
+    if lengths is None:
+        return tree_accept(tokens, parents, target_logits.argmax(dim=-1))
+    b, n, vocab = target_logits.shape
+    real = torch.arange(n, device=lengths.device)[None, :] <= lengths[:, None]  # [B, N]
+    flat = real.reshape(-1).nonzero().squeeze(1)  # [M] the verified positions, row-major
+    target = torch.zeros(b * n, dtype=torch.long, device=target_logits.device)
+    target[flat.to(target.device)] = argmax_rows(target_logits.reshape(b * n, vocab), flat)
+    return tree_accept(tokens, parents, target.view(b, n))
 
 
 def sampled_tree_verify(

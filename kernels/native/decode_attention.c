@@ -8,9 +8,11 @@
  * where the arithmetic is a few MFLOPs.
  *
  * Layouts (all contiguous unless said): qkv [B, T, (Hq + 2 Hkv) D] (q heads, then k, then v);
- * cos, sin [B, T, D]; the cache's key and value buffers [B, Hkv, C, D] (C = capacity); cols
+ * cos, sin [B, T, D]; the cache's key and value buffers [Bc, Hkv, C, D] (C = capacity); cols
  * [B, T] int64, the cache column each new token is written to; mask [B, T, L] (uint8/bool), which
- * cache columns query t of row b sees; out [B, T, Hq D]. Rotary as Hugging Face's Llama:
+ * cache columns query t of row b sees; out [B, T, Hq D]. rows [B] int64, the cache row of each
+ * row b (NULL: row b itself, Bc = B): a ragged verify passes its real tokens alone, one per row
+ * (T = 1) with their cache rows, so that padding costs nothing. Rotary as Hugging Face's Llama:
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]).
  *
  * Softmax in fp32: scores, their max, exp(score - max) by simd.h's vector exp (vexp_nonpos),
@@ -162,7 +164,7 @@ static const group_fn GROUPS[GMAX + 1] = {0, attend_group_1, attend_group_2, att
 struct job {
     const float *qkv, *cos, *sin;
     float *kcache, *vcache, *out, *qrot, *scratch;
-    const int64_t *cols;
+    const int64_t *cols, *rows;
     const uint8_t *mask;
     long B, T, Hq, Hkv, D, C, L;
     float scale;
@@ -175,7 +177,7 @@ static void run(void *ctx, int id, int n) {
     /* 1. rotary on q (to qrot) and k (into the cache); v copied into the cache */
     spl_range(B * T, id, n, &lo, &hi);
     for (long bt = lo; bt < hi; bt++) {
-        long b = bt / T;
+        long b = j->rows ? j->rows[bt / T] : bt / T;
         const float *row = j->qkv + bt * width, *c = j->cos + bt * D, *s = j->sin + bt * D;
         for (long h = 0; h < Hq; h++) rope(row + h * D, c, s, j->qrot + (bt * Hq + h) * D, D);
         for (long h = 0; h < Hkv; h++) {
@@ -191,7 +193,8 @@ static void run(void *ctx, int id, int n) {
     spl_range(B * Hkv * T, id, n, &lo, &hi);
     for (long task = lo; task < hi; task++) {
         long b = task / (Hkv * T), g = task / T % Hkv, t = task % T;
-        long kv = ((b * Hkv + g) * C) * D, bt = b * T + t;
+        long cb = j->rows ? j->rows[b] : b; /* the cache row */
+        long kv = ((cb * Hkv + g) * C) * D, bt = b * T + t;
         const uint8_t *visible = j->mask + bt * L;
         for (long h = g * group; h < (g + 1) * group;) {
             long m = grouped ? ((g + 1) * group - h < GMAX ? (g + 1) * group - h : GMAX) : 1;
@@ -207,12 +210,16 @@ static void run(void *ctx, int id, int n) {
 
 /* See the header for layouts. Returns 0, or -1 on bad arguments. */
 int decode_attention(const float *qkv, const float *cos, const float *sin, float *kcache,
-                     float *vcache, const int64_t *cols, const uint8_t *mask, float *out, long B,
-                     long T, long Hq, long Hkv, long D, long C, long L, float scale, int threads) {
+                     float *vcache, const int64_t *cols, const int64_t *rows, const uint8_t *mask,
+                     float *out, long B, long Bc, long T, long Hq, long Hkv, long D, long C, long L,
+                     float scale, int threads) {
     if (B < 1 || T < 1 || Hq < 1 || Hkv < 1 || D < 1 || Hq % Hkv || L < 1 || L > C || threads < 1)
         return -1;
+    if (!rows && Bc != B) return -1;
     for (long i = 0; i < B * T; i++)
         if (cols[i] < 0 || cols[i] >= L) return -1;
+    for (long b = 0; rows && b < B; b++)
+        if (rows[b] < 0 || rows[b] >= Bc) return -1;
     float *qrot = malloc(sizeof(float) * B * T * Hq * D); /* rotated queries [B, T, Hq, D] */
     float *scratch = malloc(sizeof(float) * GMAX * L * threads);
     if (!qrot || !scratch) {
@@ -220,7 +227,7 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         free(scratch);
         return -1;
     }
-    struct job j = {qkv, cos, sin, kcache, vcache, out, qrot, scratch, cols, mask,
+    struct job j = {qkv, cos, sin, kcache, vcache, out, qrot, scratch, cols, rows, mask,
                     B, T, Hq, Hkv, D, C, L, scale};
     spl_parallel(run, &j, threads);
     free(qrot);

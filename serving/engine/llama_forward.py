@@ -232,8 +232,8 @@ class LlamaForward:
         """[B, q] bool of the real inputs when padding is worth skipping, else None.
 
         A ragged verify pads every row to the widest (8 rows with one draft between them is 16
-        inputs); the projections, which cost by the token, then run on the real ones only (9),
-        and only attention, whose kernel takes rows of equal width, sees the padded layout."""
+        inputs); everything then runs on the real ones only (9): the projections, and attention,
+        whose kernel takes each real input as a row of its own with its cache row (``rows``)."""
         if row_tokens is None or q == 1:
             return None
         n = row_tokens.to(torch.long).clamp(1, q)  # [B]
@@ -241,13 +241,14 @@ class LlamaForward:
             return None
         return torch.arange(q)[None, :] < n[:, None]  # [B, q]
 
-    def _attention(self, i: int, qkv, cos, sin, cols, attention_mask, cache) -> torch.Tensor:
+    def _attention(self, i: int, qkv, cos, sin, cols, attention_mask, cache,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
         """Layer i's attention: qkv [B, q, Hq*D + 2*Hkv*D] -> [B, q, Hq*D], this step's keys and
-        values written to ``cache``."""
+        values written to ``cache``. ``rows`` (native path): each of the B rows' cache row."""
         if cols is not None:  # rotary + cache write + attention in one native call
             return native_attention.decode_attention(
                 qkv, cos[:, 0], sin[:, 0], cache.keys[i], cache.values[i], cols,
-                attention_mask[:, 0], self.num_heads, self.num_kv_heads, self.scale,
+                attention_mask[:, 0], self.num_heads, self.num_kv_heads, self.scale, rows=rows,
             )  # [B, q, Hq*D]
         b, q, _ = qkv.shape
         qd, kvd, d = self.q_dim, self.kv_dim, self.head_dim
@@ -298,16 +299,24 @@ class LlamaForward:
             hidden[0] = x
         cols = self._fused_attention_columns(past_key_values, attention_mask)
         real = self._packed(row_tokens, b, q) if cols is not None and not want and not logits_to_keep else None
-        # The residual stream: [B, q, H], or [N, H] of the real inputs only (attention alone sees
-        # the padded layout; padded inputs write zero keys and values at columns never committed).
-        h = x if real is None else x[real]
+        # The residual stream: [B, q, H], or [N, H] of the real inputs only. Attention then takes
+        # each real input as a row of one token, with its cache row (padding never computed).
+        h, rows, att_args = x, None, (cos, sin, cols, attention_mask)
+        if real is not None:
+            h = x[real]  # [N, H]
+            rows = real.nonzero()[:, 0].contiguous()  # [N] the cache row of each real input
+            att_args = (
+                cos[:, 0][real][:, None, None].contiguous(),  # [N, 1, 1, D]
+                sin[:, 0][real][:, None, None].contiguous(),
+                cols[real][:, None].contiguous(),  # [N, 1]
+                attention_mask[:, 0][real][:, None, None].contiguous(),  # [N, 1, 1, L]
+            )
         for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             qkv = self._normed_linear(h, ln1, qkv_w)  # [B, q | N, Hq*D + 2*Hkv*D]
             if real is not None:
-                qkv = _unpack(qkv, real)  # [B, q, W]
-            att = self._attention(i, qkv, cos, sin, cols, attention_mask, past_key_values)  # [B, q, Hq*D]
-            if real is not None:
-                att = att[real]  # [N, Hq*D]
+                att = self._attention(i, qkv[:, None], *att_args, past_key_values, rows=rows)[:, 0]  # [N, Hq*D]
+            else:
+                att = self._attention(i, qkv, *att_args, past_key_values)  # [B, q, Hq*D]
             h = self._linear_plus(att, o_w, h)  # [B, q | N, H]
             gu = self._normed_linear(h, ln2, gu_w)  # [B, q | N, 2I]
             h = self._mlp_down_plus(gu, down_w, h)  # [B, q | N, H]

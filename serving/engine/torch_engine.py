@@ -378,8 +378,9 @@ class TorchEngine(DrafterSwaps):
         if feats is not None and plan.is_tree():  # inputs along the path first: [B, K+1, F]
             index = result.path.clamp(min=0).to(feats.device)
             feats = feats.gather(1, index[:, :, None].expand(-1, -1, feats.shape[-1]))
-        view_plan, view_logits, tried = linear_view(plan, parents, logits, paths)
         wants_topk = any(getattr(o, "wants_topk", False) for o in self.observers)
+        traced = wants_topk and any(r.request.train for r in rows)
+        view_plan, view_logits, tried = linear_view(plan, parents, logits, paths, with_logits=traced)
         report = build_report(
             rows, view_plan, view_logits, emitted, num_accepted, feats, t1 - t0, t2 - t1,
             top_k=self.config.trace_topk if wants_topk else None,

@@ -53,11 +53,14 @@ def path_confidence(parents: np.ndarray, confidence: np.ndarray) -> np.ndarray:
 
 
 def linear_view(
-    plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor, paths: list[list[int]]
-) -> tuple[DraftPlan, torch.Tensor, np.ndarray]:
+    plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor, paths: list[list[int]],
+    with_logits: bool = True,
+) -> tuple[DraftPlan, torch.Tensor | None, np.ndarray]:
     """Chain view of a verified step: (plan, logits [B, K'+1, V], verified path lengths [B]).
 
-    For chain plans it is the plan itself. ``paths``: per row, node indices root..last accepted."""
+    For chain plans it is the plan itself. ``paths``: per row, node indices root..last accepted.
+    ``with_logits=False``: no logits view (None), when nothing reads it: gathering it copies
+    [B, K'+1, V] floats (~1.7 ms at 8 rows on a 2-core CPU)."""
     if not plan.is_tree():
         return plan, logits, plan.lengths.numpy()
     par = parents.tolist()
@@ -84,5 +87,7 @@ def linear_view(
         if plan.confidence is None
         else torch.where(in_len, plan.confidence.gather(1, drafts), 0.0),
     )
+    if not with_logits:
+        return view, None, tried.numpy()
     index = nodes.to(logits.device)[:, :, None].expand(-1, -1, logits.shape[-1])
     return view, logits.gather(1, index), tried.numpy()  # [B, K'+1, V]

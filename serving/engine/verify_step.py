@@ -34,15 +34,16 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, logits:
     tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)  # [B, K+1]
     parents = parents.to(device)  # [B, K+1]
     sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
+    lengths = plan.lengths.to(device)  # [B]
     if not sampled:
-        return greedy_tree_verify(tokens, parents, logits)
+        return greedy_tree_verify(tokens, parents, logits, lengths)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
     path = torch.full((batch, n), -1, dtype=torch.long, device=device)
     greedy = [b for b in range(batch) if rows[b].params.temperature == 0]
     if greedy:
         g = torch.tensor(greedy, device=device)
-        res = greedy_tree_verify(tokens[g], parents[g], logits[g])
+        res = greedy_tree_verify(tokens[g], parents[g], logits[g], lengths[g])
         num_accepted[g], next_tokens[g], path[g] = res.num_accepted, res.next_tokens, res.path
     s = torch.tensor(sampled, device=device)
     srows = [rows[b] for b in sampled]

@@ -107,3 +107,30 @@ def test_bad_columns_are_refused_before_anything_is_written():
         da.decode_attention(qkv, cos, sin, keys, values, cols, mask, 3, 1, 0.25)
     with pytest.raises(ValueError, match="contiguous"):
         da.decode_attention(qkv, cos, sin, keys, values, cols.int(), mask, 2, 1, 0.25)
+
+
+@needs_native
+@pytest.mark.parametrize("tree", [False, True])
+def test_real_tokens_alone_with_their_cache_rows_equal_the_padded_call(tree):
+    """A ragged verify's real tokens passed one per row (T = 1) with ``rows`` (their cache row)
+    give the padded call's outputs at those tokens, and write the same cache columns."""
+    hq, hkv, d = 9, 3, 64
+    qkv, cos, sin, keys, values, cols, mask = _case(3, 5, hq, hkv, d, [30, 7, 19], 64, seed=4, tree=tree)
+    real = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)  # [B, T]
+    pk, pv = keys.clone(), values.clone()
+    padded = da.decode_attention(qkv, cos, sin, pk, pv, cols, mask, hq, hkv, 0.125)
+    rows = real.nonzero()[:, 0].contiguous()  # [N]: each real token's cache row
+    packed = da.decode_attention(
+        qkv[real][:, None].contiguous(), cos[real][:, None].contiguous(), sin[real][:, None].contiguous(),
+        keys, values, cols[real][:, None].contiguous(), mask[real][:, None].contiguous(), hq, hkv, 0.125,
+        rows=rows,
+    )  # [N, 1, Hq * D]
+    assert torch.equal(packed[:, 0], padded[real])
+    written = torch.zeros_like(keys, dtype=torch.bool)
+    written[rows, :, cols[real]] = True
+    assert torch.equal(keys[written], pk[written]) and torch.equal(values[written], pv[written])
+    with pytest.raises(ValueError, match="refused"):
+        da.decode_attention(qkv[real][:, None].contiguous(), cos[real][:, None].contiguous(),
+                            sin[real][:, None].contiguous(), keys, values,
+                            cols[real][:, None].contiguous(), mask[real][:, None].contiguous(),
+                            hq, hkv, 0.125, rows=rows + 3)

@@ -1,0 +1,33 @@
+"""argmax_rows: the argmax of chosen rows of a [R, V] matrix, as a greedy verify reads the target's
+logits at the positions it verified (``kernels/native/argmax_rows.c``; why: see its header).
+Same answers as ``x[rows].argmax(-1)`` (the first maximum); that is also the path off the CPU, for
+other dtypes, or where the kernel does not build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import native_build, threads
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.argmax_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.argmax_rows.restype = ctypes.c_int
+
+
+def argmax_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [R, V], rows [n] int64 -> [n] int64: the argmax of each chosen row."""
+    native = x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+    lib = native_build.load("argmax_rows", _declare) if native else None
+    if lib is None:
+        return x.index_select(0, rows.to(x.device)).argmax(-1)
+    rows = rows.to(torch.long).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.long)
+    rc = lib.argmax_rows(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], x.shape[0],
+                         x.shape[1], threads.kernel_threads())
+    if rc != 0:
+        raise ValueError(f"argmax_rows refused rows outside [0, {x.shape[0]})")
+    return out
