@@ -171,8 +171,15 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
     """On this machine, relative to one target decode step at ``context``: one draft token of
     ``student`` (at its draft vocabulary, as a promoted version is served) and a verify forward of
     2..k+1 tokens (``verify_costs``; ``verify_cost`` is the k+1 one), all timed on
-    the paths serving runs (TorchEngine's ModelRunner, the learned drafter's StandaloneNet), so
-    the gate's simulation charges what serving pays and promotes only drafters that pay here."""
+    the paths serving runs (TorchEngine's ModelRunner, the learned drafter's StandaloneNet) and on
+    a thread set up as its step thread, so the gate's simulation charges what serving pays and
+    promotes only drafters that pay here."""
+    from kernels.threads import on_a_step_thread
+
+    return on_a_step_thread(lambda: _measure_costs(target, student, k, context))
+
+
+def _measure_costs(target, student, k: int, context: int) -> dict:
     import copy
 
     from transformers import DynamicCache

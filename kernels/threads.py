@@ -96,3 +96,25 @@ def kernel_threads() -> int:
     else torch's intra-op width."""
     n = getattr(_width, "n", None)
     return n if n is not None else torch.get_num_threads()
+
+
+def on_a_step_thread(fn, kernel_width: int | None = None):
+    """``fn()`` run on a new thread set up as serving's decode step thread (``serial_torch`` at
+    ``kernel_width``, default torch's width here), its result returned and its exception raised:
+    for timings that should read what the step thread pays."""
+    width = torch.get_num_threads() if kernel_width is None else kernel_width
+    box: dict = {}
+
+    def run() -> None:
+        serial_torch(width)
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="step-thread-timing")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,12 +38,29 @@ from kernels.packed_linear import PackedLinear
 from serving.engine.batch_cache import RaggedKVCache
 
 
-@dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, q', V] (q' = logits_to_keep or q)
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    """As Hugging Face numbers them: [0] the embeddings, [i] the output of layer i - 1, [n] the
-    final normed state. Only the requested indices are real tensors; None elsewhere."""
+    """``logits`` [B, q', V] (q' = logits_to_keep or q); ``hidden_states`` as Hugging Face numbers
+    them: [0] the embeddings, [i] the output of layer i - 1, [n] the final normed state (only the
+    requested indices are real tensors; None elsewhere).
+
+    A forward that skipped padding also has ``real`` [B, q] bool and ``real_logits`` [N, V], the
+    real inputs' logits in row-major order; ``logits`` is then laid out (zeros at padding) only
+    when read: a greedy verify reads the real rows alone (~1.5 ms at 8 rows on a 2-core CPU)."""
+
+    def __init__(self, logits: torch.Tensor | None = None,
+                 hidden_states: tuple[torch.Tensor, ...] | None = None, *,
+                 real: torch.Tensor | None = None, real_logits: torch.Tensor | None = None):
+        if logits is None and (real is None or real_logits is None):
+            raise ValueError("ForwardOutput needs logits, or real and real_logits")
+        self._logits = logits
+        self.hidden_states = hidden_states
+        self.real, self.real_logits = real, real_logits
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = _unpack(self.real_logits, self.real)  # [B, q, V], zeros at padding
+        return self._logits
 
 
 def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -328,6 +344,7 @@ class LlamaForward:
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self._linear(h, self.lm_head_served)  # [B, q', V] or [N, V]
+        hidden_out = tuple(hidden) if want else None
         if real is not None:
-            logits = _unpack(logits, real)  # [B, q, V], zeros at padding
-        return ForwardOutput(logits=logits, hidden_states=tuple(hidden) if want else None)
+            return ForwardOutput(hidden_states=hidden_out, real=real, real_logits=logits)
+        return ForwardOutput(logits, hidden_out)

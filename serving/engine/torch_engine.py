@@ -360,8 +360,7 @@ class TorchEngine(DrafterSwaps):
         if plan.is_tree():
             self._cache.set_tree(tree_depths(parents), tree_ancestors(parents))
         out = self.runner.forward(self._cache, inputs, row_tokens=plan.lengths + 1)  # padding skipped
-        logits = out.logits  # [B, K+1, V]
-        result = verify_rows(rows, plan, parents, logits)
+        result = verify_rows(rows, plan, parents, out)
         num_accepted = result.num_accepted.tolist()
         next_tokens = result.next_tokens.tolist()
         paths = [p[: a + 1] for p, a in zip(result.path.tolist(), num_accepted)]  # node indices
@@ -380,7 +379,8 @@ class TorchEngine(DrafterSwaps):
             feats = feats.gather(1, index[:, :, None].expand(-1, -1, feats.shape[-1]))
         wants_topk = any(getattr(o, "wants_topk", False) for o in self.observers)
         traced = wants_topk and any(r.request.train for r in rows)
-        view_plan, view_logits, tried = linear_view(plan, parents, logits, paths, with_logits=traced)
+        view_plan, view_logits, tried = linear_view(
+            plan, parents, out.logits if traced else None, paths, with_logits=traced)
         report = build_report(
             rows, view_plan, view_logits, emitted, num_accepted, feats, t1 - t0, t2 - t1,
             top_k=self.config.trace_topk if wants_topk else None,

@@ -53,14 +53,14 @@ def path_confidence(parents: np.ndarray, confidence: np.ndarray) -> np.ndarray:
 
 
 def linear_view(
-    plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor, paths: list[list[int]],
+    plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor | None, paths: list[list[int]],
     with_logits: bool = True,
 ) -> tuple[DraftPlan, torch.Tensor | None, np.ndarray]:
     """Chain view of a verified step: (plan, logits [B, K'+1, V], verified path lengths [B]).
 
     For chain plans it is the plan itself. ``paths``: per row, node indices root..last accepted.
     ``with_logits=False``: no logits view (None), when nothing reads it: gathering it copies
-    [B, K'+1, V] floats (~1.7 ms at 8 rows on a 2-core CPU)."""
+    [B, K'+1, V] floats (~1.7 ms at 8 rows on a 2-core CPU); ``logits`` may then be None."""
     if not plan.is_tree():
         return plan, logits, plan.lengths.numpy()
     par = parents.tolist()

@@ -11,13 +11,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.argmax_rows import argmax_rows
 from kernels.sampling import probs_from_logits
 from kernels.topk_logprobs import topk_logprobs
 from kernels.tree_verify import (
     TreeVerifyResult,
     greedy_tree_verify,
     sampled_tree_verify,
+    tree_accept,
     tree_depths,
+    verified_argmax,
 )
 from kernels.verify import rejection_verify
 from serving.engine.base import VerifyBatch
@@ -26,17 +29,35 @@ from serving.engine.rows import Row
 from serving.engine.seeded import position_uniforms
 
 
-def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor) -> TreeVerifyResult:
+def greedy_targets(out, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, K+1] the target's argmax at each row's verified nodes (0..lengths[b]; 0 past them).
+    ``out``: the forward's output; one that skipped padding (``real_logits`` [N, V], ``real``
+    [B, K+1], the same nodes) is read without laying its logits out."""
+    real_logits = getattr(out, "real_logits", None)
+    if real_logits is None:
+        return verified_argmax(out.logits, lengths.to(out.logits.device))
+    real = out.real  # [B, K+1]
+    target = torch.zeros(real.shape, dtype=torch.long, device=real_logits.device)
+    target[real] = argmax_rows(real_logits, torch.arange(real_logits.shape[0]))
+    return target
+
+
+def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) -> TreeVerifyResult:
     """Accept each row's longest path the target agrees with (a chain is a one-branch tree).
-    ``parents`` [B, K+1] (node 0 = the last committed token), ``logits`` [B, K+1, V]."""
-    device = logits.device
+    ``parents`` [B, K+1] (node 0 = the last committed token); ``out`` the verify forward's output
+    (``.logits`` [B, K+1, V])."""
     batch, n = parents.shape
+    sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
+    if not sampled:
+        target = greedy_targets(out, plan.lengths)  # [B, K+1]
+        device = target.device
+        tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)
+        return tree_accept(tokens, parents.to(device), target)
+    logits = out.logits  # [B, K+1, V]
+    device = logits.device
     tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)  # [B, K+1]
     parents = parents.to(device)  # [B, K+1]
-    sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
     lengths = plan.lengths.to(device)  # [B]
-    if not sampled:
-        return greedy_tree_verify(tokens, parents, logits, lengths)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
     path = torch.full((batch, n), -1, dtype=torch.long, device=device)

@@ -8,7 +8,7 @@ import torch
 
 from kernels import packed_linear
 from kernels.packed_linear import PackedLinear
-from kernels.threads import compute_alone, kernel_threads, serial_torch
+from kernels.threads import compute_alone, kernel_threads, on_a_step_thread, serial_torch
 
 
 def _on_thread(fn):
@@ -69,3 +69,15 @@ def test_serial_torch_keeps_the_kernels_width_and_their_results():
     if packed is not None:
         assert torch.equal(y, packed(x))
     assert _on_thread(lambda: (compute_alone(), kernel_threads())[1]) == 1
+
+
+def test_on_a_step_thread_returns_and_raises_as_the_step_thread_would():
+    torch.set_num_threads(2)
+    assert on_a_step_thread(lambda: (torch.get_num_threads(), kernel_threads())) == (1, 2)
+    try:
+        on_a_step_thread(lambda: 1 / 0)
+    except ZeroDivisionError:
+        pass
+    else:
+        raise AssertionError("the exception was lost")
+    assert torch.get_num_threads() == 2
