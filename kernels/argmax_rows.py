@@ -10,7 +10,8 @@ import ctypes
 
 import torch
 
-from kernels import native_build, threads
+from kernels.native_build import load as load_native
+from kernels.threads import kernel_threads
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -21,13 +22,13 @@ def _declare(lib: ctypes.CDLL) -> None:
 def argmax_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [R, V], rows [n] int64 -> [n] int64: the argmax of each chosen row."""
     native = x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-    lib = native_build.load("argmax_rows", _declare) if native else None
+    lib = load_native("argmax_rows", _declare) if native else None
     if lib is None:
         return x.index_select(0, rows.to(x.device)).argmax(-1)
     rows = rows.to(torch.long).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.long)
     rc = lib.argmax_rows(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], x.shape[0],
-                         x.shape[1], threads.kernel_threads())
+                         x.shape[1], kernel_threads())
     if rc != 0:
         raise ValueError(f"argmax_rows refused rows outside [0, {x.shape[0]})")
     return out

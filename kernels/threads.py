@@ -28,7 +28,8 @@ import threading
 
 import torch
 
-from kernels import native_build
+from kernels.native_build import POOL
+from kernels.native_build import load as load_native
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def compute_alone() -> None:
     docstring). Per thread and irreversible by design: call it from a thread of its own."""
     _width.n = 1
     _omp_one_thread()
-    pool = native_build.load(native_build.POOL, lambda _: None)
+    pool = load_native(POOL, lambda _: None)
     if pool is not None:
         pool.spl_run_alone.argtypes, pool.spl_run_alone.restype = [ctypes.c_int], None
         pool.spl_run_alone(1)
