@@ -20,7 +20,7 @@ MAX_T = 64
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.topk_logprobs.argtypes = [
-        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int,
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
     ]
     lib.topk_logprobs.restype = ctypes.c_int
@@ -36,20 +36,26 @@ def topk_logprobs_reference(logits: torch.Tensor, t: int) -> tuple[torch.Tensor,
     return ids, values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
 
 
-def topk_logprobs(logits: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V] -> (ids [N, t] int64, log-probs [N, t] fp32), descending."""
-    n, vocab = logits.shape
+def topk_logprobs(
+    logits: torch.Tensor, t: int, rows: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (ids [N, t] int64, log-probs [N, t] fp32), descending, for the rows
+    ``rows`` [N] (None: every row, N = R; the native kernel reads the chosen rows in place)."""
+    count, vocab = logits.shape
     t = min(t, vocab)
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or not 1 <= t <= MAX_T:
-        return topk_logprobs_reference(logits, t)
+        chosen = logits if rows is None else logits.index_select(0, rows.to(logits.device))
+        return topk_logprobs_reference(chosen, t)
     lib = native_build.load("topk_logprobs", _declare)
     if lib is None:
-        return topk_logprobs_reference(logits, t)
+        return topk_logprobs_reference(logits if rows is None else logits.index_select(0, rows), t)
     x = logits.contiguous()
+    idx = None if rows is None else rows.to(torch.long).contiguous()
+    n = count if idx is None else idx.shape[0]
     ids = torch.empty(n, t, dtype=torch.long)
     lp = torch.empty(n, t, dtype=torch.float32)
-    rc = lib.topk_logprobs(x.data_ptr(), n, vocab, t, ids.data_ptr(), lp.data_ptr(),
-                           threads.kernel_threads())
+    rc = lib.topk_logprobs(x.data_ptr(), idx.data_ptr() if idx is not None else None, n, count,
+                           vocab, t, ids.data_ptr(), lp.data_ptr(), threads.kernel_threads())
     if rc != 0:
-        raise RuntimeError(f"topk_logprobs refused logits {tuple(logits.shape)}, t={t}")
+        raise RuntimeError(f"topk_logprobs refused logits {tuple(logits.shape)}, t={t}, rows outside")
     return ids, lp

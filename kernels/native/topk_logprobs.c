@@ -62,6 +62,7 @@ static void one_row(const float *x, long V, int t, int64_t *ids, float *lp) {
 
 struct job {
     const float *logits;
+    const int64_t *rows;
     long N, V;
     int T;
     int64_t *ids;
@@ -73,14 +74,20 @@ static void run(void *ctx, int id, int n) {
     long lo, hi;
     spl_range(j->N, id, n, &lo, &hi);
     for (long r = lo; r < hi; r++)
-        one_row(j->logits + r * j->V, j->V, j->T, j->ids + r * j->T, j->lp + r * j->T);
+        one_row(j->logits + (j->rows ? j->rows[r] : r) * j->V, j->V, j->T, j->ids + r * j->T,
+                j->lp + r * j->T);
 }
 
-/* logits [N, V] contiguous fp32 -> ids [N, T] int64 and logprobs [N, T] fp32, descending.
- * Returns 0, or -1 on bad arguments (T must be 1..64 and at most V). */
-int topk_logprobs(const float *logits, long N, long V, int T, int64_t *ids, float *lp, int threads) {
+/* For n = 0..N-1: row rows[n] of logits [R, V] (contiguous fp32; rows NULL: row n, R = N) ->
+ * ids [N, T] int64 and logprobs [N, T] fp32, descending. Returns 0, or -1 on bad arguments (T must
+ * be 1..64 and at most V, rows within [0, R)). */
+int topk_logprobs(const float *logits, const int64_t *rows, long N, long R, long V, int T,
+                  int64_t *ids, float *lp, int threads) {
     if (N < 0 || V < 1 || T < 1 || T > 64 || T > V || threads < 1) return -1;
-    struct job j = {logits, N, V, T, ids, lp};
+    if (!rows && R != N) return -1;
+    for (long n = 0; rows && n < N; n++)
+        if (rows[n] < 0 || rows[n] >= R) return -1;
+    struct job j = {logits, rows, N, V, T, ids, lp};
     spl_parallel(run, &j, threads);
     return 0;
 }

@@ -55,7 +55,7 @@ from serving.engine.model_runner import ModelRunner
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
 from serving.engine.tree import linear_view, trim_plan
-from serving.engine.verify_step import build_report, verify_rows
+from serving.engine.verify_step import build_report, logit_rows, verify_rows
 from serving.observers import notify
 from serving.output import apply_stops, eos_token_ids
 from serving.target import Target
@@ -379,8 +379,11 @@ class TorchEngine(DrafterSwaps):
             feats = feats.gather(1, index[:, :, None].expand(-1, -1, feats.shape[-1]))
         wants_topk = any(getattr(o, "wants_topk", False) for o in self.observers)
         traced = wants_topk and any(r.request.train for r in rows)
-        view_plan, view_logits, tried = linear_view(
-            plan, parents, out.logits if traced else None, paths, with_logits=traced)
+        view_plan, view_nodes, tried = linear_view(plan, parents, paths)
+        view_logits = None
+        if traced:  # the target's logits at the view: rows of the forward's own, not a copy
+            matrix, node_row = logit_rows(out)
+            view_logits = (matrix, node_row.gather(1, view_nodes))  # [R, V], [B, K'+1]
         report = build_report(
             rows, view_plan, view_logits, emitted, num_accepted, feats, t1 - t0, t2 - t1,
             top_k=self.config.trace_topk if wants_topk else None,

@@ -53,16 +53,17 @@ def path_confidence(parents: np.ndarray, confidence: np.ndarray) -> np.ndarray:
 
 
 def linear_view(
-    plan: DraftPlan, parents: torch.Tensor, logits: torch.Tensor | None, paths: list[list[int]],
-    with_logits: bool = True,
-) -> tuple[DraftPlan, torch.Tensor | None, np.ndarray]:
-    """Chain view of a verified step: (plan, logits [B, K'+1, V], verified path lengths [B]).
+    plan: DraftPlan, parents: torch.Tensor, paths: list[list[int]]
+) -> tuple[DraftPlan, torch.Tensor, np.ndarray]:
+    """Chain view of a verified step: (plan, nodes [B, K'+1], verified path lengths [B]).
 
-    For chain plans it is the plan itself. ``paths``: per row, node indices root..last accepted.
-    ``with_logits=False``: no logits view (None), when nothing reads it: gathering it copies
-    [B, K'+1, V] floats (~1.7 ms at 8 rows on a 2-core CPU); ``logits`` may then be None."""
+    ``nodes[b, j]``: the node of the step's forward (root 0) that view position j of row b is, so
+    that a reader of the target's logits at the view (traces) reads rows of the forward's own
+    logits rather than a [B, K'+1, V] copy. For chain plans the view is the plan itself. ``paths``:
+    per row, node indices root..last accepted."""
     if not plan.is_tree():
-        return plan, logits, plan.lengths.numpy()
+        nodes = torch.arange(plan.k + 1)[None, :].expand(len(paths), -1)  # [B, K+1]
+        return plan, nodes, plan.lengths.numpy()
     par = parents.tolist()
     lengths = plan.lengths.tolist()
     chains = []
@@ -87,7 +88,4 @@ def linear_view(
         if plan.confidence is None
         else torch.where(in_len, plan.confidence.gather(1, drafts), 0.0),
     )
-    if not with_logits:
-        return view, None, tried.numpy()
-    index = nodes.to(logits.device)[:, :, None].expand(-1, -1, logits.shape[-1])
-    return view, logits.gather(1, index), tried.numpy()  # [B, K'+1, V]
+    return view, nodes, tried.numpy()

@@ -95,22 +95,38 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
     return TreeVerifyResult(num_accepted, next_tokens, path)
 
 
-def trace_topk(rows: list[Row], plan: DraftPlan, logits: torch.Tensor, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def logit_rows(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify forward's logits as a matrix [R, V] and each node's row in it [B, K+1] (-1 for a
+    padded node): the real inputs' logits as the forward returned them when it skipped padding,
+    else its [B, K+1, V] logits flattened. Readers index rows instead of copying a padded view."""
+    real_logits = getattr(out, "real_logits", None)
+    if real_logits is not None:
+        real = out.real  # [B, K+1]
+        node_row = torch.full(real.shape, -1, dtype=torch.long)
+        node_row[real.cpu()] = torch.arange(real_logits.shape[0])
+        return real_logits, node_row
+    logits = out.logits  # [B, K+1, V]
+    b, k1, vocab = logits.shape
+    return logits.reshape(b * k1, vocab), torch.arange(b * k1).view(b, k1)
+
+
+def trace_topk(rows: list[Row], plan: DraftPlan, logits: torch.Tensor, view_rows: torch.Tensor,
+               top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """Target top-k (ids, log-probs) [B, K+1, T] at the verified positions of rows that are traced.
 
-    Only positions j <= num_drafted of rows with ``train`` set are computed (kernels.topk_logprobs
-    over [N, V]: one read of each row on the CPU); the rest stay padded (-1 / -inf)."""
-    b, k1, vocab = logits.shape
-    t = min(top_k, vocab)
-    device = logits.device
-    verified = torch.arange(k1, device=device)[None, :] <= plan.lengths.to(device)[:, None]
-    traced = torch.tensor([r.request.train for r in rows], device=device)
+    ``logits`` [R, V] and ``view_rows`` [B, K+1]: the row of ``logits`` at each position of
+    ``plan`` (see ``logit_rows``). Only positions j <= num_drafted of rows with ``train`` set are
+    computed (kernels.topk_logprobs reads those rows in place: one read of each on the CPU); the
+    rest stay padded (-1 / -inf)."""
+    b, k1 = view_rows.shape
+    t = min(top_k, logits.shape[-1])
+    verified = torch.arange(k1)[None, :] <= plan.lengths[:, None]  # [B, K+1]
+    traced = torch.tensor([r.request.train for r in rows])
     keep = verified & traced[:, None]  # [B, K+1]
-    sel = logits.reshape(b * k1, vocab) if bool(keep.all()) else logits[keep]  # [N, V]
-    ids, lp = topk_logprobs(sel, t)  # [N, T] each
+    ids, lp = topk_logprobs(logits, t, rows=view_rows[keep])  # [N, T] each
     topk_ids = np.full((b, k1, t), -1, dtype=np.int32)
     topk_lp = np.full((b, k1, t), -np.inf, dtype=np.float16)
-    mask = keep.cpu().numpy()
+    mask = keep.numpy()
     topk_ids[mask] = ids.to(torch.int32).cpu().numpy()
     topk_lp[mask] = lp.to(torch.float16).cpu().numpy()
     return topk_ids, topk_lp
@@ -119,7 +135,7 @@ def trace_topk(rows: list[Row], plan: DraftPlan, logits: torch.Tensor, top_k: in
 def build_report(
     rows: list[Row],
     plan: DraftPlan,
-    logits: torch.Tensor,
+    logits: tuple[torch.Tensor, torch.Tensor] | None,
     emitted: list[list[int]],
     num_accepted: list[int],
     feats: torch.Tensor | None,
@@ -131,13 +147,14 @@ def build_report(
     feature_layers: tuple[int, ...],
 ) -> VerifyBatch:
     """The step as observers see it (numpy, CPU). ``top_k``: trace the target's top-k of traced
-    rows (None: no observer wants it). ``plan``/``logits`` are the linear view of a tree step."""
+    rows (None: no observer wants it). ``plan`` is the linear view of a tree step, ``logits``
+    (matrix [R, V], the row of each view position [B, K'+1]) where its target logits are."""
     k = plan.k
     lengths = plan.lengths.numpy()
     in_len = np.arange(k)[None, :] < lengths[:, None]  # [B, K]
     topk_ids = topk_lp = None
-    if top_k is not None and any(r.request.train for r in rows):
-        topk_ids, topk_lp = trace_topk(rows, plan, logits, top_k)
+    if top_k is not None and logits is not None and any(r.request.train for r in rows):
+        topk_ids, topk_lp = trace_topk(rows, plan, *logits, top_k)
     features = None
     if feats is not None:
         bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [B, K+1, F]

@@ -40,3 +40,14 @@ def test_other_inputs_take_the_reference():
     ref_ids, ref_lp = tk.topk_logprobs_reference(x, 4)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(lp, ref_lp)
+
+
+def test_chosen_rows_read_in_place_equal_the_rows_copied():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(9, 3001, generator=g)
+    rows = torch.tensor([8, 0, 3, 3])
+    ids, lp = tk.topk_logprobs(logits, 5, rows=rows)
+    ref_ids, ref_lp = tk.topk_logprobs(logits[rows].contiguous(), 5)
+    assert torch.equal(ids, ref_ids) and torch.equal(lp, ref_lp)
+    with pytest.raises((RuntimeError, IndexError)):
+        tk.topk_logprobs(logits, 5, rows=torch.tensor([9]))
