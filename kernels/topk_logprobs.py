@@ -43,12 +43,11 @@ def topk_logprobs(
     ``rows`` [N] (None: every row, N = R; the native kernel reads the chosen rows in place)."""
     count, vocab = logits.shape
     t = min(t, vocab)
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not 1 <= t <= MAX_T:
+    native = logits.device.type == "cpu" and logits.dtype == torch.float32 and 1 <= t <= MAX_T
+    lib = native_build.load("topk_logprobs", _declare) if native else None
+    if lib is None:
         chosen = logits if rows is None else logits.index_select(0, rows.to(logits.device))
         return topk_logprobs_reference(chosen, t)
-    lib = native_build.load("topk_logprobs", _declare)
-    if lib is None:
-        return topk_logprobs_reference(logits if rows is None else logits.index_select(0, rows), t)
     x = logits.contiguous()
     idx = None if rows is None else rows.to(torch.long).contiguous()
     n = count if idx is None else idx.shape[0]

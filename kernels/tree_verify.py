@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.argmax_rows import argmax_rows
 from kernels.sampling import sample_from_uniform
 
 
@@ -90,26 +89,9 @@ def tree_accept(tokens: Tensor, parents: Tensor, target_tokens: Tensor) -> TreeV
     return TreeVerifyResult(num, target_tokens[rows, cur], path)
 
 
-def verified_argmax(target_logits: Tensor, lengths: Tensor) -> Tensor:
-    """[B, N] the target's argmax at nodes 0..lengths[b] of each row (0 past them, never read):
-    ``target_logits`` [B, N, V] padded to N - 1 drafts a row, ``lengths`` [B]."""
-    b, n, vocab = target_logits.shape
-    real = torch.arange(n, device=lengths.device)[None, :] <= lengths[:, None]  # [B, N]
-    flat = real.reshape(-1).nonzero().squeeze(1)  # [M] the verified positions, row-major
-    target = torch.zeros(b * n, dtype=torch.long, device=target_logits.device)
-    target[flat.to(target.device)] = argmax_rows(target_logits.reshape(b * n, vocab), flat)
-    return target.view(b, n)
-
-
-def greedy_tree_verify(
-    tokens: Tensor, parents: Tensor, target_logits: Tensor, lengths: Tensor | None = None
-) -> TreeVerifyResult:
-    """Greedy: follow the target's argmax. ``target_logits`` [B, N, V]. ``lengths`` [B]: each
-    row's drafted nodes, when rows are padded to N - 1: only nodes 0..lengths[b] are read (the
-    walk never leaves them)."""
-    if lengths is None:
-        return tree_accept(tokens, parents, target_logits.argmax(dim=-1))
-    return tree_accept(tokens, parents, verified_argmax(target_logits, lengths))
+def greedy_tree_verify(tokens: Tensor, parents: Tensor, target_logits: Tensor) -> TreeVerifyResult:
+    """Greedy: follow the target's argmax. ``target_logits`` [B, N, V]."""
+    return tree_accept(tokens, parents, target_logits.argmax(dim=-1))
 
 
 def sampled_tree_verify(

@@ -16,11 +16,9 @@ from kernels.sampling import probs_from_logits
 from kernels.topk_logprobs import topk_logprobs
 from kernels.tree_verify import (
     TreeVerifyResult,
-    greedy_tree_verify,
     sampled_tree_verify,
     tree_accept,
     tree_depths,
-    verified_argmax,
 )
 from kernels.verify import rejection_verify
 from serving.engine.base import VerifyBatch
@@ -29,16 +27,16 @@ from serving.engine.rows import Row
 from serving.engine.seeded import position_uniforms
 
 
-def greedy_targets(out, lengths: torch.Tensor) -> torch.Tensor:
-    """[B, K+1] the target's argmax at each row's verified nodes (0..lengths[b]; 0 past them).
-    ``out``: the forward's output; one that skipped padding (``real_logits`` [N, V], ``real``
-    [B, K+1], the same nodes) is read without laying its logits out."""
-    real_logits = getattr(out, "real_logits", None)
-    if real_logits is None:
-        return verified_argmax(out.logits, lengths.to(out.logits.device))
-    real = out.real  # [B, K+1]
-    target = torch.zeros(real.shape, dtype=torch.long, device=real_logits.device)
-    target[real] = argmax_rows(real_logits, torch.arange(real_logits.shape[0]))
+def greedy_targets(out, lengths: torch.Tensor, only: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, K+1] the target's argmax at each row's verified nodes (0..lengths[b]; 0 elsewhere, never
+    read), reading those rows of the forward's logits alone (``logit_rows``). ``only`` [B] bool:
+    the rows to compute (default all)."""
+    matrix, node_row = logit_rows(out)  # [R, V], [B, K+1]
+    verified = torch.arange(node_row.shape[1])[None, :] <= lengths[:, None]  # [B, K+1]
+    if only is not None:
+        verified &= only[:, None]
+    target = torch.zeros(node_row.shape, dtype=torch.long, device=matrix.device)
+    target[verified.to(matrix.device)] = argmax_rows(matrix, node_row[verified])
     return target
 
 
@@ -57,14 +55,16 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
     device = logits.device
     tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)  # [B, K+1]
     parents = parents.to(device)  # [B, K+1]
-    lengths = plan.lengths.to(device)  # [B]
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
     path = torch.full((batch, n), -1, dtype=torch.long, device=device)
     greedy = [b for b in range(batch) if rows[b].params.temperature == 0]
     if greedy:
         g = torch.tensor(greedy, device=device)
-        res = greedy_tree_verify(tokens[g], parents[g], logits[g], lengths[g])
+        is_greedy = torch.zeros(batch, dtype=torch.bool)
+        is_greedy[greedy] = True
+        target = greedy_targets(out, plan.lengths, only=is_greedy)  # [B, K+1]
+        res = tree_accept(tokens[g], parents[g], target[g])
         num_accepted[g], next_tokens[g], path[g] = res.num_accepted, res.next_tokens, res.path
     s = torch.tensor(sampled, device=device)
     srows = [rows[b] for b in sampled]
@@ -153,7 +153,7 @@ def build_report(
     lengths = plan.lengths.numpy()
     in_len = np.arange(k)[None, :] < lengths[:, None]  # [B, K]
     topk_ids = topk_lp = None
-    if top_k is not None and logits is not None and any(r.request.train for r in rows):
+    if top_k is not None and logits is not None:  # logits: given only when a row is traced
         topk_ids, topk_lp = trace_topk(rows, plan, *logits, top_k)
     features = None
     if feats is not None:
