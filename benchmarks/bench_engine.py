@@ -62,15 +62,20 @@ class BandwidthProbe:
     34 GB/s from a 256 MB tensor and 60 GB/s from a 1 GB one), so ``run`` samples it between the
     timed forwards and reports the median of those samples."""
 
-    def __init__(self, tensors: list[torch.Tensor] | None = None, mb: int = 256):
-        self.tensors = tensors or [torch.ones(mb * 2**20 // 4, dtype=torch.float32)]
+    def __init__(self, tensors: list[torch.Tensor] | None = None, mb: int = 256,
+                 device: torch.device | str = "cpu"):
+        self.tensors = tensors or [torch.ones(mb * 2**20 // 4, dtype=torch.float32, device=device)]
         self.bytes = sum(t.numel() * t.element_size() for t in self.tensors)
+        on_gpu = self.tensors[0].device.type == "cuda"
+        self._sync = torch.cuda.synchronize if on_gpu else (lambda: None)
         self._read()
         self.times: list[float] = []
 
     def _read(self) -> None:
+        self._sync()
         for t in self.tensors:
             t.sum()
+        self._sync()
 
     def sample(self) -> None:
         t0 = time.perf_counter()
@@ -136,7 +141,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         paths.insert(1, _Path("blas", blas))
     served = fast.runner.fast.weight_tensors() if fast.runner.fast is not None else None
     probe = BandwidthProbe(served)  # the weights themselves, where the fast forward has them
-    probe_256mb = BandwidthProbe()  # a separate allocation, for comparison with earlier runs
+    probe_256mb = BandwidthProbe(device=target.device)  # a separate allocation, for comparison with earlier runs
     weight_bytes = (
         fast.runner.fast.weight_bytes()
         if fast.runner.fast is not None

@@ -33,6 +33,7 @@ def spec(
     batch: str = typer.Option("", help="Comma-separated batch sizes (e.g. 1,4,8) for the never-slower "
                               "check: target-only vs adaptive speculation at each, A/B in one process."),
     batch_repeats: int = typer.Option(4, min=1, help="A/B rounds per batch size (ABBA order)."),
+    device: str = typer.Option("cpu", help="torch device for the target (e.g. cuda:0)."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
@@ -41,7 +42,7 @@ def spec(
 
     batches = tuple(int(b) for b in batch.split(",") if b.strip())
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
-              tree, batches, batch_repeats)
+              tree, batches, batch_repeats, device)
     print(json.dumps(out, indent=None if json_out else 2))
 
 

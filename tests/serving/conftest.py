@@ -7,6 +7,7 @@ purpose, to exercise verification with good, bad, sampled and failing proposals.
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -163,11 +164,21 @@ def drafters():
 
 # ---- targets ---------------------------------------------------------------------------------
 
+# Where the shared tiny targets live. CI has no GPU; on a GPU machine
+# ``SPECLOOP_TEST_DEVICE=cuda pytest tests/serving/test_tree_engine.py ...`` runs the engine's tests
+# with the target on CUDA (benchmarks/gpu_check.sh).
+TEST_DEVICE = os.environ.get("SPECLOOP_TEST_DEVICE", "cpu")
+
+
+def _placed(target: Target) -> Target:
+    target.model.to(TEST_DEVICE)
+    return target
+
 
 @pytest.fixture(scope="session")
 def ids_target() -> Target:
     """Token-id-only tiny Llama (fp32): exact numerics, millisecond steps."""
-    return tiny_target(vocab_size=101, hidden_size=64, num_layers=2, seed=3)
+    return _placed(tiny_target(vocab_size=101, hidden_size=64, num_layers=2, seed=3))
 
 
 def peaked_target(vocab_size: int = 8, seed: int = 5, scale: float = 0.2) -> Target:
@@ -179,7 +190,7 @@ def peaked_target(vocab_size: int = 8, seed: int = 5, scale: float = 0.2) -> Tar
     with torch.no_grad():
         weight = torch.randn(vocab_size, 32, generator=gen) * scale
         t.model.lm_head.weight = torch.nn.Parameter(weight)
-    return t
+    return _placed(t)
 
 
 @pytest.fixture(scope="session")
@@ -190,7 +201,7 @@ def peaked():
 @pytest.fixture(scope="session")
 def text_target() -> Target:
     """Tiny random Llama on the real SmolLM2 tokenizer: text in and out works."""
-    return tiny_target(hidden_size=32, num_layers=2, seed=7)
+    return _placed(tiny_target(hidden_size=32, num_layers=2, seed=7))
 
 
 # ---- running requests --------------------------------------------------------------------------

@@ -173,8 +173,9 @@ def _exact_joint(model, prompt, n_tokens, temperature, top_k, top_p):
         for prefix in itertools.product(range(vocab), repeat=n_tokens - 1):
             mass = 1.0
             for j in range(n_tokens):
-                logits = model(torch.tensor([prompt + list(prefix[:j])])).logits[:, -1]  # [1, V]
-                p = probs_from_logits(logits, temperature, top_k, top_p)[0].double().numpy()
+                ids = torch.tensor([prompt + list(prefix[:j])], device=model.device)
+                logits = model(ids).logits[:, -1]  # [1, V]
+                p = probs_from_logits(logits, temperature, top_k, top_p)[0].double().cpu().numpy()
                 if j < n_tokens - 1:
                     mass *= p[prefix[j]]
             joint[prefix] = mass * p
@@ -581,8 +582,8 @@ def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
 
 def _plain_features(model, ids, layers):
     with torch.inference_mode():
-        out = model(torch.tensor([ids]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)  # [len, F]
+        out = model(torch.tensor([ids], device=model.device), output_hidden_states=True)
+    return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).cpu()  # [len, F]
 
 
 def test_features_reach_the_drafter_and_are_rebuilt_on_swap(ids_target, refs, run, drafters):
@@ -601,7 +602,7 @@ def test_features_reach_the_drafter_and_are_rebuilt_on_swap(ids_target, refs, ru
     assert all(f.shape[0] == len(ids) for ids, f in steps)
     got = torch.cat([prefill] + [f for _, f in steps])
     assert got.shape == expected.shape
-    torch.testing.assert_close(got.float(), expected.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.float().cpu(), expected.float(), atol=1e-4, rtol=1e-4)
 
     # swapping from a featureless drafter to one that wants features rebuilds them for the history
     plain = drafters.Garbage(vocab=101, seed=3)
@@ -622,7 +623,7 @@ def test_features_reach_the_drafter_and_are_rebuilt_on_swap(ids_target, refs, ru
     history, feats = wants.added["g"]
     assert feats.shape[0] == len(history) - 1
     torch.testing.assert_close(
-        feats, _plain_features(model, history[:-1], (-1,)), atol=1e-4, rtol=1e-4
+        feats.cpu(), _plain_features(model, history[:-1], (-1,)), atol=1e-4, rtol=1e-4
     )
     assert _tokens(chunks) == refs[tuple(prompt)][:30]
 

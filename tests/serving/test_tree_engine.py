@@ -277,7 +277,7 @@ def test_tree_steps_are_traced_and_train(ids_target, refs, run):
             for j in range(nd + 1):
                 ctx = list(req.prompt_ids) + out[:pos] + drafts[:j]
                 with torch.inference_mode():
-                    best = int(model(torch.tensor([ctx])).logits[0, -1].argmax())
+                    best = int(model(torch.tensor([ctx], device=model.device)).logits[0, -1].argmax())
                 assert int(st.target_topk_ids[s, j, 0]) == best
         assert_same_trace(decode(encode(rec)), rec)
         assert build_examples(rec)

