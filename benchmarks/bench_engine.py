@@ -13,6 +13,9 @@ run (so the before/after ratio is measured on the same machine at the same time)
 - ``verify_cost["q"]``: forward of q tokens / one-token forward, same context.
 - ``lossless``: greedy outputs of the fast path equal the reference forward's on a few prompts.
 - ``startup_s``: model load + building the fast forward + a warm-up forward.
+- ``fp32_panels``: where the fast forward streams bf16 panels (weights that are exactly bf16, as
+  the default target's are), the same forward over fp32 panels, timed in the same run
+  (``speedup_vs_fp32_panels``: its ms / the fast path's).
 """
 
 from __future__ import annotations
@@ -102,6 +105,15 @@ class _Path:
         return (time.perf_counter() - t0) * 1e3
 
 
+def _panel_dtype(engine) -> str | None:
+    """The dtype of the fast forward's packed panels (bf16 where the weights are exactly bf16),
+    or None where the native kernel does not serve them."""
+    fast = engine.runner.fast
+    if fast is None or not fast.native:
+        return None
+    return str(fast.lm_head_served.panels.dtype).replace("torch.", "")
+
+
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     from serving.engine.batch_cache import RaggedKVCache
 
@@ -139,6 +151,10 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if native:  # the same forward on BLAS alone: what the native kernel buys, in the same run
         blas = TorchEngine(target, config=EngineConfig(k=0, forward="auto", native_kernels=False))
         paths.insert(1, _Path("blas", blas))
+    panels = _panel_dtype(fast)
+    if panels == "bfloat16":  # the same kernel over fp32 panels: what half the bytes buys
+        fp32 = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_panels=False))
+        paths.insert(1, _Path("fp32_panels", fp32))
     served = fast.runner.fast.weight_tensors() if fast.runner.fast is not None else None
     probe = BandwidthProbe(served)  # the weights themselves, where the fast forward has them
     probe_256mb = BandwidthProbe(device=target.device)  # a separate allocation, for comparison with earlier runs
@@ -200,9 +216,11 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     def figures(name: str) -> dict:
         med = {q: statistics.median(v) for q, v in times[name].items()}
         step = med[1]
+        engine = next(p.engine for p in paths if p.name == name)
+        nbytes = engine.runner.fast.weight_bytes() if engine.runner.fast is not None else weight_bytes
         return {
             "step_ms": round(step, 2),
-            "bound_fraction": round(weight_bytes / bw / 1e6 / step, 3),
+            "bound_fraction": round(nbytes / bw / 1e6 / step, 3),
             "verify_cost": {str(q): round(med[q] / step, 3) for q in _QS},
             "verify_ms": {str(q): round(med[q], 2) for q in _QS},
         }
@@ -224,6 +242,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
             "used": native,
             "kernel": "packed_linear",
             "panel_width": packed_linear.panel_width(),
+            "panels": panels,
         },
         **figures("fast"),
         "step_ms_plain_thread": round(statistics.median(thread_ms), 2),
@@ -233,6 +252,16 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     }
     if native:
         out["without_native_kernel"] = figures("blas")
+    if panels == "bfloat16":
+        out["fp32_panels"] = figures("fp32_panels")
+        out["fp32_panels"]["weight_bytes"] = fp32.runner.fast.weight_bytes()
+        out["speedup_vs_fp32_panels"] = {
+            "step": round(out["fp32_panels"]["step_ms"] / out["step_ms"], 3),
+            **{
+                str(q): round(out["fp32_panels"]["verify_ms"][str(q)] / out["verify_ms"][str(q)], 3)
+                for q in _QS
+            },
+        }
     out["speedup_vs_reference"] = {
         "step": round(out["reference"]["step_ms"] / out["step_ms"], 3),
         **{

@@ -6,6 +6,11 @@ A weight is packed once, when a forward is built (``PackedLinear.pack(w)``), and
 they serve and keep the original for everything else (training, the reference forward).
 ``pack`` returns None where the kernel cannot be built, or the weight is not a 2-D fp32 CPU
 tensor: the caller then keeps its row-major path.
+
+Panels are bf16 where every weight is exactly a bf16 value (``pack(w, bf16=True)``, the default):
+the default SmolLM2 target's weights are (they were dequantised to a bf16 cache), so a decode step
+streams half the bytes, and since a bf16 weight widened to fp32 is the same number the results are
+bit for bit those of fp32 panels. Other weights keep fp32 panels.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     )
     lib.packed_linear_fused.restype = ctypes.c_int
+    lib.packed_linear_fused_bf16.argtypes = lib.packed_linear_fused.argtypes
+    lib.packed_linear_fused_bf16.restype = ctypes.c_int
     lib.packed_linear_panel_width.restype = ctypes.c_int
 
 
@@ -44,8 +51,14 @@ def panel_width() -> int:
     return int(lib.packed_linear_panel_width()) if lib is not None else 0
 
 
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether every value of ``w`` (fp32) is exactly a bf16 value (its low 16 bits are zero)."""
+    return bool((w.contiguous().view(torch.int32) & 0xFFFF).eq(0).all())
+
+
 class PackedLinear:
-    """A weight ``w`` [N, K] as panels [ceil(N/P), K, P] (zero-padded to whole panels)."""
+    """A weight ``w`` [N, K] as panels [ceil(N/P), K, P] (zero-padded to whole panels), fp32 or
+    bf16 (``panels.dtype``)."""
 
     def __init__(self, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL):
         self.panels = panels  # [N/P, K, P]
@@ -54,7 +67,8 @@ class PackedLinear:
         self._lib = lib
 
     @classmethod
-    def pack(cls, w: torch.Tensor) -> PackedLinear | None:
+    def pack(cls, w: torch.Tensor, bf16: bool = True) -> PackedLinear | None:
+        """Panels of ``w``; bf16 ones when ``bf16`` and every weight is exactly a bf16 value."""
         if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
             return None
         lib = _load()
@@ -64,8 +78,9 @@ class PackedLinear:
         n, k = w.shape
         count = -(-n // p)
         with torch.no_grad():
-            padded = torch.zeros(count * p, k, dtype=torch.float32)
-            padded[:n] = w
+            dtype = torch.bfloat16 if bf16 and bf16_exact(w) else torch.float32
+            padded = torch.zeros(count * p, k, dtype=dtype)
+            padded[:n] = w  # exact either way
             panels = padded.view(count, p, k).transpose(1, 2).contiguous()  # [N/P, K, P]
         return cls(panels, n, lib)
 
@@ -77,7 +92,7 @@ class PackedLinear:
     def unpacked(self) -> torch.Tensor:
         """The weight as [N, K] again (tests, and the reference path)."""
         n = self.out_features
-        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:n]
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:n].float()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, w) (+ residual)``: x [..., K] fp32 -> [..., N]."""
@@ -137,7 +152,9 @@ class PackedLinear:
             if residual.shape != y.shape:
                 raise ValueError(f"residual {tuple(residual.shape)} != output {tuple(y.shape)}")
             res = residual.reshape(tokens, self.out_features).contiguous()  # [T, N]
-        rc = self._lib.packed_linear_fused(
+        call = (self._lib.packed_linear_fused_bf16 if self.panels.dtype == torch.bfloat16
+                else self._lib.packed_linear_fused)
+        rc = call(
             x2.data_ptr(), prologue, weight.data_ptr() if weight is not None else None, eps,
             self.panels.data_ptr(), res.data_ptr() if res is not None else None, y.data_ptr(),
             tokens, self.out_features, self.in_features, threads.kernel_threads(),

@@ -16,12 +16,19 @@
  *
  * Each output is one FMA chain over k in order, whatever T is: a token's result does not depend
  * on how many tokens share the call (verify and decode agree bit for bit on the projections).
+ * Panels hold fp32, or bf16 where every weight is exactly a bf16 value (the default SmolLM2 cache
+ * is: its weights were dequantised to bf16): a bf16 weight widened to fp32 is the same number, so
+ * the FMA chains are the same and the results bit for bit those of fp32 panels, from half the
+ * bytes. A single group of tokens widens each weight vector in registers; several groups widen a
+ * chunk once into an fp32 buffer in L1 that they all read.
+ *
  * Parallel over panels on the process's worker threads (pool.h). Measured on a 2-core AMD
  * EPYC (Zen 4), the 30 layers + lm_head of SmolLM2-135M: 1 token ~18 ms (thin_linear ~20),
  * 8 tokens ~1.0x one token (thin_linear ~1.5x), 256 tokens ~5 % faster than MKL's sgemm.
  */
 #include <math.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "pool.h"
@@ -56,20 +63,32 @@
 #define KC 64
 #define CHUNK_GROUPS 8
 
+/* A vector of VW bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32). */
+typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+static inline vf load_f32(const float *p) { return *(const vf *)p; }
+static inline vf load_bf16(const uint16_t *p) {
+    vu u = __builtin_convertvector(*(const vh *)p, vu) << 16;
+    vf f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* Rows [k0, k1) of one panel (outputs n0 .. n0+P) for R tokens of x, into the accumulators in
- * state [R][PV] (zeroed first when k0 == 0). */
-#define DEFINE_PANEL(R)                                                                      \
-    static void panel_##R(const float *restrict x, const float *restrict wp, vf *restrict state, \
-                          long K, long k0, long k1) {                                          \
+ * state [R][PV] (zeroed first when k0 == 0). wp points at row k0 of the panel, whose weights are
+ * of type WT, read with LOAD; PF: rows prefetched ahead. */
+#define DEFINE_PANEL(NAME, WT, LOAD, PF, R)                                                  \
+    static void NAME##_##R(const float *restrict x, const WT *restrict wp, vf *restrict state, \
+                           long K, long k0, long k1) {                                       \
         vf acc[R][PV];                                                                       \
         for (int t = 0; t < R; t++)                                                          \
             for (int j = 0; j < PV; j++) acc[t][j] = k0 ? state[t * PV + j] : (vf){0};       \
         for (long k = k0; k < k1; k++) {                                                     \
-            const float *row = wp + k * P;                                                   \
-            for (int j = 0; j < PV; j++) /* into L2, PREFETCH_ROWS rows ahead (see above) */  \
-                __builtin_prefetch(row + PREFETCH_ROWS * P + j * VW, 0, 1);                  \
+            const WT *row = wp + (k - k0) * P;                                               \
+            for (int j = 0; j < PV; j++) /* into L2, PF rows ahead (see PREFETCH_ROWS) */    \
+                __builtin_prefetch(row + PF * P + j * VW, 0, 1);                             \
             vf w[PV];                                                                        \
-            for (int j = 0; j < PV; j++) w[j] = *(const vf *)(row + j * VW);                 \
+            for (int j = 0; j < PV; j++) w[j] = LOAD(row + j * VW);                          \
             for (int t = 0; t < R; t++) {                                                    \
                 vf xb = vbroadcast(x[t * K + k]);                                            \
                 for (int j = 0; j < PV; j++) acc[t][j] += w[j] * xb;                         \
@@ -79,21 +98,33 @@
             for (int j = 0; j < PV; j++) state[t * PV + j] = acc[t][j];                      \
     }
 
-DEFINE_PANEL(1)
-DEFINE_PANEL(2)
-DEFINE_PANEL(3)
+/* bf16 rows are half as long: prefetching twice as many rows ahead keeps the same bytes in flight */
+#define DEFINE_PANELS(R)                                                                     \
+    DEFINE_PANEL(panel, float, load_f32, PREFETCH_ROWS, R)                                   \
+    DEFINE_PANEL(panel_bf16, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R)
+
+DEFINE_PANELS(1)
+DEFINE_PANELS(2)
+DEFINE_PANELS(3)
 #if RMAX > 3
-DEFINE_PANEL(4)
-DEFINE_PANEL(5)
-DEFINE_PANEL(6)
-DEFINE_PANEL(7)
-DEFINE_PANEL(8)
+DEFINE_PANELS(4)
+DEFINE_PANELS(5)
+DEFINE_PANELS(6)
+DEFINE_PANELS(7)
+DEFINE_PANELS(8)
 #endif
 
 typedef void (*panel_fn)(const float *, const float *, vf *, long, long, long);
 static const panel_fn PANELS[RMAX + 1] = {0, panel_1, panel_2, panel_3,
 #if RMAX > 3
                                           panel_4, panel_5, panel_6, panel_7, panel_8
+#endif
+};
+typedef void (*panel_bf16_fn)(const float *, const uint16_t *, vf *, long, long, long);
+static const panel_bf16_fn PANELS_BF16[RMAX + 1] = {0, panel_bf16_1, panel_bf16_2, panel_bf16_3,
+#if RMAX > 3
+                                                    panel_bf16_4, panel_bf16_5, panel_bf16_6,
+                                                    panel_bf16_7, panel_bf16_8
 #endif
 };
 
@@ -108,19 +139,31 @@ static void write_out(const vf *state, const float *res, float *y, long R, long 
     }
 }
 
-/* One panel for all T tokens: groups of RMAX, CHUNK_GROUPS at a time sharing each chunk. */
-static void panel_all(const float *x, const float *wp, const float *res, float *y, long T, long N,
-                      long K, long n0) {
+/* One panel for all T tokens: groups of RMAX, CHUNK_GROUPS at a time sharing each chunk. The
+ * panel is fp32 (wp) or bf16 (wh, wp NULL). With bf16 and several groups, each chunk is widened
+ * once into buf, which the groups then read as an fp32 panel. */
+static void panel_all(const float *x, const float *wp, const uint16_t *wh, const float *res,
+                      float *y, long T, long N, long K, long n0) {
     vf state[CHUNK_GROUPS][RMAX * PV];
+    float buf[KC * P] __attribute__((aligned(64)));
     for (long g0 = 0; g0 < T; g0 += CHUNK_GROUPS * RMAX) {
         long span = T - g0 < CHUNK_GROUPS * RMAX ? T - g0 : CHUNK_GROUPS * RMAX;
         long groups = (span + RMAX - 1) / RMAX;
         long step = groups > 1 ? KC : K; /* one group: one pass, no chunks needed */
         for (long k0 = 0; k0 < K; k0 += step) {
             long k1 = k0 + step < K ? k0 + step : K;
+            const float *rows = wp ? wp + k0 * P : buf;
+            if (!wp && groups > 1) /* widen the chunk once for every group */
+                for (long i = 0; i < (k1 - k0) * P; i += VW) {
+                    __builtin_prefetch(wh + (k0 + 2 * PREFETCH_ROWS) * P + i, 0, 1);
+                    *(vf *)(buf + i) = load_bf16(wh + k0 * P + i);
+                }
             for (long g = 0; g < groups; g++) {
                 long t0 = g0 + g * RMAX, r = T - t0 < RMAX ? T - t0 : RMAX;
-                PANELS[r](x + t0 * K, wp, state[g], K, k0, k1);
+                if (!wp && groups == 1)
+                    PANELS_BF16[r](x + t0 * K, wh + k0 * P, state[g], K, k0, k1);
+                else
+                    PANELS[r](x + t0 * K, rows, state[g], K, k0, k1);
             }
         }
         for (long g = 0; g < groups; g++) {
@@ -151,6 +194,7 @@ static void swiglu_row(const float *x, float *h, long K) {
 
 struct job {
     const float *x, *g, *wp, *res, *in;
+    const uint16_t *wh;
     float *h, *y;
     float eps;
     int prologue;
@@ -171,25 +215,40 @@ static void run(void *ctx, int id, int n) {
     }
     spl_range((j->N + P - 1) / P, id, n, &lo, &hi);
     for (long p = lo; p < hi; p++)
-        panel_all(j->in, j->wp + p * j->K * P, j->res, j->y, j->T, j->N, j->K, p * P);
+        panel_all(j->in, j->wp ? j->wp + p * j->K * P : NULL, j->wp ? NULL : j->wh + p * j->K * P,
+                  j->res, j->y, j->T, j->N, j->K, p * P);
 }
 
 /* y [T, N] = prologue(x) @ w^T (+ res [T, N] when not NULL). x [T, K] (PROLOGUE_SWIGLU: [T, 2K]),
- * g [K] the norm weight (PROLOGUE_RMSNORM), wp [ceil(N/P), K, P] (packed_linear.py); all fp32
- * contiguous. Returns 0, or -1 on bad arguments. */
-int packed_linear_fused(const float *x, int prologue, const float *g, float eps, const float *wp,
-                        const float *res, float *y, long T, long N, long K, int threads) {
+ * g [K] the norm weight (PROLOGUE_RMSNORM), panels [ceil(N/P), K, P] (packed_linear.py): fp32
+ * (wp) or bf16 (wh; wp NULL); all contiguous. Returns 0, or -1 on bad arguments. */
+static int fused(const float *x, int prologue, const float *g, float eps, const float *wp,
+                 const uint16_t *wh, const float *res, float *y, long T, long N, long K,
+                 int threads) {
     if (T < 1 || N < 1 || K < 1 || threads < 1 || prologue < 0 || prologue > 2) return -1;
     if (prologue == PROLOGUE_RMSNORM && !g) return -1;
+    if (!wp && !wh) return -1;
     float *h = NULL;
     if (prologue != PROLOGUE_NONE) {
         h = malloc(sizeof(float) * T * K);
         if (!h) return -1;
     }
-    struct job j = {x, g, wp, res, h ? h : x, h, y, eps, prologue, T, N, K};
+    struct job j = {x, g, wp, res, h ? h : x, wh, h, y, eps, prologue, T, N, K};
     spl_parallel(run, &j, threads);
     free(h);
     return 0;
+}
+
+int packed_linear_fused(const float *x, int prologue, const float *g, float eps, const float *wp,
+                        const float *res, float *y, long T, long N, long K, int threads) {
+    return fused(x, prologue, g, eps, wp, NULL, res, y, T, N, K, threads);
+}
+
+/* The same with bf16 panels (each weight exactly a bf16 value; results equal fp32 panels'). */
+int packed_linear_fused_bf16(const float *x, int prologue, const float *g, float eps,
+                             const uint16_t *wh, const float *res, float *y, long T, long N,
+                             long K, int threads) {
+    return fused(x, prologue, g, eps, NULL, wh, res, y, T, N, K, threads);
 }
 
 /* Outputs per panel: the packing's P (48 with AVX-512, 32 otherwise). */

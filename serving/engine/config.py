@@ -76,6 +76,12 @@ class EngineConfig(BaseModel):
         "tokens costs about one pass over the weights), built with the machine's C compiler on "
         "first use and cached; where it does not build, BLAS. False = BLAS only.",
     )
+    bf16_panels: bool = Field(
+        True,
+        description="Pack a weight whose values are all exactly bf16 (the default SmolLM2 target's "
+        "are: it was dequantised to a bf16 cache) as bf16 panels: a decode step streams half the "
+        "bytes, with results bit for bit those of fp32 panels. False = fp32 panels always.",
+    )
     capture_features: bool = Field(
         False,
         description="Run the target with hidden states even when the drafter needs none, so traces "

@@ -86,7 +86,7 @@ good or better (measured)."""
 
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> {native: (weights stamp, LlamaForward)}: see ``LlamaForward.shared``."""
+"""model -> {(native, bf16_panels): (weights stamp, LlamaForward)}: see ``LlamaForward.shared``."""
 _SHARED_LOCK = threading.Lock()
 
 
@@ -105,7 +105,8 @@ def _version(t: torch.Tensor) -> int | None:
 
 class LlamaForward:
     @classmethod
-    def shared(cls, model: torch.nn.Module, native: bool | None = None) -> LlamaForward:
+    def shared(cls, model: torch.nn.Module, native: bool | None = None,
+               bf16_panels: bool = True) -> LlamaForward:
         """The LlamaForward of ``model``, built once per process and shared by every engine on it.
 
         Two engines on one target in a process (a benchmark's target-only baseline beside its
@@ -118,11 +119,11 @@ class LlamaForward:
         stamp = _weights_stamp(model)
         with _SHARED_LOCK:
             per_model = _SHARED.setdefault(model, {})
-            hit = per_model.get(native)
+            hit = per_model.get((native, bf16_panels))
             if hit is not None and hit[0] == stamp:
                 return hit[1]
-            forward = cls(model, native=native)
-            per_model[native] = (stamp, forward)
+            forward = cls(model, native=native, bf16_panels=bf16_panels)
+            per_model[(native, bf16_panels)] = (stamp, forward)
             return forward
 
     @staticmethod
@@ -138,10 +139,13 @@ class LlamaForward:
         return inner is not None and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head")
 
     def __init__(
-        self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None
+        self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None,
+        bf16_panels: bool = True,
     ):
         """native: serve the projections through kernels.packed_linear (None = where it builds and
         the weights are fp32 on the CPU; the packed copies replace the fused row-major ones);
+        bf16_panels: pack a weight whose values are all exactly bf16 as bf16 panels (half the
+        bytes a step streams, bit-identical results; kernels/packed_linear.py);
         thin_max: the BLAS w @ x^T path's limit otherwise."""
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
@@ -160,6 +164,7 @@ class LlamaForward:
         on_cpu_fp32 = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
         wanted = (native is None or bool(native)) and on_cpu_fp32
         self.native = wanted and packed_linear.available()
+        self.bf16_panels = bf16_panels
         self.native_attention = wanted and native_attention.available()
         self.layers = []
         with torch.no_grad():
@@ -184,7 +189,7 @@ class LlamaForward:
     def _served(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """A projection's weight as the forward reads it: packed panels on the native path (a
         copy; the model keeps its own), else row-major."""
-        packed = PackedLinear.pack(w) if self.native else None
+        packed = PackedLinear.pack(w, bf16=self.bf16_panels) if self.native else None
         return packed if packed is not None else w.contiguous()
 
     def weight_tensors(self) -> list[torch.Tensor]:

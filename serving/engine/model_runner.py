@@ -20,6 +20,7 @@ class ModelRunner:
         device: torch.device,
         forward: str = "auto",
         native_kernels: bool = True,
+        bf16_panels: bool = True,
     ):
         self.model = model
         self.device = device
@@ -31,7 +32,8 @@ class ModelRunner:
         """Our own forward (serving/engine/llama_forward.py) when ``forward="auto"`` and the
         model is a Llama-family model on sdpa; None runs the Hugging Face forward."""
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
-            self.fast = LlamaForward.shared(model, native=None if native_kernels else False)
+            self.fast = LlamaForward.shared(model, native=None if native_kernels else False,
+                                            bf16_panels=bf16_panels)
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""
 

@@ -91,7 +91,8 @@ class TorchEngine(DrafterSwaps):
         self.max_context = min(cfg.max_context or target.max_context, target.max_context)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.device = target.device
-        self.runner = ModelRunner(self.model, self.device, cfg.forward, cfg.native_kernels)
+        self.runner = ModelRunner(self.model, self.device, cfg.forward, cfg.native_kernels,
+                                  cfg.bf16_panels)
         self.eos_ids = _eos_ids(target)
         self.observers = list(observers)
         self.policy: SpeculationPolicy = policy or FixedK(cfg.k)

@@ -114,3 +114,41 @@ def test_fused_calls_refuse_wrong_shapes():
         packed.swiglu(torch.randn(2, 8))
     with pytest.raises(ValueError, match="residual"):
         packed(torch.randn(2, 8), residual=torch.randn(3, 16))
+
+
+def _bf16_valued(*shape, generator) -> torch.Tensor:
+    """fp32 weights whose values are all exactly bf16 (as the default target's are)."""
+    return torch.randn(*shape, generator=generator).bfloat16().float()
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 19, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 584), (1, 20)])
+def test_bf16_panels_give_exactly_the_fp32_panels_results(tokens, n, k):
+    """A weight that is exactly bf16 streams as bf16 panels (half the bytes) with results bit for
+    bit those of fp32 panels: one group widening in registers, several groups reading a widened
+    chunk, further passes above 64 tokens; with every prologue and a residual."""
+    g = torch.Generator().manual_seed(tokens * 7 + n)
+    w = _bf16_valued(n, k, generator=g)
+    half, full = PackedLinear.pack(w), PackedLinear.pack(w, bf16=False)
+    assert half.panels.dtype == torch.bfloat16 and full.panels.dtype == torch.float32
+    assert half.nbytes * 2 == full.nbytes and torch.equal(half.unpacked(), w)
+    x = torch.randn(tokens, k, generator=g)
+    res = torch.randn(tokens, n, generator=g)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    gu = torch.randn(tokens, 2 * k, generator=g)
+    assert torch.equal(half(x), full(x))
+    assert torch.equal(half(x, residual=res), full(x, residual=res))
+    assert torch.equal(half.normed(x, norm_w, 1e-5), full.normed(x, norm_w, 1e-5))
+    assert torch.equal(half.swiglu(gu, residual=res), full.swiglu(gu, residual=res))
+    torch.testing.assert_close(half(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+def test_a_weight_that_is_not_exactly_bf16_keeps_fp32_panels():
+    g = torch.Generator().manual_seed(9)
+    w = _bf16_valued(40, 32, generator=g)
+    w[3, 5] += 1e-4  # one value off the bf16 grid
+    assert not pl.bf16_exact(w) and pl.bf16_exact(_bf16_valued(4, 4, generator=g))
+    packed = PackedLinear.pack(w)
+    assert packed.panels.dtype == torch.float32 and torch.equal(packed.unpacked(), w)

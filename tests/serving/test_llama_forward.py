@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels import packed_linear
+from kernels.packed_linear import PackedLinear
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.llama_forward import LlamaForward
 from serving.target import tiny_target
@@ -137,7 +138,8 @@ def test_logits_to_keep_and_unsupported_models():
 @pytest.mark.real_model
 @torch.inference_mode()
 def test_real_model_greedy_outputs_equal_hf_reference():
-    """SmolLM2: the engine's fast forward decodes exactly what the Hugging Face forward decodes."""
+    """SmolLM2: the engine's fast forward (bf16 panels) decodes exactly what the Hugging Face
+    forward decodes."""
     from benchmarks.bench_engine import _greedy
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
@@ -147,6 +149,8 @@ def test_real_model_greedy_outputs_equal_hf_reference():
     fast = TorchEngine(target, config=EngineConfig(k=0))
     ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
     assert fast.runner.fast is not None and ref.runner.fast is None
+    if fast.runner.fast.native:  # the default target's weights are exactly bf16: half the bytes
+        assert fast.runner.fast.lm_head_served.panels.dtype == torch.bfloat16
     tok = target.tokenizer
     for text in ("def fibonacci(n):", "The capital of France is", "Write a haiku about rain."):
         ids = tok.encode(text)
@@ -184,3 +188,34 @@ def test_engines_on_one_model_share_its_forward_until_a_weight_changes():
         ref = logits(None)
         torch.testing.assert_close(logits(third.fast), ref, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(logits(first.fast), ref, atol=1e-3)  # the old copy: the old model
+
+
+@torch.inference_mode()
+def test_a_bf16_valued_target_streams_bf16_panels_with_the_same_logits():
+    """The default target's weights are all exactly bf16 (a bf16 cache, served in fp32): its
+    projections are packed as bf16 panels, half the bytes a step reads, and the forward's logits
+    and cache are bit for bit those of fp32 panels."""
+    if not packed_linear.available():
+        pytest.skip("native kernel not built here")
+    model = tiny_target(vocab_size=97, num_layers=3).model
+    model.to(torch.bfloat16).to(torch.float32)  # every weight now exactly a bf16 value
+    half = LlamaForward(model, native=True)
+    full = LlamaForward(model, native=True, bf16_panels=False)
+
+    def panels(fwd):
+        return [w for lay in fwd.layers for w in lay if isinstance(w, PackedLinear)] + [fwd.lm_head_served]
+
+    assert len(panels(half)) == 3 * 4 + 1
+    assert all(w.panels.dtype == torch.bfloat16 for w in panels(half))
+    assert sum(w.nbytes for w in panels(half)) * 2 == sum(w.nbytes for w in panels(full))
+    cache = _prefilled(model, [5, 11, 2])
+    twin = _twin(cache)
+    for q in (1, 4, 19):
+        ids = torch.randint(0, 97, (3, q), generator=torch.Generator().manual_seed(q))
+        pos, mask = cache.prepare(q)
+        pos2, mask2 = twin.prepare(q)
+        assert torch.equal(half(ids, pos, mask, cache).logits, full(ids, pos2, mask2, twin).logits)
+        cache.commit([q] * 3)
+        twin.commit([q] * 3)
+    for a, b in zip(cache.keys + cache.values, twin.keys + twin.values):
+        assert torch.equal(a, b)
