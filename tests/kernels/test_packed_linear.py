@@ -122,7 +122,7 @@ def _bf16_valued(*shape, generator) -> torch.Tensor:
 
 
 @needs_native
-@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 19, 70])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 10, 16, 19, 70])
 @pytest.mark.parametrize("n,k", [(960, 576), (577, 584), (1, 20)])
 def test_bf16_panels_give_exactly_the_fp32_panels_results(tokens, n, k):
     """A weight that is exactly bf16 streams as bf16 panels (half the bytes) with results bit for
