@@ -17,6 +17,19 @@
 #
 # Results land in $OUT (one JSON or log file per step); every step runs under its own timeout and a
 # failed step does not stop the next one.
+#
+# What it reads from .gpu/ (kept out of git: `echo /.gpu/ >> .git/info/exclude`), prepared here:
+#   .gpu/whl/          wheels the GPU image lacks, for its Python 3.12: pydantic, pydantic-core,
+#                      pydantic-settings, python-dotenv, typing-inspection, annotated-types, gguf
+#                      (pip download --no-deps --only-binary=:all: --python-version 3.12 ...)
+#   .gpu/gguf.part00, .gpu/gguf.part01, .gpu/gguf.sha256
+#                      split -b 50000000 -d SmolLM2-135M-Instruct.Q4_1.gguf .gpu/gguf.part, and its
+#                      sha256sum; carry part00 with `env stash smoke`, then part01 with
+#                      `env model engine spec` within the machine's 30 s warm window
+#   .gpu/default.jsonl, .gpu/sharegpt.jsonl
+#                      infra.prompts.default_prompts() and load_sharegpt(20, 20), one
+#                      PromptItem.model_dump(exclude_none=True) per line (the prompt wheels are
+#                      not installed there)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
