@@ -64,7 +64,8 @@ class PackedLinear:
         self.panels = panels  # [N/P, K, P]
         self.out_features = out_features
         self.in_features = panels.shape[1]
-        self._lib = lib
+        self._fused = (lib.packed_linear_fused_bf16 if panels.dtype == torch.bfloat16
+                       else lib.packed_linear_fused)  # the entry for this panel dtype
 
     @classmethod
     def pack(cls, w: torch.Tensor, bf16: bool = True) -> PackedLinear | None:
@@ -152,9 +153,7 @@ class PackedLinear:
             if residual.shape != y.shape:
                 raise ValueError(f"residual {tuple(residual.shape)} != output {tuple(y.shape)}")
             res = residual.reshape(tokens, self.out_features).contiguous()  # [T, N]
-        call = (self._lib.packed_linear_fused_bf16 if self.panels.dtype == torch.bfloat16
-                else self._lib.packed_linear_fused)
-        rc = call(
+        rc = self._fused(
             x2.data_ptr(), prologue, weight.data_ptr() if weight is not None else None, eps,
             self.panels.data_ptr(), res.data_ptr() if res is not None else None, y.data_ptr(),
             tokens, self.out_features, self.in_features, threads.kernel_threads(),

@@ -56,18 +56,18 @@
  * instead of L2 was slower, non-temporal twice as slow). One token is unchanged. */
 #define PREFETCH_ROWS 16
 
-/* Up to CHUNK_GROUPS groups of up to RMAX tokens (balanced: with AVX-512 10 tokens are 5 + 5,
- * not 9 + 1) share one stream of a panel: the panel is read in chunks of KC rows (KC x P floats: 3 KB with AVX-512, in L1),
- * and every group computes its part of a chunk before the next chunk streams in, its accumulators
- * kept in `state` between chunks. Before, each further group made its own pass over the whole
- * panel once the first had streamed it in from memory: at 16 tokens the second pass was FMAs alone
- * with memory idle, ~9 ms of a 45 ms step on a 2-core Xeon. Chunks of 16 rows, not 64: the
- * prefetches run PREFETCH_ROWS ahead of the first group only, so in a long chunk memory idled while
- * the other groups computed; with bf16 panels (half the bytes, so compute matters more) the 30
- * layers + lm_head took 23.8 ms at 9 tokens against 17.7 at 8 with 64-row chunks, 20.3-21.2 with
- * 16 (16 tokens: 28.4 -> 27.3; fp32 panels alike or a little faster). More groups than
- * CHUNK_GROUPS (prefill) keep the passes: they are compute-bound either way. Each output is still
- * one FMA chain over k in order. */
+/* Up to CHUNK_GROUPS groups of up to RMAX tokens (balanced: with AVX-512 10 tokens are 5 + 5, not
+ * 9 + 1) share one stream of a panel: the panel is read in chunks of KC rows (KC x P floats: 3 KB
+ * with AVX-512, in L1), and every group computes its part of a chunk before the next chunk streams
+ * in, its accumulators kept in `state` between chunks. Before, each further group made its own
+ * pass over the whole panel once the first had streamed it in from memory: at 16 tokens the second
+ * pass was FMAs alone with memory idle, ~9 ms of a 45 ms step on a 2-core Xeon. Chunks of 16 rows,
+ * not 64: the prefetches run PREFETCH_ROWS ahead of the first group only, so in a long chunk
+ * memory idled while the other groups computed; with bf16 panels (half the bytes, so compute
+ * matters more) the 30 layers + lm_head took 23.8 ms at 9 tokens against 17.7 at 8 with 64-row
+ * chunks, 20.3-21.2 with 16 (16 tokens: 28.4 -> 27.3; fp32 panels alike or a little faster). More
+ * groups than CHUNK_GROUPS (prefill) keep the passes: they are compute-bound either way. Each
+ * output is still one FMA chain over k in order. */
 #define KC 16
 #define CHUNK_GROUPS 8
 
@@ -106,7 +106,8 @@ static inline vf load_bf16(const uint16_t *p) {
             for (int j = 0; j < PV; j++) state[t * PV + j] = acc[t][j];                      \
     }
 
-/* bf16 rows are half as long: prefetching twice as many rows ahead keeps the same bytes in flight */
+/* bf16 rows are half as long: prefetching twice as many rows ahead keeps the same bytes in
+ * flight */
 #define DEFINE_PANELS(R)                                                                     \
     DEFINE_PANEL(panel, float, load_f32, PREFETCH_ROWS, R)                                   \
     DEFINE_PANEL(panel_bf16, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R)
@@ -159,7 +160,7 @@ static void panel_all(const float *x, const float *wp, const uint16_t *wh, const
     for (long g0 = 0; g0 < T; g0 += CHUNK_GROUPS * RMAX) {
         long span = T - g0 < CHUNK_GROUPS * RMAX ? T - g0 : CHUNK_GROUPS * RMAX;
         long groups = (span + RMAX - 1) / RMAX;
-        /* balanced groups (9 tokens: 5 + 4, not 8 + 1) */
+        /* balanced groups (see CHUNK_GROUPS) */
         for (long g = 0; g <= groups; g++) first[g] = g0 + span * g / groups;
         long step = groups > 1 ? KC : K; /* one group: one pass, no chunks needed */
         for (long k0 = 0; k0 < K; k0 += step) {
