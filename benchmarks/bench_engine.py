@@ -16,6 +16,9 @@ run (so the before/after ratio is measured on the same machine at the same time)
 - ``fp32_panels``: where the fast forward streams bf16 panels (weights that are exactly bf16, as
   the default target's are), the same forward over fp32 panels, timed in the same run
   (``speedup_vs_fp32_panels``: its ms / the fast path's).
+- ``layer_by_layer``: where the fast forward runs its layers in one native call
+  (kernels/llama_layers.py), the same forward over the same weights with the layers called one at
+  a time from Python, as before (``speedup_vs_layer_by_layer``).
 """
 
 from __future__ import annotations
@@ -92,8 +95,9 @@ class BandwidthProbe:
 class _Path:
     """One forward implementation over a prefilled cache, timed without committing anything."""
 
-    def __init__(self, name: str, engine):
+    def __init__(self, name: str, engine, step_thread: bool = False):
         self.name, self.engine = name, engine
+        self.step_thread = step_thread  # timed on a thread set up as serving's step thread
 
     def forward_ms(self, cache, q: int, vocab: int) -> float:
         ids = torch.randint(0, vocab, (1, q))
@@ -146,7 +150,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     startup_s = time.perf_counter() - t0
     ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
     vocab = fast.vocab_size
-    paths = [_Path("fast", fast), _Path("reference", ref)]
+    paths = [_Path("fast", fast, step_thread=True), _Path("reference", ref)]
     native = fast.runner.fast is not None and fast.runner.fast.native
     if native:  # the same forward on BLAS alone: what the native kernel buys, in the same run
         blas = TorchEngine(target, config=EngineConfig(k=0, forward="auto", native_kernels=False))
@@ -154,7 +158,12 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     panels = _panel_dtype(fast)
     if panels == "bfloat16":  # the same kernel over fp32 panels: what half the bytes buys
         fp32 = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_panels=False))
-        paths.insert(1, _Path("fp32_panels", fp32))
+        paths.insert(1, _Path("fp32_panels", fp32, step_thread=True))
+    stacked = fast.runner.fast is not None and fast.runner.fast.stack is not None
+    if stacked:  # the same weights, the layers called from Python: what one native call buys
+        per_call = TorchEngine(target, config=EngineConfig(k=0, forward="auto"))
+        per_call.runner.fast = fast.runner.fast.layer_by_layer()
+        paths.insert(1, _Path("layer_by_layer", per_call, step_thread=True))
     served = fast.runner.fast.weight_tensors() if fast.runner.fast is not None else None
     probe = BandwidthProbe(served)  # the weights themselves, where the fast forward has them
     probe_256mb = BandwidthProbe(device=target.device)  # a separate allocation, for comparison with earlier runs
@@ -164,8 +173,8 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         else sum(p.numel() * p.element_size() for p in target.model.parameters())
     )
     times: dict[str, dict[int, list[float]]] = {p.name: {q: [] for q in (1,) + _QS} for p in paths}
-    # The fast path runs where serving runs it: on a step thread whose own torch ops are serial
-    # (kernels/threads.py); the reference paths on this thread. Each timed forward follows an
+    # The fast paths run where serving runs them: on a step thread whose own torch ops are serial
+    # (kernels/threads.py); the reference paths (HF, BLAS) on this thread. Each timed forward follows an
     # untimed one of the same path, so that the OpenMP workers a reference forward left spinning
     # (~15 ms on Intel) are asleep again, as they would be in serving.
     step_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-step-thread",
@@ -177,7 +186,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
                 p.forward_ms(cache, q, vocab)
                 return p.forward_ms(cache, q, vocab)
 
-        return step_thread.submit(twice).result() if p is paths[0] else twice()
+        return step_thread.submit(twice).result() if p.step_thread else twice()
 
     with torch.inference_mode():
         cache = RaggedKVCache.for_model(target.model, batch_size=1)
@@ -243,6 +252,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
             "kernel": "packed_linear",
             "panel_width": packed_linear.panel_width(),
             "panels": panels,
+            "layer_stack": stacked,
         },
         **figures("fast"),
         "step_ms_plain_thread": round(statistics.median(thread_ms), 2),
@@ -255,21 +265,20 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if panels == "bfloat16":
         out["fp32_panels"] = figures("fp32_panels")
         out["fp32_panels"]["weight_bytes"] = fp32.runner.fast.weight_bytes()
-        out["speedup_vs_fp32_panels"] = {
-            "step": round(out["fp32_panels"]["step_ms"] / out["step_ms"], 3),
-            **{
-                str(q): round(out["fp32_panels"]["verify_ms"][str(q)] / out["verify_ms"][str(q)], 3)
-                for q in _QS
-            },
-        }
-    out["speedup_vs_reference"] = {
-        "step": round(out["reference"]["step_ms"] / out["step_ms"], 3),
-        **{
-            str(q): round(out["reference"]["verify_ms"][str(q)] / out["verify_ms"][str(q)], 3)
-            for q in _QS
-        },
-    }
+        out["speedup_vs_fp32_panels"] = _speedup(out["fp32_panels"], out)
+    if stacked:
+        out["layer_by_layer"] = figures("layer_by_layer")
+        out["speedup_vs_layer_by_layer"] = _speedup(out["layer_by_layer"], out)
+    out["speedup_vs_reference"] = _speedup(out["reference"], out)
     return out
+
+
+def _speedup(other: dict, fast: dict) -> dict:
+    """The other path's ms / the fast path's, for the step and each verify width."""
+    return {
+        "step": round(other["step_ms"] / fast["step_ms"], 3),
+        **{str(q): round(other["verify_ms"][str(q)] / fast["verify_ms"][str(q)], 3) for q in _QS},
+    }
 
 
 def bench_engine(

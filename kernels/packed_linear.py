@@ -86,6 +86,12 @@ class PackedLinear:
         return cls(panels, n, lib)
 
     @property
+    def entry(self):
+        """The C entry (ctypes function) for these panels' dtype: ``packed_linear_fused`` or
+        ``packed_linear_fused_bf16`` (kernels/llama_layers.py calls it from C)."""
+        return self._fused
+
+    @property
     def nbytes(self) -> int:
         """Bytes one call reads from the weight (padding included)."""
         return self.panels.numel() * self.panels.element_size()

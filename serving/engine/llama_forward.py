@@ -26,6 +26,7 @@ Hugging Face forward.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 from kernels import decode_attention as native_attention
 from kernels import packed_linear
+from kernels.llama_layers import LayerStack
 from kernels.packed_linear import PackedLinear
 from serving.engine.batch_cache import RaggedKVCache
 
@@ -185,6 +187,21 @@ class LlamaForward:
         self.kv_dim = self.num_kv_heads * self.head_dim
         self.inter = cfg.intermediate_size
         self.scale = self.head_dim**-0.5
+        self.stack = None
+        """The layers in one native call (kernels/llama_layers.py) where everything in them runs
+        natively; None keeps the per-call loop (which gives the same numbers, bit for bit)."""
+        if self.native and self.native_attention:
+            self.stack = LayerStack.build(
+                self.layers, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, eps=self.eps, scale=self.scale,
+            )
+
+    def layer_by_layer(self) -> LlamaForward:
+        """This forward with its layers called one at a time from Python (the path before the
+        native stack), over the same packed weights: for a benchmark's before/after in one run."""
+        other = copy.copy(self)
+        other.stack = None
+        return other
 
     def _served(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """A projection's weight as the forward reads it: packed panels on the native path (a
@@ -332,17 +349,10 @@ class LlamaForward:
                 cols[real][:, None].contiguous(),  # [N, 1]
                 attention_mask[:, 0][real][:, None, None].contiguous(),  # [N, 1, 1, L]
             )
-        for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
-            qkv = self._normed_linear(h, ln1, qkv_w)  # [B, q | N, Hq*D + 2*Hkv*D]
-            if real is not None:
-                att = self._attention(i, qkv[:, None], *att_args, past_key_values, rows=rows)[:, 0]  # [N, Hq*D]
-            else:
-                att = self._attention(i, qkv, *att_args, past_key_values)  # [B, q, Hq*D]
-            h = self._linear_plus(att, o_w, h)  # [B, q | N, H]
-            gu = self._normed_linear(h, ln2, gu_w)  # [B, q | N, 2I]
-            h = self._mlp_down_plus(gu, down_w, h)  # [B, q | N, H]
-            if i + 1 in want and i + 1 < self.num_layers:
-                hidden[i + 1] = h
+        if self.stack is not None and cols is not None:
+            h = self._stacked(h, att_args, past_key_values, rows, want, hidden)
+        else:
+            h = self._layer_by_layer(h, att_args, past_key_values, rows, want, hidden)
         h = self._norm(h, self.final_norm)
         if self.num_layers in want:
             hidden[self.num_layers] = h
@@ -353,3 +363,30 @@ class LlamaForward:
         if real is not None:
             return ForwardOutput(hidden_states=hidden_out, real=real, real_logits=logits)
         return ForwardOutput(logits, hidden_out)
+
+    def _stacked(self, h, att_args, cache, rows, want: set[int], hidden: list) -> torch.Tensor:
+        """The layers in one native call; the attention arguments as ``_attention`` passes them."""
+        cos, sin, cols, mask = att_args
+        h, caught = self.stack(
+            h, cos[:, 0], sin[:, 0], cols, mask[:, 0], cache.keys, cache.values, rows=rows,
+            hidden_layers=frozenset(want),
+        )
+        for i, state in caught.items():
+            hidden[i] = state
+        return h
+
+    def _layer_by_layer(self, h, att_args, cache, rows, want: set[int], hidden: list) -> torch.Tensor:
+        """The layers one call (or torch op) at a time: the path wherever the stack cannot run."""
+        real = rows is not None
+        for i, (ln1, qkv_w, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
+            qkv = self._normed_linear(h, ln1, qkv_w)  # [B, q | N, Hq*D + 2*Hkv*D]
+            if real:
+                att = self._attention(i, qkv[:, None], *att_args, cache, rows=rows)[:, 0]  # [N, Hq*D]
+            else:
+                att = self._attention(i, qkv, *att_args, cache)  # [B, q, Hq*D]
+            h = self._linear_plus(att, o_w, h)  # [B, q | N, H]
+            gu = self._normed_linear(h, ln2, gu_w)  # [B, q | N, 2I]
+            h = self._mlp_down_plus(gu, down_w, h)  # [B, q | N, H]
+            if i + 1 in want and i + 1 < self.num_layers:
+                hidden[i + 1] = h
+        return h

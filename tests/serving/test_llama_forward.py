@@ -219,3 +219,42 @@ def test_a_bf16_valued_target_streams_bf16_panels_with_the_same_logits():
         twin.commit([q] * 3)
     for a, b in zip(cache.keys + cache.values, twin.keys + twin.values):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-panels", "fp32-panels"])
+@torch.inference_mode()
+def test_the_native_layer_stack_gives_the_per_call_numbers_bit_for_bit(bf16):
+    """All the layers in one native call (kernels/llama_layers.py) against the per-call loop: the
+    same logits, hidden states and cache, bit for bit, at decode, verify and prefill widths, with
+    padding skipped and with a token tree."""
+    if not packed_linear.available():
+        pytest.skip("native kernel not built here")
+    model = tiny_target(vocab_size=97, num_layers=3).model
+    if bf16:
+        model.to(torch.bfloat16).to(torch.float32)
+    fast = LlamaForward(model, native=True)
+    assert fast.stack is not None
+    per_call = LlamaForward(model, native=True)
+    per_call.stack = None
+    cache = _prefilled(model, [5, 11, 2])
+    twin = _twin(cache)
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(3, 3, 3)
+    for q, row_tokens, tree in ((1, None, False), (4, None, False), (3, torch.tensor([1, 3, 2]), True),
+                                (5, torch.tensor([2, 5, 1]), False), (19, None, False)):
+        ids = torch.randint(0, 97, (3, q), generator=torch.Generator().manual_seed(q))
+        if tree:
+            for c in (cache, twin):
+                c.set_tree(torch.tensor([0, 1, 1]).expand(3, 3), ancestors)
+        pos, mask = cache.prepare(q)
+        pos2, mask2 = twin.prepare(q)
+        hidden = () if row_tokens is not None else (0, 1, 2, -1)
+        a = fast(ids, pos, mask, cache, hidden_layers=hidden, row_tokens=row_tokens)
+        b = per_call(ids, pos2, mask2, twin, hidden_layers=hidden, row_tokens=row_tokens)
+        assert torch.equal(a.logits, b.logits)
+        for i in hidden:
+            assert torch.equal(a.hidden_states[i], b.hidden_states[i])
+        if not tree:
+            cache.commit([q] * 3)
+            twin.commit([q] * 3)
+    for x, y in zip(cache.keys + cache.values, twin.keys + twin.values):
+        assert torch.equal(x, y)
