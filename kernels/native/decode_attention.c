@@ -92,6 +92,13 @@ static void attend_one(const float *q, const float *K, const float *V, const uin
 #define DCH 2 /* AVX2, 16 registers: 4 x 2 accumulators + 2 values + 1 broadcast */
 #endif
 #define GMAX 4 /* query heads of one kv head attended together */
+/* Keys (and value rows) ahead that the attention passes ask for in software: at batch 8 the
+ * cache streams from memory (8 rows x 300 columns: 110 MB a step over 30 layers), and one core
+ * kept too few loads in flight. On a 2-core Xeon, 30 layers at 8 rows x 300 keys: 7.5 -> 5.7-6.2
+ * ms, 600 keys 17.4 -> 14.6 (4, 8 and 16 keys ahead alike); one row unchanged. 0 turns it off. */
+#ifndef PF_KEYS
+#define PF_KEYS 8
+#endif
 
 /* G query heads that share one kv head, one token (the grouped-query case): each key and value
  * row is read once for all G heads, and the outputs are summed in registers, not through memory.
@@ -109,6 +116,7 @@ static void attend_one(const float *q, const float *K, const float *V, const uin
                 continue;                                                                      \
             }                                                                                  \
             const float *k = K + j * D;                                                        \
+            if (PF_KEYS) for (long c = 0; c < D; c += 16) __builtin_prefetch(k + PF_KEYS * D + c);          \
             vf acc[G];                                                                         \
             for (int g = 0; g < G; g++) acc[g] = (vf){0};                                      \
             for (long d = 0; d < D; d += VW) {                                                 \
@@ -137,6 +145,8 @@ static void attend_one(const float *q, const float *K, const float *V, const uin
                 for (int c = 0; c < DCH; c++) acc[g][c] = (vf){0};                             \
             for (long j = 0; j < L; j++) {                                                     \
                 if (!visible[j]) continue;                                                     \
+                if (PF_KEYS && d0 == 0)                                                        \
+                    for (long c = 0; c < D; c += 16) __builtin_prefetch(V + (j + PF_KEYS) * D + c); \
                 vf v[DCH];                                                                     \
                 for (int c = 0; c < DCH; c++) v[c] = load(V + j * D + d0 + c * VW);           \
                 for (int g = 0; g < G; g++) {                                                  \
