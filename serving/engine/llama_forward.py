@@ -353,12 +353,14 @@ class LlamaForward:
             h = self._stacked(h, att_args, past_key_values, rows, want, hidden)
         else:
             h = self._layer_by_layer(h, att_args, past_key_values, rows, want, hidden)
-        h = self._norm(h, self.final_norm)
         if self.num_layers in want:
-            hidden[self.num_layers] = h
+            hidden[self.num_layers] = self._norm(h, self.final_norm)
         if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        logits = self._linear(h, self.lm_head_served)  # [B, q', V] or [N, V]
+            h = h[:, -logits_to_keep:]  # the norm is per token: only the kept ones need it
+        if isinstance(self.lm_head_served, PackedLinear):  # the norm inside the call, as the layers'
+            logits = self.lm_head_served.normed(h, self.final_norm, self.eps)  # [B, q', V] or [N, V]
+        else:
+            logits = self._linear(self._norm(h, self.final_norm), self.lm_head_served)
         hidden_out = tuple(hidden) if want else None
         if real is not None:
             return ForwardOutput(hidden_states=hidden_out, real=real, real_logits=logits)
