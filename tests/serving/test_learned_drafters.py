@@ -555,3 +555,24 @@ def test_unused_rows_in_hybrid_proposal_are_zero_padded(target, sharp_head):
     p = eng.propose(["a"])
     assert p.lengths.tolist() == [1] and p.tokens[0].tolist() == [7, 0, 0, 0]
     assert isinstance(p.source, np.ndarray) and p.source.dtype == np.uint8
+
+
+def test_hybrid_writes_off_a_learned_drafter_that_accepts_nothing_within_a_few_drafts(target, sharp_head):
+    """The prior acceptance is worth a couple of steps, not an EMA's ~20: after a few rejected
+    learned drafts the hybrid stops asking the learned drafter (it costs a draft and a verified
+    token each time)."""
+    learned = Spy(EagleDrafter(sharp_head))
+    policy = HybridPolicy(prior_acceptance=0.35, target_step_ms=10.0, draft_ms_per_step=0.88,
+                          measure_verify=False, explore=0.0)
+    hybrid = HybridDrafter(StandInSuffix({}), learned, policy)
+    hybrid.costs.verify_slope = 0.175
+    hybrid.costs.observe_draft = lambda n, ms: None  # keep the stated draft cost (tiny model timings)
+    eng = Engine(target, hybrid)
+    eng.add("r", history(3, 6))
+    asked = 0
+    for _ in range(12):
+        p = eng.propose(["r"])
+        if p.source[0] == DrafterKind.EAGLE:
+            asked += 1
+        eng.verified("r", [1])  # every learned draft rejected at its first token
+    assert 1 <= asked <= 2  # a plain EMA from the prior (prior_steps=None) asked 6 times of 12
