@@ -53,8 +53,8 @@ def test_batch_cap_is_respected():
 def test_off_regime_probes_and_recovers():
     p = GoodputPolicy(4, probe_every=5, probe_k=2)
     _feed(p, 4, 0, draft_ms=5.0)
-    every = p.probe_interval()  # 2 x 5 ms of draft + a wider verify, within 2 % of 40 ms steps
-    assert every == 15
+    every = p.probe_interval()  # 2 x 5 ms of draft + a wider verify, within 1 % of 40 ms steps
+    assert every == 30
     ks = [p.choose_k(_state()) for _ in range(4 * every)]
     assert ks.count(2) == 4 and ks.count(0) == 4 * every - 4 and p.probes == 4
     # The drafter got good (e.g. a swap): each probe is fully accepted, cheap drafts.
@@ -151,9 +151,11 @@ def test_a_costly_drafter_that_never_pays_costs_about_the_probe_budget():
     Probing every 16 steps cost ~9 % of serving time (bench online measured 0.89-0.91x); probes
     spaced by cost stay within the budget."""
     budgeted = _serve(GoodputPolicy(4, probe_budget=0.02), 3000, draft_ms_per_token=21.0)
+    default = _serve(GoodputPolicy(4), 3000, draft_ms_per_token=21.0)
     every_16 = _serve(GoodputPolicy(4, probe_budget=1.0), 3000, draft_ms_per_token=21.0)
     assert every_16 > 0.06
     assert budgeted < 0.03
+    assert default < 0.015  # 1 %: what is left of the 3 % bar beside a trainer
 
 
 def test_a_new_drafter_is_probed_at_once_from_the_prior():
@@ -201,7 +203,7 @@ def test_a_cheap_drafters_probes_are_spaced_by_what_their_verify_costs_at_the_ba
     p.observe(1, np.ones(1), np.zeros(1), 0.0, 20.4, width=1, batch=1)
     p.observe(1, np.ones(8), np.zeros(8), 0.0, 45.0, width=1, batch=8)
     assert p.cheap_probe_interval(1) == p.probe_every  # 2 % extra: every 16 steps is within budget
-    assert p.cheap_probe_interval(8) == 25  # 50 % extra per probe, 2 % budget
+    assert p.cheap_probe_interval(8) == 50  # 50 % extra per probe, 1 % budget
 
 
 
