@@ -64,9 +64,6 @@ over a whole stream for every drafter kind, and a learned kind also pays for its
 serving on the memory bus (`bench interference`: 0.9-2.5 %); at 2 % the probes alone took two
 thirds of the bar. A new drafter is still probed at once (``on_drafter_change``)."""
 
-_DRAFT_VALUE_STEPS = 8
-"""Asked steps at a batch size before ``draft_value`` may turn asking off there."""
-
 _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
 
@@ -139,12 +136,6 @@ class GoodputPolicy:
         self._predicted: float | None = None
         self.zero_widths = 0
         """Consecutive drafts that ``choose_widths`` cut to nothing."""
-        self.draft_value: dict[int, float] = {}
-        """Per batch size: EMA over the steps that asked for a draft of what the chosen width was
-        expected to save (ms of plain decoding for its expected tokens, less its verify) minus
-        what the draft took. Below 0, asking does not pay there: draft on probes only."""
-        self._draft_seen: dict[int, int] = {}  # per batch size: asked steps behind draft_value
-        self._saved_ms: float | None = None  # this step's expected saving (the unforced width)
         self._probing = False
         """This step is a probe: ``choose_widths`` verifies a non-empty total."""
         self._since_plain: dict[int, int] = {}  # batch size -> choices since the last n = 0
@@ -165,26 +156,17 @@ class GoodputPolicy:
         # A cheap draft (the suffix index) asks for the full budget and the width decides; a
         # costly one asks for what its acceptance pays for at the batch-agnostic costs.
         k = k_max if cheap else best_k(self.acceptance.value, k_max, self.costs)
-        if k > 0 and (self.zero_widths >= self.probe_every or not self.asking_pays(state.batch_size)):
+        if k > 0 and self.zero_widths >= self.probe_every:
             # ...but the width step (verify costs measured at this batch size) kept cutting the
             # drafts to nothing: draft only on probes until one pays again, so that a draft that
             # is thrown away is not paid for every step (at batch 8 the suffix index's ~1 ms per
-            # drafted position was 3-9 % of a step, every step). Likewise where the widths chosen
-            # are expected to save less than the draft costs (``draft_value``): at batch 8 the
-            # suffix index was asked every step for ~1 ms and a third of the steps verified a node.
+            # drafted position was 3-9 % of a step, every step).
             return self._probe_or_plain(k, costly=not cheap, batch=state.batch_size)
         if k == 0:
             return self._probe_or_plain(max(1, self.probe_k), costly=True, batch=state.batch_size)
         self.off_streak = 0
         self._remember(k)
         return k
-
-    def asking_pays(self, batch: int) -> bool:
-        """Whether the widths chosen at this batch size were expected to save more than their
-        drafts cost, over the last ~10 asked steps (True until ``_DRAFT_VALUE_STEPS`` were seen)."""
-        if self._draft_seen.get(batch, 0) < _DRAFT_VALUE_STEPS:
-            return True
-        return self.draft_value.get(batch, 0.0) >= 0.0
 
     def _probe_or_plain(self, k: int, costly: bool, batch: int) -> int:
         """k = 0, except every ``probe_interval`` steps (``cheap_probe_interval`` for a cheap
@@ -230,8 +212,6 @@ class GoodputPolicy:
         self.acceptance = AcceptanceEstimate(prior_weight=1.0)
         self.calibration = 1.0
         self.zero_widths = 0
-        self.draft_value.clear()
-        self._draft_seen.clear()
         self.off_streak = 0
         self._probe_new = True
 
@@ -272,9 +252,6 @@ class GoodputPolicy:
         rates[0] *= 1.0 + _WIDTH_MARGIN  # a width must beat plain decoding by the margin
         pick = int(np.argmax(rates))
         self.zero_widths = self.zero_widths + 1 if totals[pick] == 0 else 0
-        plain_rate = expected[0] / self.verify_ms(0, batch)  # tokens per ms, plain decoding
-        n0 = totals[pick]
-        self._saved_ms = max(0.0, expected[n0] / plain_rate - self.verify_ms(n0, batch)) if n0 else 0.0
         if self._probing and len(totals) > 1:  # a probe verifies the best non-empty total,
             cap = max(1, batch)  # at most a node per row, whatever it costs
             pick = 1 + int(np.argmax([r if n <= cap else -1.0 for n, r in zip(totals[1:], rates[1:])]))
@@ -311,16 +288,6 @@ class GoodputPolicy:
         if width is None:
             width = int(drafted.max()) if drafted.size else 0
         width = int(width)
-        saved, self._saved_ms = self._saved_ms, None
-        if saved is None and k and width == 0:
-            saved = 0.0  # asked, and the drafter proposed nothing
-        if saved is not None and k and batch is not None:  # asked, and the width is known
-            b = int(batch)
-            seen = self._draft_seen.get(b, 0) + 1
-            self._draft_seen[b] = seen
-            value = saved - float(draft_ms)
-            ema = 0.1 if seen > 1 else 1.0
-            self.draft_value[b] = (1 - ema) * self.draft_value.get(b, 0.0) + ema * value
         if self._costly_probe:
             self._costly_probe = False
             cost = draft_ms + max(0.0, verify_ms - self.costs.verify_ms(0))

@@ -306,42 +306,6 @@ def test_cheap_drafter_that_never_pays_is_only_probed():
     assert policy.choose_k(state) == 8
 
 
-def test_a_drafter_whose_widths_save_less_than_its_draft_costs_is_asked_on_probes_only():
-    """At batch 8 a third of the drafts verify a node or so, each expected to save ~0.4 ms, and the
-    draft costs 1 ms every step it is asked: asking stops paying, so after a few steps only probes
-    ask. At batch 1 confident drafts save more than they cost: asked every step."""
-    from serving.engine.policy import BatchState
-
-    policy = GoodputPolicy(8, remeasure_every=10_000)
-    for w in range(17):  # batch 8: plain 25 ms, each node ~2 % more; batch 1: nodes cost ~1 %
-        policy.observe(w, np.zeros(8), np.zeros(8), 0.0, 25.0 * (1 + 0.02 * w), width=w, batch=8)
-        policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 16.0 * (1 + 0.01 * w), width=w, batch=1)
-    policy.calibration = 1.0
-
-    def run(batch: int, conf: float, steps: int) -> int:
-        state = BatchState(batch, 8, np.full(batch, 100))
-        plain = 25.0 if batch == 8 else 16.0
-        asked = 0
-        for i in range(steps):
-            k = policy.choose_k(state)
-            if not k:
-                policy.observe(0, np.zeros(batch), np.zeros(batch), 0.0, plain, width=0, batch=batch)
-                continue
-            asked += 1
-            rows = 1 if i % 3 == 0 else 0  # a third of the steps have one row with a draft
-            parents, confidence, lengths = _chain(batch, 8, conf)
-            lengths[rows:] = 0
-            w = policy.choose_widths(parents, confidence, lengths, batch=batch)
-            policy.observe(k, w, np.minimum(w, 1 if conf > 0.9 else 0), 1.0, plain, width=int(w.max()),
-                           batch=batch, nodes=int(w.sum()))
-        return asked
-
-    assert run(8, 0.35, 200) <= 8 + 200 // policy.cheap_probe_interval(8) + 2
-    assert not policy.asking_pays(8)
-    assert run(1, 0.95, 100) == 100  # ~4 expected tokens a step, for 1 ms of draft
-    assert policy.asking_pays(1)
-
-
 def test_suffix_tree_branches_over_both_sources():
     """Prompt lookup says 1 2 -> 3, the tenant index says 1 2 -> 4: the tree offers both."""
     d = SuffixDrafter(SuffixConfig(min_confidence=0.0, tree_branches=4))
