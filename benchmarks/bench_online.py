@@ -3,11 +3,13 @@ and a drafter frozen at the shift, for the hybrid, suffix-only and learned-only 
 
 Per drafter kind: serve the stream through the loop (trainer + swaps for learned kinds; the suffix
 index learns on its own), snapshot the drafter at the shift, then serve the post-shift prompts again
-with the snapshot frozen. A target-only run (same prompts, k = 0) is served right before each
-kind's: it is that kind's speed baseline and the greedy reference for ``lossless``. (One shared
-run, minutes before the last kind, let this VM's drift of 5-10 % in a few minutes read as
-speculation's gain or loss: the suffix drafter's day 0 read 1.050 in one run and 0.919 in the next
-with no change to it.) The top-level figures are the hybrid's.
+with the snapshot frozen. Every request of a kind's stream is also served target-only (k = 0) right
+before or after it, alternately (ABBA): that is the kind's speed baseline and the greedy
+reference for ``lossless``. One shared target-only run, minutes before the last kind, let this
+VM's drift (the baseline moved by 11 % within one 13-minute run) read as speculation's gain or
+loss: the suffix drafter's day 0 read 1.050 in one run and 0.919 in the next with no change to it.
+The pairing also puts a learned kind's trainer beside both (``bench interference`` measures what
+it costs serving). The top-level figures are the hybrid's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import uuid
 import typer
 
 from infra.loop import LoopConfig, OnlineLoop
-from infra.loop_metrics import shift_index, summarise, target_only
+from infra.loop_metrics import shift_index, summarise, target_only_loop
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
 from infra.prompts import encode, stream_items
 
@@ -49,22 +51,32 @@ def is_heldout(i: int) -> bool:
     return i % HELDOUT_EVERY == HELDOUT_EVERY - 1
 
 
-async def serve_stream(loop: OnlineLoop, items, start: int, on_point=None):
+async def serve_stream(loop: OnlineLoop, items, start: int, on_point=None, paired: OnlineLoop | None = None):
+    """Serve ``items`` (stream positions ``start``...) one at a time through ``loop``; with
+    ``paired`` (a target-only loop), each request is also served there right before or after it,
+    alternately (ABBA), so that the machine's drift weighs on both alike."""
     for j, item in enumerate(items):
-        await loop.serve([item], on_point, train=not is_heldout(start + j))
+        first, second = (loop, paired) if (start + j) % 2 == 0 else (paired, loop)
+        for served in (first, second):
+            if served is loop:
+                await loop.serve([item], on_point, train=not is_heldout(start + j))
+            elif served is not None:
+                await served.serve([item], train=False)
 
 
-async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None, static: str = "offline"):
+async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None, static: str = "offline",
+                             paired: OnlineLoop | None = None):
     """The loop over the stream (snapshot at the shift), then the static drafter after the shift:
     ``offline``: the same kind trained offline on the target's pre-shift responses
-    (``static_drafter``); ``snapshot``: the loop's own drafter frozen at the shift."""
+    (``static_drafter``); ``snapshot``: the loop's own drafter frozen at the shift. ``paired``: a
+    target-only loop that serves each request beside the loop's (``serve_stream``)."""
     shift = shift_index([d for _, d in stream])
     loop = OnlineLoop(target, stack, cfg, tag=uuid.uuid4().hex[:8])
     await loop.start()
     try:
-        await serve_stream(loop, stream[:shift], 0, on_point)
+        await serve_stream(loop, stream[:shift], 0, on_point, paired)
         loop.snapshot()
-        await serve_stream(loop, stream[shift:], shift, on_point)
+        await serve_stream(loop, stream[shift:], shift, on_point, paired)
     finally:
         await loop.stop()
     frozen_cfg = LoopConfig(**{**cfg.__dict__, "train": False})
@@ -169,10 +181,15 @@ async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS, static: s
     shift = shift_index([d for _, d in stream])
     by_drafter = {}
     for kind in kinds:
-        log.info("bench online: target-only, then the %s drafter", kind)
-        baseline = await target_only(target, stream, cfg.max_tokens)
-        loop, frozen = await adapted_and_frozen(target, stack, stream, LoopConfig(**{**cfg.__dict__, "drafter": kind}),
-                                                static=static)
+        log.info("bench online: the %s drafter, each request also target-only", kind)
+        base = await target_only_loop(target, stream, cfg.max_tokens)
+        try:
+            loop, frozen = await adapted_and_frozen(target, stack, stream,
+                                                    LoopConfig(**{**cfg.__dict__, "drafter": kind}),
+                                                    static=static, paired=base)
+        finally:
+            await base.stop()
+        baseline = base.points
         by_drafter[kind] = summarise(loop.points, shift, baseline=baseline, frozen=frozen, swaps=loop.swaps,
                                      rollbacks=loop.rollbacks, freshness=loop.freshness_s(), drifts=loop.drifts)
         base_after = tok_s(baseline[shift:])

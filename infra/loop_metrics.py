@@ -77,12 +77,24 @@ def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollba
     return out
 
 
-async def target_only(target, stream, max_tokens: int):
+async def target_only_loop(target, stream, max_tokens: int) -> OnlineLoop:
+    """A started target-only loop (k = 0, no training), warmed up, with no points yet: the caller
+    serves on it and stops it."""
     loop = OnlineLoop(target, None, LoopConfig(k=0, train=False, max_tokens=max_tokens))
     await loop.start()
     try:
         await loop.serve([(stream[0][0][:8], stream[0][1])])  # warm-up (first forwards are slow)
-        loop.points.clear()
+    except BaseException:
+        await loop.stop()
+        raise
+    loop.points.clear()
+    loop.served.clear()
+    return loop
+
+
+async def target_only(target, stream, max_tokens: int):
+    loop = await target_only_loop(target, stream, max_tokens)
+    try:
         return await loop.serve(stream)
     finally:
         await loop.stop()
