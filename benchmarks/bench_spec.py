@@ -9,7 +9,10 @@ evaluation prompts and ``warm`` other prompts of the same domain, then measures 
    from finished outputs; learned drafters do not change here) — skipped when ``warm`` is 0.
 
 Requests run one at a time (latency-bound decoding). ``lossless`` is true when every speculative
-output equals the target-only output token for token.
+output equals the target-only output token for token. Each speculative run's speedup is against a
+target-only run of the same prompts served right before or after it (alternately): one baseline
+minutes earlier let this VM's drift move chat's warmed ratio by +-10 % between runs of one commit.
+``baseline_tok_s`` and ``target_ms`` are the first baseline's (step 1).
 
 ``policy``: ``fixed`` drafts k tokens every step; ``adaptive`` lets GoodputPolicy choose k in 0..k
 per step; ``both`` runs the two on the same prompts in one process and adds ``adaptive_vs_fixed``
@@ -131,9 +134,9 @@ async def bench_spec_async(
         log.info("baseline: %s, %d prompts", domain, len(evals))
         base[domain] = await _measure(baseline, base_timer, ids(evals), [domain] * len(evals), max_tokens)
         base_steps[domain] = base_timer.summary()
-    await baseline.stop()
 
     runs: dict[str, dict] = {}
+    paired = 0  # each speculative run's own baseline, served right before or after it (alternately)
     for pol in policies:
         phases = {}
         for phase in ("day0", "warmed") if warm > 0 else ("day0",):
@@ -150,19 +153,26 @@ async def bench_spec_async(
                     log.info("%s: warming on %d %s prompts", drafter_kind, len(warmups), domain)
                     await run_prompts(engine, ids(warmups), max_tokens, domains=[domain] * len(warmups))
                 log.info("%s %s (%s k): %s, %d prompts", drafter_kind, phase, pol, domain, len(evals))
+                paired += 1
+                if paired % 2 == 0:
+                    adjacent = await _measure(baseline, StepTimer(), ids(evals), [domain] * len(evals), max_tokens)
                 spec = await _measure(engine, timer, ids(evals), [domain] * len(evals), max_tokens)
-                results[domain] = _figures(spec, base[domain], timer)
-                results[domain]["_run"] = spec
+                if paired % 2 == 1:
+                    adjacent = await _measure(baseline, StepTimer(), ids(evals), [domain] * len(evals), max_tokens)
+                results[domain] = _figures(spec, adjacent, timer)
+                results[domain]["_run"], results[domain]["_base"] = spec, adjacent
                 await engine.stop()
             phases[phase] = results
         runs[pol] = phases
+    await baseline.stop()
 
     def overall(results: dict) -> dict:
         runs = {d: r.pop("_run") for d, r in results.items()}
+        bases = [r.pop("_base") for r in results.values()]  # each run's adjacent baseline
         spec_tokens = sum(r.tokens for r in runs.values())
         spec_wall = sum(r.wall_s for r in runs.values())
-        base_tokens = sum(b.tokens for b in base.values())
-        base_wall = sum(b.wall_s for b in base.values())
+        base_tokens = sum(b.tokens for b in bases)
+        base_wall = sum(b.wall_s for b in bases)
         steps = sum(r.verify_steps for r in runs.values())
         drafted = sum(r.drafted for r in runs.values())
         accepted = sum(r.accepted for r in runs.values())
