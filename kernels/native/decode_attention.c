@@ -116,7 +116,8 @@ static void attend_one(const float *q, const float *K, const float *V, const uin
                 continue;                                                                      \
             }                                                                                  \
             const float *k = K + j * D;                                                        \
-            if (PF_KEYS) for (long c = 0; c < D; c += 16) __builtin_prefetch(k + PF_KEYS * D + c);          \
+            if (PF_KEYS)                                                                       \
+                for (long c = 0; c < D; c += 16) __builtin_prefetch(k + PF_KEYS * D + c);      \
             vf acc[G];                                                                         \
             for (int g = 0; g < G; g++) acc[g] = (vf){0};                                      \
             for (long d = 0; d < D; d += VW) {                                                 \

@@ -357,10 +357,7 @@ class LlamaForward:
             hidden[self.num_layers] = self._norm(h, self.final_norm)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]  # the norm is per token: only the kept ones need it
-        if isinstance(self.lm_head_served, PackedLinear):  # the norm inside the call, as the layers'
-            logits = self.lm_head_served.normed(h, self.final_norm, self.eps)  # [B, q', V] or [N, V]
-        else:
-            logits = self._linear(self._norm(h, self.final_norm), self.lm_head_served)
+        logits = self._normed_linear(h, self.final_norm, self.lm_head_served)  # [B, q', V] or [N, V]
         hidden_out = tuple(hidden) if want else None
         if real is not None:
             return ForwardOutput(hidden_states=hidden_out, real=real, real_logits=logits)
