@@ -56,12 +56,12 @@ async def serve_stream(loop: OnlineLoop, items, start: int, on_point=None, paire
     ``paired`` (a target-only loop), each request is also served there right before or after it,
     alternately (ABBA), so that the machine's drift weighs on both alike."""
     for j, item in enumerate(items):
-        first, second = (loop, paired) if (start + j) % 2 == 0 else (paired, loop)
-        for served in (first, second):
-            if served is loop:
-                await loop.serve([item], on_point, train=not is_heldout(start + j))
-            elif served is not None:
-                await served.serve([item], train=False)
+        paired_first = paired is not None and (start + j) % 2 == 1
+        if paired_first:
+            await paired.serve([item], train=False)
+        await loop.serve([item], on_point, train=not is_heldout(start + j))
+        if paired is not None and not paired_first:
+            await paired.serve([item], train=False)
 
 
 async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None, static: str = "offline",
