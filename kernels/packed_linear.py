@@ -11,11 +11,18 @@ Panels are bf16 where every weight is exactly a bf16 value (``pack(w, bf16=True)
 the default SmolLM2 target's weights are (they were dequantised to a bf16 cache), so a decode step
 streams half the bytes, and since a bf16 weight widened to fp32 is the same number the results are
 bit for bit those of fp32 panels. Other weights keep fp32 panels.
+
+Where the CPU has AMX-BF16 (``amx_available()``), such weights can instead be packed for tile
+multiplies (``pack(w, amx=True)``; kernels/native/packed_linear_amx.c): a forward of up to 16
+tokens then costs about what one token does. Its fp32 results are as precise as the FMA panels'
+but not bit for bit theirs (the additions run in another order); within one layout a token's
+outputs never depend on how many tokens share the call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +32,45 @@ from kernels import native_build, threads
 _NONE, _RMSNORM, _SWIGLU = 0, 1, 2  # prologues of packed_linear_fused (see the C source)
 
 
+# (x, prologue, norm weight, eps, weights, residual, y, T, N, K, threads): every fused entry's
+_FUSED_ARGS = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+               + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int])
+
+
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.packed_linear_fused.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
-        + [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    )
-    lib.packed_linear_fused.restype = ctypes.c_int
-    lib.packed_linear_fused_bf16.argtypes = lib.packed_linear_fused.argtypes
-    lib.packed_linear_fused_bf16.restype = ctypes.c_int
+    for entry in (lib.packed_linear_fused, lib.packed_linear_fused_bf16):
+        entry.argtypes, entry.restype = _FUSED_ARGS, ctypes.c_int
     lib.packed_linear_panel_width.restype = ctypes.c_int
 
 
 def _load() -> ctypes.CDLL | None:
     return native_build.load("packed_linear", _declare)
+
+
+def _declare_amx(lib: ctypes.CDLL) -> None:
+    lib.packed_linear_fused_amx.argtypes = _FUSED_ARGS
+    lib.packed_linear_fused_amx.restype = ctypes.c_int
+    lib.packed_linear_amx_init.restype = ctypes.c_int
+    lib.packed_linear_amx_panel_width.restype = ctypes.c_int
+
+
+def _load_amx() -> ctypes.CDLL | None:
+    """The AMX kernel where it is built, the CPU has AMX-BF16 and the OS grants the tile state;
+    None with ``SPECLOOP_AMX=0`` (the FMA kernel then serves every layout)."""
+    if os.environ.get("SPECLOOP_AMX", "1") == "0":
+        return None
+    lib = native_build.load("packed_linear_amx", _declare_amx)
+    if lib is None or lib.packed_linear_amx_init() != 0:
+        return None
+    return lib
+
+
+def amx_available() -> bool:
+    """Whether ``pack(w, amx=True)`` can pack for AMX tiles on this machine."""
+    return _load_amx() is not None
+
+
+_AMX_PANEL, _AMX_K = 32, 32  # outputs per panel (two 16-wide tiles), k per tile
 
 
 def available() -> bool:
@@ -56,39 +89,59 @@ def bf16_exact(w: torch.Tensor) -> bool:
     return bool((w.contiguous().view(torch.int32) & 0xFFFF).eq(0).all())
 
 
-class PackedLinear:
-    """A weight ``w`` [N, K] as panels [ceil(N/P), K, P] (zero-padded to whole panels), fp32 or
-    bf16 (``panels.dtype``)."""
+def _amx_tiles(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (exactly bf16) -> AMX panels [ceil(N/32), K/32, 2, 16, 16, 2] bf16: panel p, k block
+    kb, tile s, tile row kp, column nn, pair i = w[32 p + 16 s + nn, 32 kb + 2 kp + i]."""
+    n, k = w.shape
+    count = -(-n // _AMX_PANEL)
+    with torch.no_grad():
+        padded = torch.zeros(count * _AMX_PANEL, k, dtype=torch.bfloat16)
+        padded[:n] = w
+        t = padded.view(count, 2, 16, k // _AMX_K, 16, 2)  # [p, s, nn, kb, kp, i]
+        return t.permute(0, 3, 1, 4, 2, 5).contiguous()  # [p, kb, s, kp, nn, i]
 
-    def __init__(self, panels: torch.Tensor, out_features: int, lib: ctypes.CDLL):
-        self.panels = panels  # [N/P, K, P]
+
+class PackedLinear:
+    """A weight ``w`` [N, K] as panels (zero-padded to whole panels): ``layout`` "fp32" or "bf16",
+    [ceil(N/P), K, P]; or "amx", [ceil(N/32), K/32, 2, 16, 16, 2] bf16 tiles."""
+
+    def __init__(self, panels: torch.Tensor, out_features: int, in_features: int, layout: str,
+                 fused):
+        self.panels = panels
         self.out_features = out_features
-        self.in_features = panels.shape[1]
-        self._fused = (lib.packed_linear_fused_bf16 if panels.dtype == torch.bfloat16
-                       else lib.packed_linear_fused)  # the entry for this panel dtype
+        self.in_features = in_features
+        self.layout = layout
+        self._fused = fused  # the C entry for this layout
 
     @classmethod
-    def pack(cls, w: torch.Tensor, bf16: bool = True) -> PackedLinear | None:
-        """Panels of ``w``; bf16 ones when ``bf16`` and every weight is exactly a bf16 value."""
+    def pack(cls, w: torch.Tensor, bf16: bool = True, amx: bool = False) -> PackedLinear | None:
+        """Panels of ``w``: bf16 ones when ``bf16`` and every weight is exactly a bf16 value, AMX
+        tiles of them when also ``amx`` and the machine has AMX (and K is a multiple of 32)."""
         if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
             return None
         lib = _load()
         if lib is None:
             return None
-        p = int(lib.packed_linear_panel_width())
         n, k = w.shape
+        exact = bf16 and bf16_exact(w)
+        if exact and amx and k % _AMX_K == 0 and (amx_lib := _load_amx()) is not None:
+            return cls(_amx_tiles(w), n, k, "amx", amx_lib.packed_linear_fused_amx)
+        p = int(lib.packed_linear_panel_width())
         count = -(-n // p)
         with torch.no_grad():
-            dtype = torch.bfloat16 if bf16 and bf16_exact(w) else torch.float32
+            dtype = torch.bfloat16 if exact else torch.float32
             padded = torch.zeros(count * p, k, dtype=dtype)
             padded[:n] = w  # exact either way
             panels = padded.view(count, p, k).transpose(1, 2).contiguous()  # [N/P, K, P]
-        return cls(panels, n, lib)
+        if exact:
+            return cls(panels, n, k, "bf16", lib.packed_linear_fused_bf16)
+        return cls(panels, n, k, "fp32", lib.packed_linear_fused)
 
     @property
     def entry(self):
-        """The C entry (ctypes function) for these panels' dtype: ``packed_linear_fused`` or
-        ``packed_linear_fused_bf16`` (kernels/llama_layers.py calls it from C)."""
+        """The C entry (ctypes function) for this layout: ``packed_linear_fused``,
+        ``packed_linear_fused_bf16`` or ``packed_linear_fused_amx`` (kernels/llama_layers.py calls
+        it from C)."""
         return self._fused
 
     @property
@@ -98,8 +151,10 @@ class PackedLinear:
 
     def unpacked(self) -> torch.Tensor:
         """The weight as [N, K] again (tests, and the reference path)."""
-        n = self.out_features
-        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[:n].float()
+        n, k = self.out_features, self.in_features
+        if self.layout == "amx":  # [p, kb, s, kp, nn, i] -> [p, s, nn, kb, kp, i] = [N, K]
+            return self.panels.permute(0, 2, 4, 1, 3, 5).reshape(-1, k)[:n].float()
+        return self.panels.transpose(1, 2).reshape(-1, k)[:n].float()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, w) (+ residual)``: x [..., K] fp32 -> [..., N]."""

@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "linear_prologue.h"
+
 typedef int (*linear_fn)(const float *x, int prologue, const float *g, float eps, const void *w,
                          const float *res, float *y, long T, long N, long K, int threads);
 typedef int (*attention_fn)(const float *qkv, const float *cos, const float *sin, float *kcache,
@@ -27,7 +29,6 @@ typedef int (*attention_fn)(const float *qkv, const float *cos, const float *sin
                             const uint8_t *mask, float *out, long B, long Bc, long T, long Hq,
                             long Hkv, long D, long C, long L, float scale, int threads);
 
-enum { PROLOGUE_NONE = 0, PROLOGUE_RMSNORM = 1, PROLOGUE_SWIGLU = 2 }; /* packed_linear.c's */
 
 /* One decoder layer as served: norm weights [H] and packed projections, each with the
  * packed_linear entry for its panels' dtype. Mirrors kernels/llama_layers.py's Layer. */

@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "linear_prologue.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -186,25 +187,6 @@ static void panel_all(const float *x, const float *wp, const uint16_t *wh, const
     }
 }
 
-/* What is done to x before the matmul, into a scratch copy h [T, K]. */
-enum { PROLOGUE_NONE = 0, PROLOGUE_RMSNORM = 1, PROLOGUE_SWIGLU = 2 };
-
-/* h = x * rsqrt(mean(x^2) + eps) * g (Llama's RMSNorm, fp32). */
-static void rmsnorm_row(const float *x, const float *g, float eps, float *h, long K) {
-    double ss = 0.0;
-    for (long k = 0; k < K; k++) ss += (double)x[k] * x[k];
-    float r = 1.0f / sqrtf((float)(ss / K) + eps);
-    for (long k = 0; k < K; k++) h[k] = (x[k] * r) * g[k];
-}
-
-/* h = silu(x[:K]) * x[K:] (Llama's MLP between gate/up and down), for one row of 2K. */
-static void swiglu_row(const float *x, float *h, long K) {
-    for (long k = 0; k < K; k++) {
-        float a = x[k];
-        h[k] = a / (1.0f + expf(-a)) * x[K + k];
-    }
-}
-
 struct job {
     const float *x, *g, *wp, *res, *in;
     const uint16_t *wh;
@@ -219,11 +201,7 @@ static void run(void *ctx, int id, int n) {
     long lo, hi;
     if (j->prologue != PROLOGUE_NONE) {
         spl_range(j->T, id, n, &lo, &hi);
-        for (long t = lo; t < hi; t++) {
-            if (j->prologue == PROLOGUE_RMSNORM)
-                rmsnorm_row(j->x + t * j->K, j->g, j->eps, j->h + t * j->K, j->K);
-            else swiglu_row(j->x + t * 2 * j->K, j->h + t * j->K, j->K);
-        }
+        for (long t = lo; t < hi; t++) prologue_row(j->x, j->prologue, j->g, j->eps, j->h, t, j->K);
         spl_barrier(n); /* h is complete before any panel reads it */
     }
     spl_range((j->N + P - 1) / P, id, n, &lo, &hi);

@@ -152,3 +152,63 @@ def test_a_weight_that_is_not_exactly_bf16_keeps_fp32_panels():
     assert not pl.bf16_exact(w) and pl.bf16_exact(_bf16_valued(4, 4, generator=g))
     packed = PackedLinear.pack(w)
     assert packed.panels.dtype == torch.float32 and torch.equal(packed.unpacked(), w)
+
+
+needs_amx = pytest.mark.skipif(not pl.amx_available(), reason="no AMX-BF16 on this CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 64), (32, 1536)])
+def test_amx_tiles_match_torch_with_every_prologue_and_a_residual(tokens, n, k):
+    """Tiles over the three bf16 parts of each activation: fp32 precision (within F.linear's own
+    rounding of the float64 product), at widths below, at and past one 16-token tile, and with a
+    last panel padded."""
+    g = torch.Generator().manual_seed(tokens * 11 + n)
+    w = _bf16_valued(n, k, generator=g)
+    packed = PackedLinear.pack(w, amx=True)
+    assert packed.layout == "amx" and torch.equal(packed.unpacked(), w)
+    x = torch.randn(tokens, k, generator=g)
+    res = torch.randn(tokens, n, generator=g)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    gu = torch.randn(tokens, 2 * k, generator=g)
+
+    def exact(h):  # the float64 product, rounded once
+        return (h.double() @ w.double().T).float()
+
+    torch.testing.assert_close(packed(x), exact(x), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(packed(x, residual=res), exact(x) + res, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(packed.normed(x, norm_w, 1e-5), exact(F.rms_norm(x, (k,), norm_w, 1e-5)),
+                               rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(packed.swiglu(gu, residual=res),
+                               exact(F.silu(gu[:, :k]) * gu[:, k:]) + res, rtol=1e-5, atol=1e-4)
+
+
+@needs_amx
+def test_amx_a_token_gives_the_same_bits_alone_and_among_others():
+    """Verify and decode agree bit for bit on the tiles: a token's outputs do not depend on how
+    many tokens share the call (below 8 each thread splits every token itself; above, the threads
+    share the split; above 16, tiles of 16 and a padded last one)."""
+    g = torch.Generator().manual_seed(5)
+    k = 576
+    packed = PackedLinear.pack(_bf16_valued(577, k, generator=g), amx=True)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    x = torch.randn(40, 2 * k, generator=g)
+    alone = [packed(x[t : t + 1, :k]) for t in range(40)]
+    normed = [packed.normed(x[t : t + 1, :k], norm_w, 1e-5) for t in range(40)]
+    swiglu = [packed.swiglu(x[t : t + 1]) for t in range(40)]
+    for tokens in (2, 7, 8, 9, 16, 17, 40):
+        assert all(torch.equal(row, alone[t][0]) for t, row in enumerate(packed(x[:tokens, :k])))
+        together = packed.normed(x[:tokens, :k], norm_w, 1e-5)
+        assert all(torch.equal(row, normed[t][0]) for t, row in enumerate(together))
+        assert all(torch.equal(row, swiglu[t][0]) for t, row in enumerate(packed.swiglu(x[:tokens])))
+
+
+@needs_amx
+def test_amx_packing_only_where_it_can_run():
+    """Tiles take exactly-bf16 weights with K a multiple of 32; anything else keeps its panels."""
+    g = torch.Generator().manual_seed(2)
+    assert PackedLinear.pack(_bf16_valued(64, 48, generator=g), amx=True).layout == "bf16"
+    assert PackedLinear.pack(torch.randn(64, 64, generator=g), amx=True).layout == "fp32"
+    assert PackedLinear.pack(_bf16_valued(64, 64, generator=g)).layout == "bf16"  # amx is asked for
+    assert PackedLinear.pack(_bf16_valued(64, 64, generator=g), bf16=False, amx=True).layout == "fp32"

@@ -1,0 +1,241 @@
+/* packed_linear_amx: packed_linear's matmul (y[T, N] = prologue(x)[T, K] @ w[N, K]^T (+ res))
+ * on Intel AMX tiles, for weights that are exactly bf16 (the default SmolLM2 target's are).
+ *
+ * Why: with FMAs (packed_linear.c) a verify of 8 tokens cost 1.4 one-token steps and 16 tokens
+ * 2.1 on a 2-core Xeon: each weight streamed in once, but every token's FMAs ran on two cores'
+ * vector units. One AMX tile multiply (TDPBF16PS) does 16 x 16 x 32 multiply-adds; streaming the
+ * weights of one step through tiles took 26-29 ms single-threaded at 1 token and 28-33 ms at 16
+ * (measured on that Xeon), so a verify of up to 16 tokens costs about one step, as on a GPU.
+ *
+ * Tiles multiply bf16 by bf16 and accumulate in fp32; our activations are fp32. Each activation
+ * is split into three bf16 parts, a = hi + mid + lo, each the top 8 significant bits of what the
+ * parts before it left (truncation: exact, since 3 x 8 bits hold an fp32's 24). A product of two
+ * bf16 values is exact in fp32, so w * a is computed as three exact products summed in fp32: the
+ * same precision as an fp32 dot product, only another order of the additions (and denormals
+ * flushed, as tiles do). A row's result depends on nothing but that row: a token's outputs are
+ * the same whether it is alone or one of 16 in the call (verify and decode agree bit for bit).
+ *
+ * Layout (kernels/packed_linear.py packs it): panels of 32 outputs (two 16-wide C tiles); a
+ * panel is K/32 blocks, each block the two B tiles of its outputs for 32 k: tile s row kp holds
+ * w[n0 + 16 s + nn][32 kb + 2 kp + i] at column 2 nn + i (AMX's pair-interleaved layout), 1 KB,
+ * so a panel is one contiguous stream. Tiles: 0-1 C accumulators, 2-4 the activation parts
+ * (hi, mid, lo) of up to 16 tokens, 5-6 weights; the six multiplies of a block alternate between
+ * the accumulators. Three 16-wide tiles a panel (reusing a weight tile register within a block)
+ * streamed 270 MB of weights at 9.9 GB/s on one core at 1 token and 8.8 at 16; two, 11.7 and
+ * 10.2. Parallel over panels on the worker pool.
+ *
+ * Entry points return -1 where the build has no AMX, the OS refused the tile state, or the
+ * arguments do not fit (K not a multiple of 32). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "linear_prologue.h"
+#include "pool.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define NT 2               /* C tiles per panel */
+#define TN 16              /* outputs per C tile */
+#define TK 32              /* k per B tile (16 rows of bf16 pairs) */
+#define TM 16              /* tokens per tile, at most */
+#define PANEL (NT * TN)    /* outputs per panel */
+#define TILE (TK * TN)     /* bf16 values per B tile (1 KB) */
+#define PF_BLOCKS 3        /* blocks of the panel prefetched ahead of the one computing */
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-1 (C: 16 fp32) and 2-4 (A: 32 bf16) hold m token rows, 5-6 one B tile each (16 rows
+ * of 32 bf16); 64 bytes a row. */
+static void configure(int m) {
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 7; i++) {
+        c.rows[i] = i < 5 ? m : TK / 2;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* a [K] -> hi, mid, lo [K] bf16 with a = hi + mid + lo: each part the top 16 bits (truncated)
+ * of what the parts before it left, which is exact. 16 lanes at a time, then one by one. */
+static void split_row(const float *a, uint16_t *hi, uint16_t *mid, uint16_t *lo, long K) {
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
+    long k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 r = _mm512_loadu_ps(a + k);
+        uint16_t *dst[3] = {hi + k, mid + k, lo + k};
+        for (int part = 0; part < 3; part++) {
+            __m512i bits = _mm512_and_si512(_mm512_castps_si512(r), top);
+            r = _mm512_sub_ps(r, _mm512_castsi512_ps(bits)); /* exact */
+            _mm256_storeu_si256((__m256i *)dst[part], _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        }
+    }
+    for (; k < K; k++) {
+        float r = a[k];
+        uint16_t *dst[3] = {hi + k, mid + k, lo + k};
+        for (int part = 0; part < 3; part++) {
+            uint32_t u;
+            memcpy(&u, &r, 4);
+            u &= 0xFFFF0000u;
+            float h;
+            memcpy(&h, &u, 4);
+            r -= h;
+            *dst[part] = (uint16_t)(u >> 16);
+        }
+    }
+}
+
+/* One panel (outputs n0 .. n0 + 32) for all T tokens, m at a time. parts: hi, mid, lo, each
+ * [Tpad, K] bf16 (rows past T zero). */
+static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *wt,
+                      const float *res, float *y, long T, long N, long K, long n0) {
+    float c[TM * PANEL] __attribute__((aligned(64)));
+    const long blocks = K / TK, stride = K * 2;
+    const long valid = N - n0 < PANEL ? N - n0 : PANEL;
+    for (long t0 = 0; t0 < T; t0 += m) {
+        const uint16_t *hi = parts + t0 * K, *mid = hi + Tpad * K, *lo = mid + Tpad * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (long kb = 0; kb < blocks; kb++) {
+            const uint16_t *b = wt + kb * NT * TILE;
+            if (t0 == 0) /* later groups read the panel from L2 */
+                for (int line = 0; line < NT * TILE * 2 / 64; line++)
+                    _mm_prefetch((const char *)(b + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
+            _tile_loadd(2, hi + kb * TK, stride);
+            _tile_loadd(3, mid + kb * TK, stride);
+            _tile_loadd(4, lo + kb * TK, stride);
+            _tile_loadd(5, b, 64);
+            _tile_loadd(6, b + TILE, 64);
+            /* the two accumulators alternate: no multiply waits on the one just before it */
+            _tile_dpbf16ps(0, 2, 5);
+            _tile_dpbf16ps(1, 2, 6);
+            _tile_dpbf16ps(0, 3, 5);
+            _tile_dpbf16ps(1, 3, 6);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        _tile_stored(0, c, PANEL * 4);
+        _tile_stored(1, c + TN, PANEL * 4);
+        long rows = T - t0 < m ? T - t0 : m;
+        for (long t = 0; t < rows; t++) {
+            float *out = y + (t0 + t) * N + n0;
+            memcpy(out, c + t * PANEL, valid * sizeof(float));
+            if (res)
+                for (long j = 0; j < valid; j++) out[j] += res[(t0 + t) * N + n0 + j];
+        }
+    }
+}
+
+struct job {
+    const float *x, *g, *res;
+    const uint16_t *wt;
+    uint16_t *parts;
+    float *h, *y;
+    float eps;
+    int prologue;
+    long T, Tpad, m, N, K;
+};
+
+/* Up to this many tokens every thread computes all of their prologues and parts into its own
+ * copy (microseconds) instead of its share and a wait at a barrier for the rest (measured on a
+ * 2-core Xeon, a 576 x 576 projection: 1 token 12.3 -> 9.3 us, 8 tokens 19.9 -> 12.3). */
+#define PRIVATE_SPLIT_TOKENS 8
+
+static void split_rows(const struct job *j, uint16_t *parts, long lo, long hi) {
+    for (long t = lo; t < hi; t++) {
+        const float *a = prologue_row(j->x, j->prologue, j->g, j->eps, j->h, t, j->K);
+        uint16_t *p = parts + t * j->K;
+        split_row(a, p, p + j->Tpad * j->K, p + 2 * j->Tpad * j->K, j->K);
+    }
+}
+
+static void run(void *ctx, int id, int n) {
+    const struct job *j = ctx;
+    long lo, hi;
+    const uint16_t *parts = j->parts;
+    if (j->T <= PRIVATE_SPLIT_TOKENS) {
+        uint16_t *mine = j->parts + id * 3 * j->Tpad * j->K;
+        struct job own = *j;
+        own.h = j->h ? j->h + id * j->T * j->K : NULL;
+        split_rows(&own, mine, 0, j->T);
+        parts = mine;
+    } else {
+        spl_range(j->T, id, n, &lo, &hi);
+        split_rows(j, j->parts, lo, hi);
+        spl_barrier(n); /* every token's parts are complete before any panel reads them */
+    }
+    spl_range((j->N + PANEL - 1) / PANEL, id, n, &lo, &hi);
+    if (lo < hi) {
+        configure((int)j->m);
+        for (long p = lo; p < hi; p++)
+            panel_amx(parts, j->Tpad, j->m, j->wt + p * j->K * PANEL, j->res, j->y, j->T, j->N,
+                      j->K, p * PANEL);
+        _tile_release();
+    }
+}
+
+static int permitted = -2; /* -2: not asked yet; 0: tiles usable; -1: refused */
+
+/* Asks the kernel for the AMX tile state (Linux: once per process). 0 when tiles can be used. */
+int packed_linear_amx_init(void) {
+    if (permitted == -2) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -1;
+    }
+    return permitted;
+}
+
+/* y [T, N] = prologue(x) @ w^T (+ res [T, N] when not NULL), as packed_linear_fused_bf16, with
+ * w packed as AMX panels [ceil(N/32), K/32, 2, 16, 16, 2] bf16 (packed_linear.py). */
+int packed_linear_fused_amx(const float *x, int prologue, const float *g, float eps,
+                            const uint16_t *wt, const float *res, float *y, long T, long N, long K,
+                            int threads) {
+    if (packed_linear_amx_init() != 0) return -1;
+    if (T < 1 || N < 1 || K < 1 || K % TK || threads < 1 || prologue < 0 || prologue > 2) return -1;
+    if ((prologue == PROLOGUE_RMSNORM && !g) || !wt) return -1;
+    long m = T < TM ? T : TM;
+    long Tpad = (T + m - 1) / m * m;
+    long copies = T <= PRIVATE_SPLIT_TOKENS ? threads : 1;
+    /* page-aligned: tile loads from a buffer malloc had only 16-byte aligned ran ~1.5x slower at
+     * 8-9 tokens */
+    size_t bytes = (sizeof(uint16_t) * 3 * Tpad * K * copies + 4095) / 4096 * 4096;
+    uint16_t *parts = aligned_alloc(4096, bytes);
+    float *h = prologue != PROLOGUE_NONE ? malloc(sizeof(float) * T * K * copies) : NULL;
+    if (!parts || (prologue != PROLOGUE_NONE && !h)) {
+        free(parts);
+        free(h);
+        return -1;
+    }
+    for (int part = 0; part < 3; part++) /* padding rows (T > 16 only) are zero */
+        memset(parts + (part * Tpad + T) * K, 0, sizeof(uint16_t) * (Tpad - T) * K);
+    struct job j = {x, g, res, wt, parts, h, y, eps, prologue, T, Tpad, m, N, K};
+    spl_parallel(run, &j, threads);
+    free(parts);
+    free(h);
+    return 0;
+}
+
+int packed_linear_amx_panel_width(void) { return PANEL; }
+
+#else /* no AMX in this build (-march=native on a CPU without it) */
+
+int packed_linear_amx_init(void) { return -1; }
+int packed_linear_fused_amx(const float *x, int prologue, const float *g, float eps,
+                            const uint16_t *wt, const float *res, float *y, long T, long N, long K,
+                            int threads) {
+    (void)x, (void)prologue, (void)g, (void)eps, (void)wt, (void)res, (void)y, (void)T, (void)N;
+    (void)K, (void)threads;
+    return -1;
+}
+int packed_linear_amx_panel_width(void) { return 0; }
+
+#endif
