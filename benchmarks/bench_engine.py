@@ -16,6 +16,9 @@ run (so the before/after ratio is measured on the same machine at the same time)
 - ``fp32_panels``: where the fast forward streams bf16 panels (weights that are exactly bf16, as
   the default target's are), the same forward over fp32 panels, timed in the same run
   (``speedup_vs_fp32_panels``: its ms / the fast path's).
+- ``fma_panels``: where the fast forward computes its projections on AMX tiles (CPUs with
+  AMX-BF16; kernels/native/packed_linear_amx.c), the same forward with the FMA kernel over the
+  same bf16 panels, as before (``speedup_vs_fma_panels``).
 - ``layer_by_layer``: where the fast forward runs its layers in one native call
   (kernels/llama_layers.py), the same forward over the same weights with the layers called one at
   a time from Python, as before (``speedup_vs_layer_by_layer``).
@@ -118,6 +121,14 @@ def _panel_dtype(engine) -> str | None:
     return str(fast.lm_head_served.panels.dtype).replace("torch.", "")
 
 
+def _panel_layout(engine) -> str | None:
+    """"amx", "bf16" or "fp32": how the fast forward's lm_head is packed (None: not natively)."""
+    fast = engine.runner.fast
+    if fast is None or not fast.native:
+        return None
+    return getattr(fast.lm_head_served, "layout", None)
+
+
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     from serving.engine.batch_cache import RaggedKVCache
 
@@ -159,6 +170,10 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if panels == "bfloat16":  # the same kernel over fp32 panels: what half the bytes buys
         fp32 = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_panels=False))
         paths.insert(1, _Path("fp32_panels", fp32, step_thread=True))
+    layout = _panel_layout(fast)
+    if layout == "amx":  # the same bf16 weights on the FMA kernel: what the tiles buy
+        fma = TorchEngine(target, config=EngineConfig(k=0, forward="auto", amx_panels=False))
+        paths.insert(1, _Path("fma_panels", fma, step_thread=True))
     stacked = fast.runner.fast is not None and fast.runner.fast.stack is not None
     if stacked:  # the same weights, the layers called from Python: what one native call buys
         per_call = TorchEngine(target, config=EngineConfig(k=0, forward="auto"))
@@ -252,6 +267,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
             "kernel": "packed_linear",
             "panel_width": packed_linear.panel_width(),
             "panels": panels,
+            "layout": layout,
             "layer_stack": stacked,
         },
         **figures("fast"),
@@ -266,6 +282,9 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         out["fp32_panels"] = figures("fp32_panels")
         out["fp32_panels"]["weight_bytes"] = fp32.runner.fast.weight_bytes()
         out["speedup_vs_fp32_panels"] = _speedup(out["fp32_panels"], out)
+    if layout == "amx":
+        out["fma_panels"] = figures("fma_panels")
+        out["speedup_vs_fma_panels"] = _speedup(out["fma_panels"], out)
     if stacked:
         out["layer_by_layer"] = figures("layer_by_layer")
         out["speedup_vs_layer_by_layer"] = _speedup(out["layer_by_layer"], out)

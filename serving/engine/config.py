@@ -82,6 +82,13 @@ class EngineConfig(BaseModel):
         "are: it was dequantised to a bf16 cache) as bf16 panels: a decode step streams half the "
         "bytes, with results bit for bit those of fp32 panels. False = fp32 panels always.",
     )
+    amx_panels: bool = Field(
+        True,
+        description="Where the CPU has AMX-BF16, compute the bf16-exact projections on AMX tiles "
+        "(kernels/native/packed_linear_amx.c): a verify of up to 16 tokens costs about one "
+        "decode step; fp32-precise, not bit for bit the FMA panels' numbers. Ignored elsewhere "
+        "and with bf16_panels off.",
+    )
     capture_features: bool = Field(
         False,
         description="Run the target with hidden states even when the drafter needs none, so traces "

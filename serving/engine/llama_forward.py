@@ -108,7 +108,7 @@ def _version(t: torch.Tensor) -> int | None:
 class LlamaForward:
     @classmethod
     def shared(cls, model: torch.nn.Module, native: bool | None = None,
-               bf16_panels: bool = True) -> LlamaForward:
+               bf16_panels: bool = True, amx: bool = True) -> LlamaForward:
         """The LlamaForward of ``model``, built once per process and shared by every engine on it.
 
         Two engines on one target in a process (a benchmark's target-only baseline beside its
@@ -121,11 +121,12 @@ class LlamaForward:
         stamp = _weights_stamp(model)
         with _SHARED_LOCK:
             per_model = _SHARED.setdefault(model, {})
-            hit = per_model.get((native, bf16_panels))
+            key = (native, bf16_panels, amx)
+            hit = per_model.get(key)
             if hit is not None and hit[0] == stamp:
                 return hit[1]
-            forward = cls(model, native=native, bf16_panels=bf16_panels)
-            per_model[(native, bf16_panels)] = (stamp, forward)
+            forward = cls(model, native=native, bf16_panels=bf16_panels, amx=amx)
+            per_model[key] = (stamp, forward)
             return forward
 
     @staticmethod
@@ -142,12 +143,13 @@ class LlamaForward:
 
     def __init__(
         self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None,
-        bf16_panels: bool = True,
+        bf16_panels: bool = True, amx: bool = True,
     ):
         """native: serve the projections through kernels.packed_linear (None = where it builds and
         the weights are fp32 on the CPU; the packed copies replace the fused row-major ones);
         bf16_panels: pack a weight whose values are all exactly bf16 as bf16 panels (half the
-        bytes a step streams, bit-identical results; kernels/packed_linear.py);
+        bytes a step streams, bit-identical results; kernels/packed_linear.py); amx: those on AMX
+        tiles where the CPU has them (a verify of up to 16 tokens for about one step's price);
         thin_max: the BLAS w @ x^T path's limit otherwise."""
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
@@ -167,6 +169,7 @@ class LlamaForward:
         wanted = (native is None or bool(native)) and on_cpu_fp32
         self.native = wanted and packed_linear.available()
         self.bf16_panels = bf16_panels
+        self.amx = amx
         self.native_attention = wanted and native_attention.available()
         self.layers = []
         with torch.no_grad():
@@ -206,7 +209,7 @@ class LlamaForward:
     def _served(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """A projection's weight as the forward reads it: packed panels on the native path (a
         copy; the model keeps its own), else row-major."""
-        packed = PackedLinear.pack(w, bf16=self.bf16_panels) if self.native else None
+        packed = PackedLinear.pack(w, bf16=self.bf16_panels, amx=self.amx) if self.native else None
         return packed if packed is not None else w.contiguous()
 
     def weight_tensors(self) -> list[torch.Tensor]:

@@ -21,6 +21,7 @@ class ModelRunner:
         forward: str = "auto",
         native_kernels: bool = True,
         bf16_panels: bool = True,
+        amx_panels: bool = True,
     ):
         self.model = model
         self.device = device
@@ -33,7 +34,7 @@ class ModelRunner:
         model is a Llama-family model on sdpa; None runs the Hugging Face forward."""
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
             self.fast = LlamaForward.shared(model, native=None if native_kernels else False,
-                                            bf16_panels=bf16_panels)
+                                            bf16_panels=bf16_panels, amx=amx_panels)
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""
 

@@ -199,7 +199,7 @@ def test_a_bf16_valued_target_streams_bf16_panels_with_the_same_logits():
         pytest.skip("native kernel not built here")
     model = tiny_target(vocab_size=97, num_layers=3).model
     model.to(torch.bfloat16).to(torch.float32)  # every weight now exactly a bf16 value
-    half = LlamaForward(model, native=True)
+    half = LlamaForward(model, native=True, amx=False)  # the FMA kernel over bf16 panels
     full = LlamaForward(model, native=True, bf16_panels=False)
 
     def panels(fwd):
@@ -258,3 +258,31 @@ def test_the_native_layer_stack_gives_the_per_call_numbers_bit_for_bit(bf16):
             twin.commit([q] * 3)
     for x, y in zip(cache.keys + cache.values, twin.keys + twin.values):
         assert torch.equal(x, y)
+
+
+@torch.inference_mode()
+def test_amx_tiles_serve_a_bf16_valued_target_and_verify_agrees_with_decode():
+    """Where the CPU has AMX-BF16, a bf16-valued target's projections run on tiles: logits close
+    to the FMA panels' (fp32 precision, another order of additions), and a token's logits in a
+    verify of q tokens those of decoding it alone after the same prefix, to float rounding (the
+    projections agree bit for bit: tests/kernels/test_packed_linear.py)."""
+    if not packed_linear.amx_available():
+        pytest.skip("no AMX-BF16 here")
+    model = tiny_target(vocab_size=97, num_layers=3).model
+    model.to(torch.bfloat16).to(torch.float32)
+    amx = LlamaForward(model, native=True)
+    fma = LlamaForward(model, native=True, amx=False)
+    layouts = {w.layout for lay in amx.layers for w in lay if isinstance(w, PackedLinear)}
+    assert layouts == {"amx"} and amx.lm_head_served.layout == "amx" and amx.stack is not None
+    ids = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(3))
+    wide = _prefilled(model, [5, 11, 2])
+    twin, stepwise = _twin(wide), _twin(wide)
+    pos, mask = wide.prepare(9)
+    verify = amx(ids, pos, mask, wide).logits  # [3, 9, V]
+    pos2, mask2 = twin.prepare(9)
+    torch.testing.assert_close(verify, fma(ids, pos2, mask2, twin).logits, rtol=1e-4, atol=1e-4)
+    for t in range(9):
+        pos3, mask3 = stepwise.prepare(1)
+        one = amx(ids[:, t : t + 1], pos3, mask3, stepwise).logits  # [3, 1, V]
+        stepwise.commit([1] * 3)
+        torch.testing.assert_close(one[:, 0], verify[:, t], rtol=1e-5, atol=1e-5)
