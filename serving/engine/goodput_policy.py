@@ -64,6 +64,14 @@ over a whole stream for every drafter kind, and a learned kind also pays for its
 serving on the memory bus (`bench interference`: 0.9-2.5 %); at 2 % the probes alone took two
 thirds of the bar. A new drafter is still probed at once (``on_drafter_change``)."""
 
+_REALIZED_ALPHA = 0.05
+"""EMA weight of one step in the realized rates (tokens per millisecond) that ``choose_widths``
+checks its predictions against; a probe, the only drafting step while drafting is off, weighs
+``_REALIZED_PROBE_ALPHA`` (a drafter that got better comes back within a few probes)."""
+_REALIZED_PROBE_ALPHA = 0.25
+_REALIZED_MIN_STEPS = 8
+"""Drafting steps at a batch size before their realized rate is trusted."""
+
 _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
 
@@ -146,6 +154,13 @@ class GoodputPolicy:
         """EMA of what a costly drafter's probe cost over a plain step (its draft, catch-up
         included, and the wider verify)."""
         self.remeasure_every = remeasure_every
+        self._draft_ms: dict[int, float] = {}
+        """batch size -> EMA of a drafting step's draft milliseconds (see ``choose_widths``)."""
+        self._probed = False
+        """The last ``choose_widths`` was a probe's."""
+        self._realized: dict[int, tuple[float, int]] = {}
+        """batch size -> (EMA of tokens per millisecond, steps seen): what the steps that
+        verified drafts delivered."""
 
     def choose_k(self, state: BatchState) -> int:
         k_max = min(self.k_max, state.k_max)
@@ -248,14 +263,21 @@ class GoodputPolicy:
         rows, gains = best_nodes_first(cum, lens)  # [N], [N]
         expected = batch + np.concatenate([[0.0], np.cumsum(gains)])  # [N+1] by node total
         totals = node_totals(len(rows))
-        rates = [expected[n] / self.verify_ms(n, batch) for n in totals]
+        # A non-empty width also pays for the draft: this step's is spent, but widths that do not
+        # cover it are cut to nothing, and after ``probe_every`` of those the drafter is asked
+        # only on probes (at batch 8 the suffix index took ~1.9 ms a step, ~7 % of one).
+        draft = self._draft_ms.get(batch, 0.0)
+        rates = [expected[n] / (self.verify_ms(n, batch) + (draft if n else 0.0)) for n in totals]
         rates[0] *= 1.0 + _WIDTH_MARGIN  # a width must beat plain decoding by the margin
         pick = int(np.argmax(rates))
+        if totals[pick] > 0 and self.drafting_loses(batch):
+            pick = 0  # predicted to pay, but drafting steps at this batch size did not: off, probes
         self.zero_widths = self.zero_widths + 1 if totals[pick] == 0 else 0
         if self._probing and len(totals) > 1:  # a probe verifies the best non-empty total,
             cap = max(1, batch)  # at most a node per row, whatever it costs
             pick = 1 + int(np.argmax([r if n <= cap else -1.0 for n, r in zip(totals[1:], rates[1:])]))
         probing, self._probing = self._probing, False
+        self._probed = probing
         since = self._since_plain.get(batch, self.remeasure_every)
         if totals[pick] > 0 and since >= self.remeasure_every and not probing:
             pick = 0  # keep the plain step's cost at this batch size measured, now and then
@@ -266,6 +288,31 @@ class GoodputPolicy:
         if len(self.widths) > 4096:
             del self.widths[:2048]
         return np.bincount(rows[:nodes], minlength=len(lens)).astype(np.int64)
+
+    def drafting_loses(self, batch: int) -> bool:
+        """Whether, at this batch size, the steps that verified drafts delivered fewer tokens per
+        millisecond (their draft included; an EMA over at least ``_REALIZED_MIN_STEPS`` of them)
+        than a plain step does (batch tokens in its measured median). Widths are chosen from
+        calibrated confidences over measured costs, and at batch 8 with cheap verifies (AMX) they
+        kept predicting gains that ran at 0.93-0.95 of plain decoding; this checks the outcome,
+        whatever the model missed. Probes keep the drafting rate measured. Not at batch 1: there
+        the rate follows one request at a time, and after chat requests it held drafting off into
+        the first code request of a day-0 suffix index (`bench spec --warm 12`, day-0 code 1.57x
+        and 1.34x with it, 1.87x without)."""
+        if batch < 2:  # one request's steps: its own confidences decide (see below)
+            return False
+        spec = self._realized.get(batch)
+        plain = self.verify.measured(batch).get(0)
+        if spec is None or plain is None or spec[1] < _REALIZED_MIN_STEPS:
+            return False
+        return spec[0] < batch / plain
+
+    def _realize(self, batch: int, tokens: float, ms: float) -> None:
+        if ms <= 0:
+            return
+        alpha = _REALIZED_PROBE_ALPHA if self._probed else _REALIZED_ALPHA
+        rate, n = self._realized.get(batch, (tokens / ms, 0))
+        self._realized[batch] = ((1 - alpha) * rate + alpha * tokens / ms, n + 1)
 
     def observe(
         self, k, num_drafted, num_accepted, draft_ms, verify_ms, width=None, batch=None,
@@ -281,6 +328,9 @@ class GoodputPolicy:
             if nodes == 0:
                 self._since_plain[int(batch)] = 0
             self.verify.observe(int(batch), nodes, float(verify_ms))
+            if nodes > 0 and self._predicted is not None:  # a width this policy chose
+                self._realize(int(batch), len(accepted) + float(accepted.sum()),
+                              float(draft_ms) + float(verify_ms))
         predicted, self._predicted = self._predicted, None
         if predicted is not None and predicted > 0.05 * len(accepted):
             ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration
@@ -294,6 +344,9 @@ class GoodputPolicy:
             self._probe_ms = cost if self._probe_ms is None else 0.7 * self._probe_ms + 0.3 * cost
         if width > 0:
             self.costs.observe_draft(width, draft_ms)
+        if batch is not None and draft_ms > 0:
+            old = self._draft_ms.get(int(batch))
+            self._draft_ms[int(batch)] = draft_ms if old is None else 0.9 * old + 0.1 * float(draft_ms)
         self.costs.observe_verify(width, verify_ms)
         if width == 0:
             self._k0_measured = True

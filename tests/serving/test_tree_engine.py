@@ -204,9 +204,10 @@ def _chain(n_rows, k, conf):
 def test_width_follows_measured_costs_and_batch():
     policy = GoodputPolicy(8, remeasure_every=10_000)
     # batch 1: plain 60 ms, any width 100 ms (this CPU's 1.6x jump); batch 8: width costs grow
+    # (every draft accepted: the drafting steps delivered more per ms than plain ones)
     for w in range(9):
-        policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 60.0 if w == 0 else 100.0, width=w, batch=1)
-        policy.observe(w, np.zeros(8), np.zeros(8), 0.0, 80.0 * (1 + 0.5 * w), width=w, batch=8)
+        policy.observe(w, np.full(1, w), np.full(1, w), 0.0, 60.0 if w == 0 else 100.0, width=w, batch=1)
+        policy.observe(w, np.full(8, w), np.full(8, w), 0.0, 80.0 * (1 + 0.5 * w), width=w, batch=8)
     policy.calibration = 1.0
     assert policy.choose_widths(*_chain(1, 8, 0.9), batch=1).max() == 8  # long confident drafts pay
     assert policy.choose_widths(*_chain(1, 8, 0.3), batch=1).max() == 0  # ~0.43 tokens: not for 1.67x
@@ -231,7 +232,88 @@ def test_nodes_go_to_the_rows_whose_drafts_are_likely_accepted():
     assert widths.sum() < 24  # and not the doubtful tail (P = 0.86 x 0.5^j) that costs more
 
 
-def test_width_calibration_learns_from_outcomes():
+def test_a_width_must_also_pay_for_the_draft_at_its_batch_size():
+    """At batch 8 a verify of 8 nodes that costs 5 % more than a plain step pays for 8 x 0.12
+    expected tokens (12 %) as long as the draft is free; once drafting at batch 8 is measured at
+    2 ms a step (10 % of one), the same drafts are cut to nothing, while batch 1, whose drafts
+    were measured cheap, keeps its width."""
+    from serving.engine.goodput_policy import node_totals
+
+    policy = GoodputPolicy(8, remeasure_every=10_000)
+    for n in node_totals(8):
+        policy.observe(0, np.zeros(8), np.zeros(8), 0.0, 20.0 + 0.125 * n, width=min(n, 1), batch=8,
+                       nodes=n)
+        policy.observe(0, np.zeros(1), np.zeros(1), 0.0, 10.0 + 0.1 * n, width=n, batch=1)
+    policy.calibration = 1.0
+    parents, conf, lengths = _chain(8, 1, 0.12)
+    assert policy.choose_widths(parents, conf, lengths, batch=8).sum() == 8
+    for _ in range(40):
+        policy.observe(1, np.ones(8), np.zeros(8), 2.0, 21.0, width=1, batch=8, nodes=8)
+        policy.observe(1, np.ones(1), np.ones(1), 0.05, 10.1, width=1, batch=1, nodes=1)
+    policy.calibration = 1.0
+    assert policy.choose_widths(parents, conf, lengths, batch=8).sum() == 0
+    assert policy.choose_widths(*_chain(1, 8, 0.9), batch=1).max() == 8
+
+
+def test_widths_stop_where_drafting_steps_delivered_less_than_plain_ones():
+    """The calibration is one for all batch sizes: at batch 1 every draft is accepted, at batch 8
+    one row in eight is, and the calibrated model keeps predicting a gain at batch 8. The drafting
+    steps there delivered 9 tokens in 28 ms against a plain step's 8 in 20: once eight of them are
+    seen, batch 8 verifies nothing (but probes), while batch 1 keeps drafting."""
+    from serving.engine.goodput_policy import node_totals
+
+    policy = GoodputPolicy(4, remeasure_every=10_000)
+    for n in node_totals(8):
+        policy.observe(0, np.zeros(1), np.zeros(1), 0.0, 10.0 + 0.1 * n, width=min(n, 4), batch=1, nodes=n)
+        policy.observe(0, np.zeros(8), np.zeros(8), 0.0, 20.0 + 1.0 * n, width=min(n, 1), batch=8, nodes=n)
+    eights = []
+    for _ in range(24):
+        w1 = policy.choose_widths(*_chain(1, 4, 0.9), batch=1)
+        policy.observe(4, w1, w1, 0.0, 10.0 + 0.1 * int(w1.sum()), width=int(w1.max()), batch=1,
+                       nodes=int(w1.sum()))
+        w8 = policy.choose_widths(*_chain(8, 1, 0.9), batch=8)
+        eights.append(int(w8.sum()))
+        accepted = np.array([1] + [0] * 7) * (w8 > 0)
+        policy.observe(1, w8, accepted, 0.0, 20.0 + 1.0 * int(w8.sum()), width=int(w8.max()),
+                       batch=8, nodes=int(w8.sum()))
+    assert eights[:8] == [8] * 8 and eights[-8:] == [0] * 8  # predicted to pay; did not
+    assert policy.drafting_loses(8) and not policy.drafting_loses(1)
+    assert policy.choose_widths(*_chain(1, 4, 0.9), batch=1).max() == 4
+
+
+def test_after_drafting_stopped_at_a_batch_size_probes_bring_a_better_drafter_back():
+    """Batch 4: drafts that are never accepted stop (the outcome rule, then probes only); once
+    they are always accepted, the probes' outcomes turn drafting back on."""
+    from serving.engine.goodput_policy import node_totals
+    from serving.engine.policy import BatchState
+
+    policy = GoodputPolicy(4, probe_every=8, remeasure_every=10_000)
+    for n in node_totals(16):
+        policy.observe(0, np.zeros(4), np.zeros(4), 0.0, 20.0 + 0.5 * n, width=min(n, 4), batch=4,
+                       nodes=n)
+    state = BatchState(4, 4, np.full(4, 100))
+
+    def step(accept: bool) -> int:
+        k = policy.choose_k(state)
+        w = policy.choose_widths(*_chain(4, 4, 0.8), batch=4) if k else np.zeros(4, dtype=np.int64)
+        acc = w if accept else np.zeros(4, dtype=np.int64)
+        policy.observe(k, np.minimum(w, acc + 1), acc, 0.05, 20.0 + 0.5 * int(w.sum()),
+                       width=int(w.max()), batch=4, nodes=int(w.sum()))
+        return int(w.sum())
+
+    for _ in range(300):
+        step(False)
+    assert policy.drafting_loses(4)
+    assert sum(step(False) > 0 for _ in range(64)) <= 64 // 8 + 1
+    widths = [step(True) for _ in range(400)]
+    assert not policy.drafting_loses(4)
+    assert sum(w > 0 for w in widths[-50:]) >= 45
+
+
+def test_width_calibration_learns_from_outcomes(monkeypatch):
+    from serving.engine import goodput_policy
+
+    monkeypatch.setattr(goodput_policy, "_REALIZED_MIN_STEPS", 10**9)  # the calibration alone
     policy = GoodputPolicy(4, remeasure_every=10_000)
     for w in range(5):
         policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 60.0 if w == 0 else 80.0, width=w, batch=1)
