@@ -299,7 +299,7 @@ class GoodputPolicy:
         the rate follows one request at a time, and after chat requests it held drafting off into
         the first code request of a day-0 suffix index (`bench spec --warm 12`, day-0 code 1.57x
         and 1.34x with it, 1.87x without)."""
-        if batch < 2:  # one request's steps: its own confidences decide (see below)
+        if batch < 2:  # one request's steps: its own confidences decide (see the docstring)
             return False
         spec = self._realized.get(batch)
         plain = self.verify.measured(batch).get(0)
