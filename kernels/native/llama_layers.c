@@ -20,7 +20,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "linear_prologue.h"
+#include "linear_common.h"
 
 typedef int (*linear_fn)(const float *x, int prologue, const float *g, float eps, const void *w,
                          const float *res, float *y, long T, long N, long K, int threads);
@@ -28,7 +28,6 @@ typedef int (*attention_fn)(const float *qkv, const float *cos, const float *sin
                             float *vcache, const int64_t *cols, const int64_t *rows,
                             const uint8_t *mask, float *out, long B, long Bc, long T, long Hq,
                             long Hkv, long D, long C, long L, float scale, int threads);
-
 
 /* One decoder layer as served: norm weights [H] and packed projections, each with the
  * packed_linear entry for its panels' dtype. Mirrors kernels/llama_layers.py's Layer. */

@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "linear_prologue.h"
+#include "linear_common.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -139,17 +139,6 @@ static const panel_bf16_fn PANELS_BF16[RMAX + 1] = {0, panel_bf16_1, panel_bf16_
 #endif
 };
 
-/* y[t0 .. t0+R, n0 .. n0+P] = the accumulators (+ res); the last panel may be padded. */
-static void write_out(const vf *state, const float *res, float *y, long R, long N, long n0) {
-    long valid = N - n0 < P ? N - n0 : P;
-    for (long t = 0; t < R; t++) {
-        float *out = y + t * N + n0;
-        memcpy(out, state + t * PV, valid * sizeof(float));
-        if (res)
-            for (long j = 0; j < valid; j++) out[j] += res[t * N + n0 + j];
-    }
-}
-
 /* One panel for all T tokens: groups of RMAX, CHUNK_GROUPS at a time sharing each chunk. The
  * panel is fp32 (wp) or bf16 (wh, wp NULL). With bf16 and several groups, each chunk is widened
  * once into buf, which the groups then read as an fp32 panel. */
@@ -182,7 +171,7 @@ static void panel_all(const float *x, const float *wp, const uint16_t *wh, const
         }
         for (long g = 0; g < groups; g++) {
             long t0 = first[g], r = first[g + 1] - t0;
-            write_out(state[g], res ? res + t0 * N : NULL, y + t0 * N, r, N, n0);
+            store_rows((const float *)state[g], P, res ? res + t0 * N : NULL, y + t0 * N, r, N, n0);
         }
     }
 }

@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "linear_prologue.h"
+#include "linear_common.h"
 #include "pool.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -100,7 +100,6 @@ static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *
                       const float *res, float *y, long T, long N, long K, long n0) {
     float c[TM * PANEL] __attribute__((aligned(64)));
     const long blocks = K / TK, stride = K * 2;
-    const long valid = N - n0 < PANEL ? N - n0 : PANEL;
     for (long t0 = 0; t0 < T; t0 += m) {
         const uint16_t *hi = parts + t0 * K, *mid = hi + Tpad * K, *lo = mid + Tpad * K;
         _tile_zero(0);
@@ -125,13 +124,7 @@ static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *
         }
         _tile_stored(0, c, PANEL * 4);
         _tile_stored(1, c + TN, PANEL * 4);
-        long rows = T - t0 < m ? T - t0 : m;
-        for (long t = 0; t < rows; t++) {
-            float *out = y + (t0 + t) * N + n0;
-            memcpy(out, c + t * PANEL, valid * sizeof(float));
-            if (res)
-                for (long j = 0; j < valid; j++) out[j] += res[(t0 + t) * N + n0 + j];
-        }
+        store_rows(c, PANEL, res ? res + t0 * N : NULL, y + t0 * N, T - t0 < m ? T - t0 : m, N, n0);
     }
 }
 

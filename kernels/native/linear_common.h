@@ -1,10 +1,12 @@
-/* What packed_linear's entries (packed_linear.c, packed_linear_amx.c) do to x before the
- * matmul: nothing, Llama's RMSNorm, or the SwiGLU between an MLP's gate/up and down. One copy,
- * so every entry computes the same prologue numbers. */
-#ifndef SPECLOOP_LINEAR_PROLOGUE_H
-#define SPECLOOP_LINEAR_PROLOGUE_H
+/* What packed_linear's entries (packed_linear.c, packed_linear_amx.c) share: what they do to x
+ * before the matmul (nothing, Llama's RMSNorm, or the SwiGLU between an MLP's gate/up and down),
+ * and how they write a panel's outputs after it. One copy, so every entry computes the same
+ * prologue numbers. */
+#ifndef SPECLOOP_LINEAR_COMMON_H
+#define SPECLOOP_LINEAR_COMMON_H
 
 #include <math.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -48,6 +50,20 @@ static inline const float *prologue_row(const float *x, int prologue, const floa
         return h + t * K;
     }
     return x + t * K;
+}
+
+/* y[t, n0 .. n0 + valid] = acc[t, 0 .. valid] (+ res[t, n0 ..]) for t < rows, valid = the
+ * panel's outputs that exist (the last panel may be padded). acc: rows of `width` floats; y and
+ * res: rows of N. */
+static inline void store_rows(const float *acc, long width, const float *res, float *y, long rows,
+                              long N, long n0) {
+    long valid = N - n0 < width ? N - n0 : width;
+    for (long t = 0; t < rows; t++) {
+        float *out = y + t * N + n0;
+        memcpy(out, acc + t * width, valid * sizeof(float));
+        if (res)
+            for (long j = 0; j < valid; j++) out[j] += res[t * N + n0 + j];
+    }
 }
 
 #endif
