@@ -112,21 +112,16 @@ class _Path:
         return (time.perf_counter() - t0) * 1e3
 
 
-def _panel_dtype(engine) -> str | None:
-    """The dtype of the fast forward's packed panels (bf16 where the weights are exactly bf16),
-    or None where the native kernel does not serve them."""
-    fast = engine.runner.fast
-    if fast is None or not fast.native:
-        return None
-    return str(fast.lm_head_served.panels.dtype).replace("torch.", "")
-
-
 def _panel_layout(engine) -> str | None:
     """"amx", "bf16" or "fp32": how the fast forward's lm_head is packed (None: not natively)."""
     fast = engine.runner.fast
     if fast is None or not fast.native:
         return None
-    return getattr(fast.lm_head_served, "layout", None)
+    return fast.lm_head_served.layout
+
+
+_PANEL_DTYPE = {"amx": "bfloat16", "bf16": "bfloat16", "fp32": "float32"}
+"""The panels' dtype by layout (the ``panels`` field earlier runs reported)."""
 
 
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
@@ -166,11 +161,11 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if native:  # the same forward on BLAS alone: what the native kernel buys, in the same run
         blas = TorchEngine(target, config=EngineConfig(k=0, forward="auto", native_kernels=False))
         paths.insert(1, _Path("blas", blas))
-    panels = _panel_dtype(fast)
+    layout = _panel_layout(fast)
+    panels = _PANEL_DTYPE.get(layout)
     if panels == "bfloat16":  # the same kernel over fp32 panels: what half the bytes buys
         fp32 = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_panels=False))
         paths.insert(1, _Path("fp32_panels", fp32, step_thread=True))
-    layout = _panel_layout(fast)
     if layout == "amx":  # the same bf16 weights on the FMA kernel: what the tiles buy
         fma = TorchEngine(target, config=EngineConfig(k=0, forward="auto", amx_panels=False))
         paths.insert(1, _Path("fma_panels", fma, step_thread=True))
