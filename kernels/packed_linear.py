@@ -55,13 +55,17 @@ def _declare_amx(lib: ctypes.CDLL) -> None:
 
 
 def _load_amx() -> ctypes.CDLL | None:
-    """The AMX kernel where it is built, the CPU has AMX-BF16 and the OS grants the tile state;
-    None with ``SPECLOOP_AMX=0`` (the FMA kernel then serves every layout)."""
+    """The AMX kernel where it is built, the CPU has AMX-BF16 and the OS grants the tile state
+    (and its panels are the width ``_amx_tiles`` packs); None with ``SPECLOOP_AMX=0`` (the FMA
+    kernel then serves every layout)."""
     if os.environ.get("SPECLOOP_AMX", "1") == "0":
         return None
     lib = native_build.load("packed_linear_amx", _declare_amx)
     if lib is None or lib.packed_linear_amx_init() != 0:
         return None
+    if lib.packed_linear_amx_panel_width() != _AMX_PANEL:
+        raise RuntimeError(f"packed_linear_amx panels are {lib.packed_linear_amx_panel_width()} wide; "
+                           f"kernels/packed_linear.py packs {_AMX_PANEL}")
     return lib
 
 
