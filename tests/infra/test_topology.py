@@ -131,6 +131,20 @@ def _wait(what: str, predicate, timeout_s: float = 120.0, every_s: float = 0.5, 
     raise AssertionError(f"gave up waiting for {what}" + (f": {show()}" if show else ""))
 
 
+def _settled(read, quiet_s: float = 2.0, timeout_s: float = 60.0) -> float:
+    """``read()`` once it has not changed for ``quiet_s`` (records still in flight have landed)."""
+    deadline = time.monotonic() + timeout_s
+    value, since = read(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return value
+    raise AssertionError(f"the count never settled (last {value})")
+
+
 def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
     topo = Topology(tmp_path / "run", replicas=2, model=str(tiny_model_dir), drafter="suffix", extra_env=EXTRA)
     groups: list[int] = []
@@ -158,9 +172,11 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
         _wait("replica B to index a trace served by A", lambda: _followed(b) > 0, every_s=1.0,
               act=lambda: on_a(f"Say hello to visitor number {next(warm)}.", 8))
 
-        # A prompt family served only on A raises B's acceptance on it.
+        # A prompt family served only on A raises B's acceptance on it. The count is read before the
+        # family is sent, once the warm-up's traces stopped arriving: read after it, B may already
+        # have indexed the family (a fast broker did), and the wait would never see the count move.
+        before = _settled(lambda: _followed(b))
         on_a(FAMILY.format("retired sailor"), 48)
-        before = _followed(b)
         _wait("B to index the family", lambda: _followed(b) > before, act=lambda: None)
         family = on_b(FAMILY.format("retired sailor"), 48)
         control = on_b(CONTROL.format("Neptune"), 48)
