@@ -134,3 +134,25 @@ def test_real_tokens_alone_with_their_cache_rows_equal_the_padded_call(tree):
                             sin[real][:, None].contiguous(), keys, values,
                             cols[real][:, None].contiguous(), mask[real][:, None].contiguous(),
                             hq, hkv, 0.125, rows=rows + 3)
+
+
+@needs_native
+@pytest.mark.parametrize("t", [2, 5, 8, 17])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d):
+    """A verify of t tokens gives each token the bits that t one-token calls (decode steps, each
+    seeing the columns the mask gives it) give it: with AVX-512 the kernel scores several tokens
+    of a cache row 16 keys at a time (attention_tiles.h) and one token per query head, and both
+    add the same products in the same order. So a speculative step's logits are a plain step's."""
+    hq, hkv = 9, 3
+    qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
+    many_k, many_v = keys.clone(), values.clone()
+    many = da.decode_attention(qkv, cos, sin, many_k, many_v, cols, mask, hq, hkv, d**-0.5)
+    for i in range(t):  # one token at a time, as decode steps would write and read the cache
+        one = da.decode_attention(
+            qkv[:, i : i + 1].contiguous(), cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous(),
+            keys, values, cols[:, i : i + 1].contiguous(), mask[:, i : i + 1].contiguous(), hq, hkv, d**-0.5,
+        )
+        assert torch.equal(one[:, 0], many[:, i]), f"token {i}"
+    assert torch.equal(keys, many_k) and torch.equal(values, many_v)

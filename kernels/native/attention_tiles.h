@@ -1,0 +1,231 @@
+/* Attention for many query rows that share one kv head's cache row, 16 keys at a time, with
+ * AVX-512 (included by decode_attention.c where the build has AVX-512 F/BW/VL).
+ *
+ * Why: decode_attention's per-token loop (attend_group_*) scores each key with one horizontal sum
+ * per query head; a verify of 8 tokens repeats that for each token (on a 2-core Xeon, 30 layers
+ * of 8 tokens over 264 keys took 1.5 ms, 16 tokens 3.1, one token 0.3). Here a block of 16 keys is
+ * transposed once ([16, D] -> [D, 16] in registers) and shared by every query row of the task (up
+ * to TILE_TOKENS tokens x the kv head's query heads): each row's 16 partial sums come out with
+ * the keys in the lanes, and the values stream once per group of rows.
+ *
+ * The same bits as the per-token loop, by construction: a score there is a lane sum (sum16, a
+ * fixed tree) of 16 lanes, lane l an FMA chain over d = l, l + 16, ...; here lane l's chain runs
+ * over the same d in the same order, with the block's 16 keys in the lanes, and the 16 chains are
+ * added in sum16's tree. Both take the softmax through softmax_row and weigh the values in key
+ * order (a key a row does not see weighs exactly 0 here and is skipped there: the same sum). So a
+ * token's attention output does not depend on how many tokens the call holds: a verify's logits
+ * are the plain decode step's, bit for bit (tests compare).
+ */
+#ifndef SPECLOOP_ATTENTION_TILES_H
+#define SPECLOOP_ATTENTION_TILES_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define TILE_TOKENS 8 /* tokens of one cache row in a task (more are split over tasks) */
+#ifndef TILE_MIN_TOKENS
+#define TILE_MIN_TOKENS 2 /* fewer go through the per-token loop (same bits) */
+#endif
+#define QK_ROWS 3     /* query rows scored together: 4 chains + 4 sums each */
+#define PV_ACC 24     /* accumulator registers of the value pass (rows x D/16) */
+#define TILE_GROUP 8  /* at most this many query heads per kv head */
+#define TILE_ROWS (TILE_TOKENS * TILE_GROUP)
+#define TILE_MAX_D 128 /* head sizes 64 and 128 (tile_head_dim) */
+
+/* r[i] <- column i of the 16 x 16 block r (row j of the result holds element i of input row j). */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        __m512d a = (__m512d)t[4 * i], b = (__m512d)t[4 * i + 1];
+        __m512d c = (__m512d)t[4 * i + 2], d = (__m512d)t[4 * i + 3];
+        r[4 * i] = (__m512)_mm512_unpacklo_pd(a, c);
+        r[4 * i + 1] = (__m512)_mm512_unpackhi_pd(a, c);
+        r[4 * i + 2] = (__m512)_mm512_unpacklo_pd(b, d);
+        r[4 * i + 3] = (__m512)_mm512_unpackhi_pd(b, d);
+    }
+    /* each r[i] now holds, per 128-bit lane L, column (i % 4) + 4 * (L's quarter) ... of rows
+     * 4 * (i / 4) .. + 3: gather the four quarters across the groups */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* The 16 mask bytes of keys j0.. as a lane mask (n < 16: only the first n exist). */
+static inline __mmask16 visible16(const uint8_t *vis, long j0, long n) {
+    __mmask16 in = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __m128i bytes = _mm_maskz_loadu_epi8(in, vis + j0);
+    return _mm_test_epi8_mask(bytes, bytes);
+}
+
+/* The lanes' sum in a fixed tree (GCC's _mm512_reduce_add_ps, written out so that no compiler
+ * picks another order): lanes i and i + 8, then i and i + 4, then 0 and 2, 1 and 3, then the two.
+ * score_rows adds its chains in this tree. */
+static inline float sum16(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_castps512_ps256(v));
+    __m128 b = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* A row of scores (-inf where not visible; Lp a multiple of 16, padded with -inf) -> its softmax
+ * numerators exp(s - max) in place, exactly 0 where -inf; returns 1 / their sum. */
+static inline float softmax_row(float *sc, long Lp) {
+    const __m512 neg = _mm512_set1_ps(-INFINITY);
+    __m512 mx = neg, sum = _mm512_setzero_ps();
+    for (long j = 0; j < Lp; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
+    __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (long j = 0; j < Lp; j += 16) {
+        __m512 s = _mm512_loadu_ps(sc + j);
+        __mmask16 live = _mm512_cmp_ps_mask(s, neg, _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(live, (__m512)vexp_nonpos((vf)_mm512_sub_ps(s, vmax)));
+        _mm512_storeu_ps(sc + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / sum16(sum); /* a token always sees itself: sum > 0 */
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Scores of rows q[0..RN) for one block of 16 keys (kt: the block transposed, [D, 16]): lane
+ * l's chain over d = l, l + 16, ... as in the per-token loop, then the chains added in sum16's
+ * tree (lanes i, i + 8; then i, i + 4; then 0, 2 and 1, 3; then the two). RN and D are constants
+ * where this is inlined, so the accumulators stay in registers. */
+INLINE void score_rows(const int RN, const long D, const float *const *q, const float *kt,
+                       __m512 scale, __m512 *s) {
+    __m512 quarter[QK_ROWS][4]; /* sum16's level-3 sums: lanes i, i + 4, i + 8, i + 12 */
+    for (int i = 0; i < 4; i++) {
+        __m512 p[QK_ROWS][4];
+        for (int r = 0; r < RN; r++)
+            for (int a = 0; a < 4; a++) p[r][a] = _mm512_setzero_ps();
+        for (long c = 0; c < D / 16; c++)
+            for (int a = 0; a < 4; a++) { /* lane l = i + 4a */
+                __m512 k = _mm512_load_ps(kt + (c * 16 + i + 4 * a) * 16);
+                for (int r = 0; r < RN; r++)
+                    p[r][a] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][c * 16 + i + 4 * a]), k, p[r][a]);
+            }
+        for (int r = 0; r < RN; r++) /* (l + 8, l) pairs, then (i + 4, i) */
+            quarter[r][i] = _mm512_add_ps(_mm512_add_ps(p[r][3], p[r][1]), _mm512_add_ps(p[r][2], p[r][0]));
+    }
+    for (int r = 0; r < RN; r++) {
+        __m512 half0 = _mm512_add_ps(quarter[r][0], quarter[r][2]);
+        __m512 half1 = _mm512_add_ps(quarter[r][1], quarter[r][3]);
+        s[r] = _mm512_mul_ps(_mm512_add_ps(half0, half1), scale);
+    }
+}
+
+/* out[r] = sum over the keys some row sees of p[r][j] * V[j], for rows [0, RN) (p: each row's
+ * softmax weights, stride Lp; exactly 0 where the row does not see the key), unnormalised. */
+INLINE void weigh_values(const int RN, const long D, const float *const *p, const uint8_t *const *vis,
+                         const float *V, long L, __m512 *acc) {
+    const int DV = (int)(D / 16);
+    for (int a = 0; a < RN * DV; a++) acc[a] = _mm512_setzero_ps();
+    for (long j = 0; j < L; j++) {
+        int live = 0;
+        for (int r = 0; r < RN; r++) live |= vis[r][j];
+        if (!live) continue;
+        const float *v = V + j * D;
+        __m512 vv[TILE_MAX_D / 16];
+        for (int c = 0; c < DV; c++) vv[c] = _mm512_loadu_ps(v + c * 16);
+        for (int r = 0; r < RN; r++) {
+            __m512 w = _mm512_set1_ps(p[r][j]);
+            for (int c = 0; c < DV; c++) acc[r * DV + c] = _mm512_fmadd_ps(w, vv[c], acc[r * DV + c]);
+        }
+    }
+}
+
+/* attend_tile for one head size D (a constant where inlined). */
+INLINE void attend_tile_d(const long D, const float *const *q, const uint8_t *const *vis,
+                          float *const *out, int R, const float *K, const float *V, long L,
+                          float scale, float *scores) {
+    const long DV = D / 16, Lp = (L + 15) & ~15L;
+    const __m512 neg = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+    float kt[TILE_MAX_D * 16] __attribute__((aligned(64))); /* the block's keys, [D, 16] */
+    const float *p[TILE_ROWS];
+    for (int r = 0; r < R; r++) p[r] = scores + r * Lp;
+    /* 1. scores, 16 keys at a time: the block transposed once for all R rows */
+    for (long j0 = 0; j0 < Lp; j0 += 16) {
+        long n = L - j0 < 16 ? L - j0 : 16;
+        __mmask16 any = 0, m[TILE_ROWS];
+        for (int r = 0; r < R; r++) any |= (m[r] = visible16(vis[r], j0, n));
+        if (!any) {
+            for (int r = 0; r < R; r++) _mm512_store_ps(scores + r * Lp + j0, neg);
+            continue;
+        }
+        for (long c = 0; c < DV; c++) {
+            __m512 rows[16];
+            for (long jj = 0; jj < 16; jj++)
+                rows[jj] = jj < n ? _mm512_loadu_ps(K + (j0 + jj) * D + c * 16) : _mm512_setzero_ps();
+            transpose16(rows);
+            for (int dd = 0; dd < 16; dd++) _mm512_store_ps(kt + (c * 16 + dd) * 16, rows[dd]);
+        }
+        for (int r0 = 0; r0 < R; r0 += QK_ROWS) {
+            __m512 s[QK_ROWS];
+            int rn = R - r0 < QK_ROWS ? R - r0 : QK_ROWS;
+            switch (rn) {
+            case 3: score_rows(3, D, q + r0, kt, vscale, s); break;
+            case 2: score_rows(2, D, q + r0, kt, vscale, s); break;
+            default: score_rows(1, D, q + r0, kt, vscale, s); break;
+            }
+            for (int r = 0; r < rn; r++)
+                _mm512_store_ps(scores + (r0 + r) * Lp + j0, _mm512_mask_mov_ps(neg, m[r0 + r], s[r]));
+        }
+    }
+    /* 2. softmax per row: p = exp(s - max) where visible, exactly 0 elsewhere */
+    float inv[TILE_ROWS];
+    for (int r = 0; r < R; r++) inv[r] = softmax_row(scores + r * Lp, Lp);
+    /* 3. out = p . V / sum, the values streaming once per group of rows */
+    const int per = (int)(PV_ACC / DV);
+    for (int r0 = 0; r0 < R; r0 += per) {
+        __m512 acc[PV_ACC];
+        int rn = R - r0 < per ? R - r0 : per;
+        if (DV == 4) {
+            switch (rn) {
+            case 6: weigh_values(6, D, p + r0, vis + r0, V, L, acc); break;
+            case 5: weigh_values(5, D, p + r0, vis + r0, V, L, acc); break;
+            case 4: weigh_values(4, D, p + r0, vis + r0, V, L, acc); break;
+            case 3: weigh_values(3, D, p + r0, vis + r0, V, L, acc); break;
+            case 2: weigh_values(2, D, p + r0, vis + r0, V, L, acc); break;
+            default: weigh_values(1, D, p + r0, vis + r0, V, L, acc); break;
+            }
+        } else {
+            switch (rn) {
+            case 3: weigh_values(3, D, p + r0, vis + r0, V, L, acc); break;
+            case 2: weigh_values(2, D, p + r0, vis + r0, V, L, acc); break;
+            default: weigh_values(1, D, p + r0, vis + r0, V, L, acc); break;
+            }
+        }
+        for (int r = 0; r < rn; r++) {
+            __m512 s = _mm512_set1_ps(inv[r0 + r]);
+            for (long c = 0; c < DV; c++)
+                _mm512_storeu_ps(out[r0 + r] + c * 16, _mm512_mul_ps(acc[r * DV + c], s));
+        }
+    }
+}
+
+/* Whether attend_tile takes heads of D floats. */
+static inline int tile_head_dim(long D) { return D == 64 || D == 128; }
+
+/* A tile: R query rows (q[r], rotated, D floats each; vis[r], its L mask bytes; out[r]) against
+ * columns [0, L) of one kv head's cache (K, V: [L.., D]). scores: 64-byte aligned scratch of
+ * R x Lp floats (Lp = L rounded up to 16). R <= TILE_ROWS; tile_head_dim(D). */
+static void attend_tile(const float *const *q, const uint8_t *const *vis, float *const *out, int R,
+                        const float *K, const float *V, long L, long D, float scale,
+                        float *scores) {
+    if (D == 64) attend_tile_d(64, q, vis, out, R, K, V, L, scale, scores);
+    else attend_tile_d(128, q, vis, out, R, K, V, L, scale, scores);
+}
+
+#endif
