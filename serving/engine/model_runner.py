@@ -38,10 +38,13 @@ class ModelRunner:
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""
 
-    def new_cache(self, batch_size: int | None = None) -> RaggedKVCache:
-        if batch_size is None:
-            return RaggedKVCache.for_model(self.model)
-        return RaggedKVCache.for_model(self.model, batch_size=batch_size)
+    def new_cache(self, batch_size: int | None = None, max_rows: int | None = None) -> RaggedKVCache:
+        """An empty cache of ``batch_size`` rows (0 if None) that will hold at most ``max_rows``
+        (default: ``batch_size``, else unknown): its buffers keep that many rows' room, so that a
+        row joins without a copy of the batch (``RaggedKVCache.append``)."""
+        cache = RaggedKVCache.for_model(self.model, batch_size=batch_size or 0)
+        cache.max_rows = max_rows if max_rows is not None else batch_size
+        return cache
 
     def forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0,
                 row_tokens: torch.Tensor | None = None):

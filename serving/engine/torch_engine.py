@@ -108,7 +108,7 @@ class TorchEngine(DrafterSwaps):
         # Owned by the step thread.
         self._waiting: collections.deque[Submission] = collections.deque()
         self._rows: list[Row] = []
-        self._cache = self.runner.new_cache()
+        self._cache = self.runner.new_cache(max_rows=self.config.max_batch_size)
         self.steps = 0
         self.drafter_errors = 0
         self.refused_overload = 0  # requests refused by admission control (HTTP 429)
@@ -339,7 +339,7 @@ class TorchEngine(DrafterSwaps):
             for row in self._rows:
                 self._fail(row, RequestError(f"engine step failed: {e}"))
             self._rows = []
-            self._cache = self.runner.new_cache()
+            self._cache = self.runner.new_cache(max_rows=self.config.max_batch_size)
 
     def _step(self) -> None:
         rows = self._rows
@@ -460,7 +460,7 @@ class TorchEngine(DrafterSwaps):
                 step_ms,
                 width=plan.k,
                 batch=len(num_accepted),
-                nodes=int(plan.lengths.sum()),
+                nodes=int(plan.lengths.numpy().sum()),  # numpy: no torch op (and GIL handoff)
             )
         else:
             self.policy.observe(k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, step_ms)
