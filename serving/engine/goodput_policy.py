@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -158,6 +159,10 @@ class GoodputPolicy:
         """batch size -> EMA of a drafting step's draft milliseconds (see ``choose_widths``)."""
         self._probed = False
         """The last ``choose_widths`` was a probe's."""
+        self.cuts: Counter[str] = Counter()
+        """Why steps went plain where the drafter would have drafted (benchmarks, debugging):
+        "remeasure" (a plain step to keep its cost measured, decided before the draft),
+        "predicted" (no width predicted to pay), "outcomes" (``drafting_loses``)."""
         self._realized: dict[int, tuple[float, int]] = {}
         """batch size -> (EMA of tokens per millisecond, steps seen): what the steps that
         verified drafts delivered."""
@@ -171,14 +176,22 @@ class GoodputPolicy:
         # A cheap draft (the suffix index) asks for the full budget and the width decides; a
         # costly one asks for what its acceptance pays for at the batch-agnostic costs.
         k = k_max if cheap else best_k(self.acceptance.value, k_max, self.costs)
-        if k > 0 and self.zero_widths >= self.probe_every:
+        batch = state.batch_size
+        if k > 0 and (self.zero_widths >= self.probe_every or self.drafting_loses(batch)):
             # ...but the width step (verify costs measured at this batch size) kept cutting the
-            # drafts to nothing: draft only on probes until one pays again, so that a draft that
-            # is thrown away is not paid for every step (at batch 8 the suffix index's ~1 ms per
-            # drafted position was 3-9 % of a step, every step).
-            return self._probe_or_plain(k, costly=not cheap, batch=state.batch_size)
+            # drafts to nothing, or drafting steps at this batch size delivered less than plain
+            # ones: draft only on probes until one pays again, so that a draft that is thrown
+            # away is not paid for every step (at batch 8 the suffix index's ~1 ms per drafted
+            # position was 3-9 % of a step, every step).
+            return self._probe_or_plain(k, costly=not cheap, batch=batch)
         if k == 0:
-            return self._probe_or_plain(max(1, self.probe_k), costly=True, batch=state.batch_size)
+            return self._probe_or_plain(max(1, self.probe_k), costly=True, batch=batch)
+        if self._since_plain.get(batch, 0) >= self.remeasure_every:
+            # a plain step to keep its cost at this batch size measured (choose_widths counts
+            # the steps since one): decided before the draft, which it would throw away
+            self.cuts["remeasure"] += 1
+            self._remember(0)
+            return 0
         self.off_streak = 0
         self._remember(k)
         return k
@@ -272,6 +285,9 @@ class GoodputPolicy:
         pick = int(np.argmax(rates))
         if totals[pick] > 0 and self.drafting_loses(batch):
             pick = 0  # predicted to pay, but drafting steps at this batch size did not: off, probes
+            self.cuts["outcomes"] += 1
+        elif totals[pick] == 0 and len(totals) > 1:
+            self.cuts["predicted"] += 1
         self.zero_widths = self.zero_widths + 1 if totals[pick] == 0 else 0
         if self._probing and len(totals) > 1:  # a probe verifies the best non-empty total,
             cap = max(1, batch)  # at most a node per row, whatever it costs
