@@ -310,6 +310,33 @@ def test_after_drafting_stopped_at_a_batch_size_probes_bring_a_better_drafter_ba
     assert sum(w > 0 for w in widths[-50:]) >= 45
 
 
+def test_plain_steps_the_policy_knows_of_before_the_draft_ask_no_draft():
+    """Where a step will be plain whatever the draft holds (drafting at this batch size delivered
+    less than plain steps; or the plain step's cost is due to be measured again), choose_k says
+    so before the draft (k = 0) instead of the width step throwing a paid-for draft away."""
+    from serving.engine.goodput_policy import node_totals
+    from serving.engine.policy import BatchState
+
+    policy = GoodputPolicy(4, probe_every=10_000, remeasure_every=6)
+    for n in node_totals(16):
+        policy.observe(0, np.zeros(4), np.zeros(4), 0.0, 20.0 + 0.1 * n, width=min(n, 4), batch=4,
+                       nodes=n)
+    state = BatchState(4, 4, np.full(4, 100))
+    ks = []
+    for _ in range(14):  # every draft accepted: drafting pays, but every 6 drafting steps a plain one
+        k = policy.choose_k(state)
+        ks.append(k)
+        w = policy.choose_widths(*_chain(4, 4, 0.9), batch=4) if k else np.zeros(4, dtype=np.int64)
+        policy.observe(k, w, w, 0.05, 20.0 + 0.1 * int(w.sum()), width=int(w.max()), batch=4,
+                       nodes=int(w.sum()))
+    assert ks.count(0) >= 2 and policy.cuts["remeasure"] == ks.count(0)
+    runs = "".join("d" if k else "." for k in ks).split(".")
+    assert max(len(r) for r in runs) <= 6  # never more than 6 drafting steps without a plain one
+    policy._realized[4] = (0.5 * 4 / 20.0, 100)  # drafting steps delivered half a plain step's rate
+    assert policy.drafting_loses(4)
+    assert policy.choose_k(state) == 0  # no draft asked for (probes aside)
+
+
 def test_width_calibration_learns_from_outcomes(monkeypatch):
     from serving.engine import goodput_policy
 
