@@ -261,6 +261,14 @@ def _drafter(drafter, tree: bool):
     return drafter
 
 
+def _tail(timer: StepTimer, batch: int) -> float | None:
+    """The fraction of ``timer``'s step milliseconds (draft + verify) in steps of fewer than
+    ``batch`` rows."""
+    ms = [d + v for d, v in zip(timer.draft_ms, timer.verify_ms)]
+    total = sum(ms)
+    return round(sum(m for m, r in zip(ms, timer.rows) if r < batch) / total, 3) if total else None
+
+
 async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree,
                     batches, repeats, warmed) -> dict:
     """Never-slower check: target-only vs speculative (adaptive) at each batch size, A/B
@@ -324,6 +332,11 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
             # the machine's drift between the two engines' rounds, not speculation
             "plain_step_ms": {"target_only": _round(plain_base), "speculative": _round(plain_spec)},
             "probes": policy.probes,
+            "cuts": dict(policy.cuts),
+            # diagnostic: the share of each engine's step time spent with fewer than b rows. This
+            # set of prompts is finite: target-only rows advance in lockstep and leave together,
+            # speculative rows leave one by one, and the last ones run at a small batch.
+            "tail_time_fraction": {"target_only": _tail(base_timer, b), "speculative": _tail(timer, b)},
         }
     return out
 

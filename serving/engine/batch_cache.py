@@ -206,8 +206,8 @@ class RaggedKVCache:
         stores = self._stores
         if stores is None or len(stores) != self.num_layers:
             return False
-        ks, vs = stores[0]
-        if ks.shape[0] < rows or ks.shape[2] != self.capacity:
+        first = stores[0][0]
+        if first.shape[0] < rows or first.shape[2] != self.capacity:
             return False
         return all(
             k.data_ptr() == ks.data_ptr() and v.data_ptr() == vs.data_ptr()

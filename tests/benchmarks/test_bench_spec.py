@@ -50,4 +50,7 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
         if plain["target_only"] and plain["speculative"]:  # scaled by the engines' plain steps
             expected = entry["speedup"] * plain["speculative"] / plain["target_only"]
             assert abs(entry["speedup_at_equal_plain_step"] - expected) < 2e-3
+        for share in entry["tail_time_fraction"].values():
+            assert share is None or 0.0 <= share <= 1.0
+    assert out["by_batch"]["1"]["tail_time_fraction"] == {"target_only": 0.0, "speculative": 0.0}
     assert "nodes_per_row_step" in out["warmed"]["by_domain"]["code"]
