@@ -181,9 +181,9 @@ class RaggedKVCache:
     def append(self, other: RaggedKVCache) -> None:
         """Add ``other``'s rows (e.g. a freshly prefilled batch-1 cache) at the end of the batch.
 
-        The buffers are the first rows of stores with spare rows (``_stores``, ``max_rows`` of
-        them where the engine says how many it runs): a row that joins is written into the next
-        spare row; only a store without one is reallocated. Concatenating on every admission
+        The buffers are the first rows of stores with spare rows (``_stores``; up to ``max_rows``,
+        the engine's max batch size): a row that joins is written into the next spare row; only a
+        store without one is reallocated. Concatenating on every admission
         copied the whole batch: ~17-35 ms a join at batch 8 on a 2-core Xeon, more than a decode
         step, paid by every running request. All-or-nothing: on failure (out of memory) the cache
         is unchanged."""
@@ -210,17 +210,19 @@ class RaggedKVCache:
         if first.shape[0] < rows or first.shape[2] != self.capacity:
             return False
         return all(
-            k.data_ptr() == ks.data_ptr() and v.data_ptr() == vs.data_ptr()
+            _prefix_of(k, ks) and _prefix_of(v, vs)
             for (ks, vs), k, v in zip(stores, self.keys, self.values)
         )
 
     def _reallocate(self, rows: int, capacity: int) -> None:
-        """New stores of at least ``rows`` rows (``max_rows``, else half again as many) and
+        """New stores of at least ``rows`` rows (twice as many up to ``max_rows``) and
         ``capacity`` columns; the current rows copied in (zeros past their old capacity), the
         buffers their first rows. All-or-nothing: the stores are allocated before anything
         changes. Rows past the current ones are written when a row joins (``append``)."""
         b, old = self.batch_size, self.capacity
-        total = max(rows, self.max_rows) if self.max_rows else rows + max(1, rows // 2)
+        # twice the rows (a few reallocations while a batch fills), never past max_rows: the
+        # stores hold at most twice what runs, whatever the max batch size
+        total = max(rows, min(self.max_rows, 2 * rows)) if self.max_rows else rows + max(1, rows // 2)
         shape = (total, self.num_kv_heads, capacity, self.head_dim)
         stores = [
             (torch.empty(shape, dtype=self.dtype, device=self.device),
@@ -273,6 +275,15 @@ class RaggedKVCache:
         # The new columns are zeros, not garbage: masked columns still enter the attention
         # matmul (weight 0), and 0 * NaN from uninitialised memory would poison the output.
         self._reallocate(self.batch_size, _round_up(max(needed, int(self.capacity * 1.5))))
+
+
+def _prefix_of(view: torch.Tensor, store: torch.Tensor) -> bool:
+    """``view`` starts where ``store`` does, in its storage (compared by the storage's address:
+    the view of no rows, left when the batch empties, has a data_ptr() of 0)."""
+    return (
+        view.untyped_storage().data_ptr() == store.untyped_storage().data_ptr()
+        and view.storage_offset() == 0
+    )
 
 
 def _round_up(n: int) -> int:

@@ -94,3 +94,34 @@ def test_a_joiner_into_a_reused_spare_row_sees_zeros_past_its_columns():
     cache.append(_single(_GROW, 5, seed=9))  # into the row that was left behind
     assert torch.count_nonzero(cache.keys[0][2, :, 5:]) == 0
     assert torch.count_nonzero(cache.values[0][2, :, 5:]) == 0
+
+
+def test_spare_rows_stay_within_twice_the_batch_and_max_rows():
+    """A cache for a large max batch holds room for at most twice the rows it runs (a long
+    context at max batch 64 must not reserve 64 rows for two requests), and never past
+    ``max_rows``."""
+    cache = RaggedKVCache(num_layers=1, num_kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu")
+    cache.max_rows = 64
+    for seed in range(3):
+        cache.append(_single(_GROW, 7, seed))
+        assert cache.batch_size <= cache._stores[0][0].shape[0] <= 2 * cache.batch_size
+    small = RaggedKVCache(num_layers=1, num_kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu")
+    small.max_rows = 3
+    for seed in range(3):
+        small.append(_single(_GROW, 7, seed))
+        assert small._stores[0][0].shape[0] <= 3
+
+
+def test_a_batch_that_emptied_keeps_its_stores_for_the_next_rows():
+    """When every row left, the next rows join into the same stores (a view of no rows has a
+    data_ptr() of 0: the stores are recognised by their storage)."""
+    cache = RaggedKVCache(num_layers=1, num_kv_heads=3, head_dim=4, dtype=torch.float32, device="cpu")
+    cache.max_rows = 4
+    for seed in range(4):
+        cache.append(_single(_GROW, 7, seed))
+    storage = cache.keys[0].untyped_storage().data_ptr()
+    cache.drop_rows({0, 1, 2, 3})
+    assert cache.batch_size == 0
+    cache.append(_single(_GROW, 9, seed=5))
+    assert cache.keys[0].untyped_storage().data_ptr() == storage
+    assert cache.lengths == [9]
