@@ -161,8 +161,10 @@ class GoodputPolicy:
         """The last ``choose_widths`` was a probe's."""
         self.cuts: Counter[str] = Counter()
         """Why steps went plain where the drafter would have drafted (benchmarks, debugging):
-        "remeasure" (a plain step to keep its cost measured, decided before the draft),
-        "predicted" (no width predicted to pay), "outcomes" (``drafting_loses``)."""
+        "remeasure" (a plain step to keep its cost measured: in ``choose_k``, before the draft,
+        or in ``choose_widths`` for the first steps at a batch size), "predicted" (no width
+        predicted to pay), "outcomes" (``drafting_loses``). A probe, which verifies a draft
+        whatever was predicted, is no cut."""
         self._realized: dict[int, tuple[float, int]] = {}
         """batch size -> (EMA of tokens per millisecond, steps seen): what the steps that
         verified drafts delivered."""
@@ -283,11 +285,10 @@ class GoodputPolicy:
         rates = [expected[n] / (self.verify_ms(n, batch) + (draft if n else 0.0)) for n in totals]
         rates[0] *= 1.0 + _WIDTH_MARGIN  # a width must beat plain decoding by the margin
         pick = int(np.argmax(rates))
+        cut = "predicted"  # why the width is empty, if it ends up so
         if totals[pick] > 0 and self.drafting_loses(batch):
             pick = 0  # predicted to pay, but drafting steps at this batch size did not: off, probes
-            self.cuts["outcomes"] += 1
-        elif totals[pick] == 0 and len(totals) > 1:
-            self.cuts["predicted"] += 1
+            cut = "outcomes"
         self.zero_widths = self.zero_widths + 1 if totals[pick] == 0 else 0
         if self._probing and len(totals) > 1:  # a probe verifies the best non-empty total,
             cap = max(1, batch)  # at most a node per row, whatever it costs
@@ -297,7 +298,10 @@ class GoodputPolicy:
         since = self._since_plain.get(batch, self.remeasure_every)
         if totals[pick] > 0 and since >= self.remeasure_every and not probing:
             pick = 0  # keep the plain step's cost at this batch size measured, now and then
+            cut = "remeasure"
         nodes = totals[pick]
+        if nodes == 0 and len(totals) > 1:  # the drafter drafted; nothing of it is verified
+            self.cuts[cut] += 1
         self._since_plain[batch] = 0 if nodes == 0 else since + 1
         self._predicted = float(expected[nodes] - batch)
         self.widths.append(nodes)
