@@ -108,7 +108,7 @@ class TorchEngine(DrafterSwaps):
         # Owned by the step thread.
         self._waiting: collections.deque[Submission] = collections.deque()
         self._rows: list[Row] = []
-        self._cache = self.runner.new_cache(max_rows=self.config.max_batch_size)
+        self._cache = self._new_cache()
         self.steps = 0
         self.drafter_errors = 0
         self.refused_overload = 0  # requests refused by admission control (HTTP 429)
@@ -329,6 +329,10 @@ class TorchEngine(DrafterSwaps):
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def _new_cache(self):
+        """An empty batch cache with room for ``max_batch_size`` rows (rows join without a copy)."""
+        return self.runner.new_cache(max_rows=self.config.max_batch_size)
+
     def _step_or_fail(self) -> None:
         try:
             self._step()
@@ -339,7 +343,7 @@ class TorchEngine(DrafterSwaps):
             for row in self._rows:
                 self._fail(row, RequestError(f"engine step failed: {e}"))
             self._rows = []
-            self._cache = self.runner.new_cache(max_rows=self.config.max_batch_size)
+            self._cache = self._new_cache()
 
     def _step(self) -> None:
         rows = self._rows
@@ -460,7 +464,7 @@ class TorchEngine(DrafterSwaps):
                 step_ms,
                 width=plan.k,
                 batch=len(num_accepted),
-                nodes=int(plan.lengths.numpy().sum()),  # numpy: no torch op (and GIL handoff)
+                nodes=int(plan.lengths.numpy().sum()),  # numpy: a torch op here took ~0.2 ms at batch 8
             )
         else:
             self.policy.observe(k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, step_ms)
