@@ -8,10 +8,10 @@
  * to TILE_TOKENS tokens x the kv head's query heads): each row's 16 partial sums come out with
  * the keys in the lanes, and the values stream once per group of rows.
  *
- * The same bits as the per-token loop, by construction: a score there is a lane sum (sum16, a
- * fixed tree) of 16 lanes, lane l an FMA chain over d = l, l + 16, ...; here lane l's chain runs
+ * The same bits as the per-token loop, by construction: a score there is a lane sum (simd.h's
+ * hsum, a fixed tree) of 16 lanes, lane l an FMA chain over d = l, l + 16, ...; here lane l's chain runs
  * over the same d in the same order, with the block's 16 keys in the lanes, and the 16 chains are
- * added in sum16's tree. Both take the softmax through softmax_row and weigh the values in key
+ * added in hsum's tree. Both take the softmax through softmax_row and weigh the values in key
  * order (a key a row does not see weighs exactly 0 here and is skipped there: the same sum). So a
  * token's attention output does not depend on how many tokens the call holds: a verify's logits
  * are the plain decode step's, bit for bit (tests compare).
@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "simd.h"
 
 #define TILE_TOKENS 8 /* tokens of one cache row in a task (more are split over tasks) */
 #ifndef TILE_MIN_TOKENS
@@ -71,15 +73,6 @@ static inline __mmask16 visible16(const uint8_t *vis, long j0, long n) {
     return _mm_test_epi8_mask(bytes, bytes);
 }
 
-/* The lanes' sum in a fixed tree (GCC's _mm512_reduce_add_ps, written out so that no compiler
- * picks another order): lanes i and i + 8, then i and i + 4, then 0 and 2, 1 and 3, then the two.
- * score_rows adds its chains in this tree. */
-static inline float sum16(__m512 v) {
-    __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps(v, 1), _mm512_castps512_ps256(v));
-    __m128 b = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
 /* A row of scores (-inf where not visible; Lp a multiple of 16, padded with -inf) -> its softmax
  * numerators exp(s - max) in place, exactly 0 where -inf; returns 1 / their sum. */
 static inline float softmax_row(float *sc, long Lp) {
@@ -94,18 +87,18 @@ static inline float softmax_row(float *sc, long Lp) {
         _mm512_storeu_ps(sc + j, e);
         sum = _mm512_add_ps(sum, e);
     }
-    return 1.0f / sum16(sum); /* a token always sees itself: sum > 0 */
+    return 1.0f / hsum((vf)sum); /* a token always sees itself: sum > 0 */
 }
 
 #define INLINE static inline __attribute__((always_inline))
 
 /* Scores of rows q[0..RN) for one block of 16 keys (kt: the block transposed, [D, 16]): lane
- * l's chain over d = l, l + 16, ... as in the per-token loop, then the chains added in sum16's
+ * l's chain over d = l, l + 16, ... as in the per-token loop, then the chains added in hsum's
  * tree (lanes i, i + 8; then i, i + 4; then 0, 2 and 1, 3; then the two). RN and D are constants
  * where this is inlined, so the accumulators stay in registers. */
 INLINE void score_rows(const int RN, const long D, const float *const *q, const float *kt,
                        __m512 scale, __m512 *s) {
-    __m512 quarter[QK_ROWS][4]; /* sum16's level-3 sums: lanes i, i + 4, i + 8, i + 12 */
+    __m512 quarter[QK_ROWS][4]; /* hsum's level-3 sums: lanes i, i + 4, i + 8, i + 12 */
     for (int i = 0; i < 4; i++) {
         __m512 p[QK_ROWS][4];
         for (int r = 0; r < RN; r++)

@@ -115,8 +115,8 @@ static void attend_one(const float *q, const float *K, const float *V, const uin
 
 #if TILES
 /* With tiles, the per-token loop below computes with the tile's arithmetic (attention_tiles.h):
- * its lane sum, and its softmax over score rows padded with -inf to S, a multiple of 16. */
-#define LANE_SUM(v) sum16((__m512)(v))
+ * its softmax over score rows padded with -inf to S, a multiple of 16 (the lane sum, simd.h's
+ * hsum, is the tiles' tree in every build). */
 #define SCORE_STRIDE(L) (((L) + 15) & ~15L)
 static inline float softmax(float *sc, const uint8_t *visible, long L, long S, float m) {
     (void)visible, (void)m;
@@ -124,7 +124,6 @@ static inline float softmax(float *sc, const uint8_t *visible, long L, long S, f
     return softmax_row(sc, S);
 }
 #else
-#define LANE_SUM(v) hsum(v)
 #define SCORE_STRIDE(L) (L)
 /* Row sc of L scores (-inf where not visible) -> exp(s - m) in place; returns 1 / the sum over the
  * visible ones. */
@@ -166,7 +165,7 @@ static inline float softmax(float *sc, const uint8_t *visible, long L, long S, f
                 for (int g = 0; g < G; g++) acc[g] += load(q + g * D + d) * kv;                \
             }                                                                                  \
             for (int g = 0; g < G; g++) {                                                      \
-                float s = LANE_SUM(acc[g]) * scale;                                            \
+                float s = hsum(acc[g]) * scale;                                                \
                 scores[g * S + j] = s;                                                         \
                 if (s > m[g]) m[g] = s;                                                        \
             }                                                                                  \

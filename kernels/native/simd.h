@@ -29,11 +29,14 @@ static inline vf vbroadcast(float a) {
 #endif
 }
 
-/* The sum of a vector's lanes (a fixed order per build: a result never depends on what else
- * the caller computes). */
+/* The sum of a vector's lanes in a fixed order: with AVX-512, lanes i and i + 8, then i and
+ * i + 4, then 0 and 2, 1 and 3, then the two (GCC's _mm512_reduce_add_ps, written out so that no
+ * compiler picks another order: attention_tiles.h adds its transposed chains in this tree). */
 static inline float hsum(vf v) {
 #if defined(__AVX512F__)
-    return _mm512_reduce_add_ps((__m512)v);
+    __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps((__m512)v, 1), _mm512_castps512_ps256((__m512)v));
+    __m128 b = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    return (b[0] + b[2]) + (b[1] + b[3]);
 #else
     float s = 0.0f;
     for (int i = 0; i < VW; i++) s += v[i];
