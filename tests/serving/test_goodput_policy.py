@@ -217,3 +217,43 @@ def test_node_totals_are_every_count_to_8_then_four_per_power_of_two():
     cum = np.array([[0.9, 0.5, 0.1], [0.8, 0.7, 0.6]])
     rows, gains = best_nodes_first(cum, np.array([3, 2]))
     assert rows.tolist() == [0, 1, 1, 0, 0] and gains.tolist() == [0.9, 0.8, 0.7, 0.5, 0.1]
+
+
+def _widths(policy, k, conf, batch=1):
+    """choose_widths over a k-node chain per row with confidence ``conf`` at every node."""
+    parents = np.concatenate([np.full((batch, 1), -1), np.tile(np.arange(k), (batch, 1))], 1)
+    return policy.choose_widths(parents, np.full((batch, k), conf), np.full(batch, k), batch=batch)
+
+
+def _priced(policy, draft_ms_per_token):
+    for w in range(5):  # a plain step 40 ms, each drafted token +2 %
+        policy.observe(w, np.full(1, w), np.full(1, w), 0.0, 40.0 * (1 + 0.02 * w), width=w, batch=1)
+    policy.costs = CostModel(target_step_ms=40.0, draft_ms_per_token=draft_ms_per_token, verify_slope=0.02)
+    policy.acceptance.observe(np.full(1, 4), np.full(1, 3))  # acceptance says drafting pays
+    policy.calibration = 1.0
+
+
+def test_a_costly_draft_cut_to_nothing_is_not_asked_for_again_at_once():
+    """A cut draft brings no acceptance evidence, so the estimate that asked for it does not
+    move: a costly drafter waits a step after one cut (and longer after more); once a width is
+    verified again it drafts every step."""
+    p = GoodputPolicy(4, remeasure_every=10_000)
+    _priced(p, draft_ms_per_token=4.0)
+    k = p.choose_k(_state())
+    assert k > 0
+    assert _widths(p, k, 0.01).sum() == 0  # nothing worth verifying: cut
+    assert p.choose_k(_state()) == 0 and p.cuts["backoff"] == 1
+    k = p.choose_k(_state())
+    assert k > 0
+    assert _widths(p, k, 0.9).sum() > 0  # confident again: verified
+    assert all(p.choose_k(_state()) > 0 for _ in range(5))
+
+
+def test_a_cheap_draft_cut_to_nothing_is_asked_for_every_step():
+    p = GoodputPolicy(4, probe_every=8, remeasure_every=10_000)
+    _priced(p, draft_ms_per_token=0.001)
+    for _ in range(7):
+        k = p.choose_k(_state())
+        assert k == 4
+        assert _widths(p, k, 0.01).sum() == 0
+    assert p.cuts["backoff"] == 0

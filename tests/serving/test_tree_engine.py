@@ -537,8 +537,9 @@ def test_hybrid_leaves_the_suffix_drafters_trees_on():
 
 def test_a_drafter_whose_drafts_the_batch_cannot_afford_is_only_probed():
     """Acceptance says drafting pays (best_k > 0 at batch-agnostic costs), but at batch 8 every
-    width costs far more than it brings, so choose_width cuts each draft to nothing: after
-    ``probe_every`` such drafts the policy stops paying for them, except on probes."""
+    width costs far more than it brings, so choose_width cuts each draft to nothing: the costly
+    drafter waits 1, 3, 7, ... steps after each cut, and after ``probe_every`` cuts in a row
+    drafts only on probes."""
     from feedback.goodput import CostModel
     from serving.engine.policy import BatchState
 
@@ -558,6 +559,8 @@ def test_a_drafter_whose_drafts_the_batch_cannot_afford_is_only_probed():
         drafted.append(k > 0)
         if k:
             policy.choose_widths(*_chain(8, k, 0.3), batch=8).max()
-    assert sum(drafted[:8]) == 8  # drafting until the width step had cut 8 drafts in a row
-    assert sum(drafted[8:]) <= (200 - 8) // policy.probe_interval() + 1  # then probes only
-    assert sum(drafted[8:]) >= 2
+    at = [i for i, d in enumerate(drafted) if d]
+    assert at[:4] == [0, 2, 6, 14]  # each cut doubles the wait before the next draft
+    assert policy.cuts["backoff"] >= 1 + 3 + 7
+    assert len(at) <= 8 + 200 // policy.probe_interval() + 1  # then probes only
+    assert len(at) >= 5
