@@ -576,3 +576,25 @@ def test_hybrid_writes_off_a_learned_drafter_that_accepts_nothing_within_a_few_d
             asked += 1
         eng.verified("r", [1])  # every learned draft rejected at its first token
     assert 1 <= asked <= 2  # a plain EMA from the prior (prior_steps=None) asked 6 times of 12
+
+
+@pytest.mark.parametrize("budget, most", [(1.0, None), (1e-4, 3)])
+def test_hybrid_exploration_costs_at_most_its_budget(target, sharp_head, budget, most):
+    """Rows without a suffix match where the learned drafter is not worth asking are still explored
+    at ``explore`` (here 0.3), unless those calls would cost more than ``explore_budget`` of the
+    steps: then they are cut to what the measured cost per row affords."""
+    learned = Spy(EagleDrafter(sharp_head))
+    policy = HybridPolicy(prior_acceptance=0.0, target_step_ms=1.0, draft_ms_per_step=10.0,
+                          measure_verify=False, explore=0.3, explore_budget=budget, seed=1)
+    hybrid = HybridDrafter(StandInSuffix({}), learned, policy)
+    eng = Engine(target, hybrid)
+    eng.add("r", history(4, 6))
+    for _ in range(60):
+        p = eng.propose(["r"])
+        eng.verified("r", [int(p.tokens[0, 0]) if p.lengths[0] else 1])
+    calls = len(learned.proposed)
+    if most is None:
+        assert calls >= 8  # ~0.3 x 60
+    else:
+        assert 1 <= calls <= most  # the first call measured what one costs
+    assert hybrid.explore_fraction(1) <= 0.3
