@@ -27,8 +27,10 @@ def argmax_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return x.index_select(0, rows.to(x.device)).argmax(-1)
     rows = rows.to(torch.long).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.long)
+    # a worker takes whole rows: for one or two rows (batch 1) waking one costs more than it saves
+    threads = min(kernel_threads(), rows.shape[0] // 2) or 1
     rc = lib.argmax_rows(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], x.shape[0],
-                         x.shape[1], kernel_threads())
+                         x.shape[1], threads)
     if rc != 0:
         raise ValueError(f"argmax_rows refused rows outside [0, {x.shape[0]})")
     return out

@@ -30,6 +30,7 @@ import copy
 import threading
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -57,6 +58,18 @@ class ForwardOutput:
         self._logits = logits
         self.hidden_states = hidden_states
         self.real, self.real_logits = real, real_logits
+        self._real_rows: torch.Tensor | None = None
+
+    @property
+    def real_rows(self) -> torch.Tensor:
+        """[B, q] int64: each input's row in ``real_logits`` (-1 at padding); made once (a verify
+        reads it for the greedy targets and again for the trace)."""
+        if self._real_rows is None:
+            real = self.real.cpu().numpy()  # numpy: torch's masked writes cost ~10x on tiny tensors
+            rows = np.full(real.shape, -1, dtype=np.int64)
+            rows[real] = np.arange(int(real.sum()))
+            self._real_rows = torch.from_numpy(rows)
+        return self._real_rows
 
     @property
     def logits(self) -> torch.Tensor:

@@ -160,3 +160,25 @@ def test_sampled_tree_distribution():
         e = float(p0[a] * _toy_probs((a,))[bb]) * n
         chi2 += (pairs.get((a, bb), 0) - e) ** 2 / e
     assert chi2 < 40.0, chi2  # 9 dof
+
+
+def test_the_cpu_walk_and_the_device_walk_accept_the_same_paths():
+    """tree_accept walks lists on the CPU and tensors elsewhere: same paths on random trees (with
+    padding nodes, duplicate sibling tokens and targets that follow or leave the tree)."""
+    from kernels.tree_verify import _tree_accept_lists, _tree_accept_tensors
+
+    g = torch.Generator().manual_seed(7)
+    deepest = 0
+    for n in (1, 2, 5, 9, 17):
+        b = 32
+        parents = torch.full((b, n), -1, dtype=torch.long)
+        for i in range(1, n):
+            parents[:, i] = torch.randint(-1, i, (b,), generator=g)  # -1: a padding node
+        tokens = torch.randint(0, 2, (b, n), generator=g)
+        target = torch.randint(0, 2, (b, n), generator=g)
+        a = _tree_accept_lists(tokens, parents, target)
+        t = _tree_accept_tensors(tokens, parents, target)
+        assert torch.equal(a.num_accepted, t.num_accepted)
+        assert torch.equal(a.next_tokens, t.next_tokens) and torch.equal(a.path, t.path)
+        deepest = max(deepest, int(a.num_accepted.max()))
+    assert deepest >= 3  # the draws do walk into the trees
