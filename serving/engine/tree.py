@@ -19,18 +19,18 @@ from serving.engine.drafting import DraftPlan
 def trim_plan(plan: DraftPlan, width) -> DraftPlan:
     """The plan's first ``width`` nodes per row (an int for every row, or [B] ints; drafters order
     nodes so that a prefix of them is a subtree, e.g. best-first)."""
-    per_row = torch.as_tensor(np.asarray(width), dtype=plan.lengths.dtype).clamp(min=0)
-    lengths = torch.minimum(plan.lengths, per_row)  # [B]
-    if torch.equal(lengths, plan.lengths):
+    old = plan.lengths.numpy()
+    lengths = np.minimum(old, np.maximum(np.asarray(width, dtype=old.dtype), 0))  # [B]
+    if np.array_equal(lengths, old):
         return plan
-    width = int(lengths.max()) if lengths.numel() else 0
+    width = int(lengths.max()) if lengths.size else 0
     if width == 0:
         return DraftPlan.none(plan.tokens.shape[0])
     source = plan.source.copy()
-    source[lengths.numpy() == 0] = 0
+    source[lengths == 0] = 0
     return DraftPlan(
         tokens=plan.tokens[:, :width],
-        lengths=lengths,
+        lengths=torch.from_numpy(lengths),
         probs=plan.probs[:, :width],
         source=source,
         dists=None if plan.dists is None else plan.dists[:, :width],
@@ -71,21 +71,23 @@ def linear_view(
         last = path[-1]
         rejected = [i for i in range(1, lengths[b] + 1) if par[b][i] == last]
         chains.append(path[1:] + rejected[:1])
-    batch = len(paths)
+    batch = len(paths)  # numpy from here: torch's ops on these few values cost ~10x
     k = max((len(c) for c in chains), default=0)
-    nodes = torch.zeros(batch, k + 1, dtype=torch.long)  # [B, K'+1] root, then the chain
+    nodes = np.zeros((batch, k + 1), dtype=np.int64)  # [B, K'+1] root, then the chain
     for b, c in enumerate(chains):
-        nodes[b, 1 : len(c) + 1] = torch.tensor(c, dtype=torch.long)
-    tried = torch.tensor([len(c) for c in chains], dtype=torch.long)  # [B]
-    drafts = (nodes[:, 1:] - 1).clamp(min=0)  # [B, K'] draft indices
-    in_len = torch.arange(k)[None, :] < tried[:, None]  # [B, K']
+        nodes[b, 1 : len(c) + 1] = c
+    tried = np.array([len(c) for c in chains], dtype=np.int64)  # [B]
+    drafts = np.maximum(nodes[:, 1:] - 1, 0)  # [B, K'] draft indices
+    in_len = np.arange(k)[None, :] < tried[:, None]  # [B, K']
+
+    def along(t: torch.Tensor, fill) -> torch.Tensor:  # [B, K] -> [B, K'] at the view's drafts
+        return torch.from_numpy(np.where(in_len, np.take_along_axis(t.numpy(), drafts, 1), fill))
+
     view = DraftPlan(
-        tokens=torch.where(in_len, plan.tokens.gather(1, drafts), 0),
-        lengths=tried,
-        probs=torch.where(in_len, plan.probs.gather(1, drafts), 0.0),
+        tokens=along(plan.tokens, 0),
+        lengths=torch.from_numpy(tried),
+        probs=along(plan.probs, 0.0),
         source=plan.source,
-        confidence=None
-        if plan.confidence is None
-        else torch.where(in_len, plan.confidence.gather(1, drafts), 0.0),
+        confidence=None if plan.confidence is None else along(plan.confidence, 0.0),
     )
-    return view, nodes, tried.numpy()
+    return view, torch.from_numpy(nodes), tried

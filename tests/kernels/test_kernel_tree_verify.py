@@ -182,3 +182,17 @@ def test_the_cpu_walk_and_the_device_walk_accept_the_same_paths():
         assert torch.equal(a.next_tokens, t.next_tokens) and torch.equal(a.path, t.path)
         deepest = max(deepest, int(a.num_accepted.max()))
     assert deepest >= 3  # the draws do walk into the trees
+
+
+def test_cpu_depths_and_ancestors_equal_the_device_recurrences():
+    from kernels.tree_verify import _tree_ancestors_tensors, _tree_depths_tensors
+
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 2, 6, 17):
+        parents = torch.full((5, n), -1, dtype=torch.long)
+        for i in range(1, n):
+            parents[:, i] = torch.randint(-1, i, (5,), generator=g)
+        assert torch.equal(tree_depths(parents), _tree_depths_tensors(parents))
+        assert torch.equal(tree_ancestors(parents), _tree_ancestors_tensors(parents))
+    chain = chain_parents(torch.tensor([3]), 5)  # [-1, 0, 1, 2, -1]
+    assert tree_depths(chain).tolist() == [[0, 1, 2, 3, 1]]
