@@ -48,6 +48,7 @@ class OutputText:
         skip_special_tokens: bool = True,
     ):
         self._tok = tokenizer
+        self._decode_ids = _decoder(tokenizer, skip_special_tokens)
         self._skip = skip_special_tokens
         self._stop = [s for s in (stop or []) if s]
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
@@ -88,13 +89,9 @@ class OutputText:
         """At finish (not by stop string): release everything held back."""
         if self._tok is None or self.stopped:
             return ""
-        full = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
-        done = self._tok.decode(
-            self._ids[self._prefix : self._read], skip_special_tokens=self._skip
-        )
-        if len(full) > len(
-            done
-        ):  # trailing incomplete bytes: emit what the tokenizer makes of them
+        full = self._decode_ids(self._ids[self._prefix :])
+        done = self._decode_ids(self._ids[self._prefix : self._read])
+        if len(full) > len(done):  # trailing incomplete bytes: emit what the tokenizer makes of them
             self._text += full[len(done) :]
             self._read = len(self._ids)
         return self._release(len(self._text))
@@ -103,10 +100,8 @@ class OutputText:
 
     def _decode(self, token_ids: list[int]) -> None:
         self._ids.extend(token_ids)
-        done = self._tok.decode(
-            self._ids[self._prefix : self._read], skip_special_tokens=self._skip
-        )
-        full = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        done = self._decode_ids(self._ids[self._prefix : self._read])
+        full = self._decode_ids(self._ids[self._prefix :])
         if len(full) > len(done) and not full.endswith("\ufffd"):
             self._text += full[len(done) :]
             self._prefix, self._read = self._read, len(self._ids)
@@ -143,6 +138,18 @@ class OutputText:
     def _restore(self, state) -> None:
         n, self._prefix, self._read, self._text, self._sent = state
         del self._ids[n:]
+
+
+def _decoder(tokenizer, skip_special_tokens: bool):
+    """ids -> text as ``tokenizer.decode`` gives it: the fast tokenizer's Rust decoder itself where
+    the Python wrapper adds nothing (no space clean-up), ~2.4 us a call instead of ~6.6 (hot
+    caches; every step decodes twice per row, on the step thread)."""
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 # ---- stop rules shared by every engine ------------------------------------------------------------

@@ -141,3 +141,16 @@ def test_eos_ids_come_from_every_source():
     cfg = SimpleNamespace(eos_token_id=4)
     tokenizer = SimpleNamespace(eos_token_id=None)
     assert eos_token_ids(gen, None, cfg, tokenizer, SimpleNamespace()) == {2, 3, 4}
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_step_threads_decoder_gives_the_tokenizers_text(tok, skip):
+    """OutputText decodes through the fast tokenizer's backend where the wrapper adds nothing:
+    the same text as ``tokenizer.decode``, special tokens included or skipped."""
+    from serving.output import _decoder
+
+    chat = tok.apply_chat_template([{"role": "user", "content": "héllo 😀 wörld"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(chat, add_special_tokens=False)["input_ids"] + tok.encode(" def f(x):\n\treturn x")
+    assert any(i in tok.all_special_ids for i in ids)
+    assert _decoder(tok, skip)(ids) == tok.decode(ids, skip_special_tokens=skip)
