@@ -32,7 +32,8 @@ every row had to pay for eight. Verify costs are measured per (batch size, node 
 medians (verify_costs.py: a plain step's median, and each total's ratio to it): a total that pays
 at batch 1 may not at batch 8, and n = 0 (plain decoding) wins where nothing pays. A drafter whose
 draft costs next to nothing (the suffix index) is asked for the full budget every step and the
-width decides; a costly drafter gets k from the acceptance estimate. Either way, once
+width decides; a costly drafter gets k from the acceptance estimate, and after a draft of its was cut
+to nothing it sits out 1, 3, 7, ... steps (a cut draft moves no estimate). Either way, once
 ``probe_every`` drafts in a row were cut to nothing, it drafts only on probes (a probe verifies
 the best non-empty width, so that the calibration keeps learning) until one pays again; probes
 are spaced to cost at most ``probe_budget`` (``probe_interval`` for a costly drafter,
