@@ -49,7 +49,6 @@ class OutputText:
     ):
         self._tok = tokenizer
         self._decode_ids = _decoder(tokenizer, skip_special_tokens)
-        self._skip = skip_special_tokens
         self._stop = [s for s in (stop or []) if s]
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix = 0

@@ -183,10 +183,9 @@ class RaggedKVCache:
 
         The buffers are the first rows of stores with spare rows (``_stores``; up to ``max_rows``,
         the engine's max batch size): a row that joins is written into the next spare row; only a
-        store without one is reallocated. Concatenating on every admission
-        copied the whole batch: ~17-35 ms a join at batch 8 on a 2-core Xeon, more than a decode
-        step, paid by every running request. All-or-nothing: on failure (out of memory) the cache
-        is unchanged."""
+        store without one is reallocated. Concatenating on every admission copied the whole batch:
+        ~17-35 ms a join at batch 8 on a 2-core Xeon, more than a decode step, paid by every
+        running request. All-or-nothing: on failure (out of memory) the cache is unchanged."""
         need = max(max(other.lengths, default=0), max(self.lengths, default=0))
         self._ensure_capacity(need)
         b, rows, n = self.batch_size, self.batch_size + other.batch_size, self.capacity

@@ -170,8 +170,8 @@ class GoodputPolicy:
         "remeasure" (a plain step to keep its cost measured: in ``choose_k``, before the draft,
         or in ``choose_widths`` for the first steps at a batch size), "predicted" (no width
         predicted to pay), "outcomes" (``drafting_loses``), "backoff" (a costly drafter sitting
-        out steps after its drafts were cut, in ``choose_k``: ``_backoff_after``). A probe, which verifies a draft
-        whatever was predicted, is no cut."""
+        out steps after its drafts were cut, in ``choose_k``: ``_backoff_after``). A probe, which
+        verifies a draft whatever was predicted, is no cut."""
         self._realized: dict[int, tuple[float, int]] = {}
         """batch size -> (EMA of tokens per millisecond, steps seen): what the steps that
         verified drafts delivered."""
