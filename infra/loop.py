@@ -182,9 +182,8 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
 def _measure_costs(target, student, k: int, context: int) -> dict:
     import copy
 
-    from transformers import DynamicCache
-
-    from serving.drafters.standalone import StandaloneNet
+    from serving.drafters.learned import BatchKV
+    from serving.drafters.standalone import draft_net
     from serving.engine.model_runner import ModelRunner
 
     ids = torch.randint(0, min(1000, int(target.model.config.vocab_size)), (1, context))
@@ -199,16 +198,19 @@ def _measure_costs(target, student, k: int, context: int) -> dict:
         verify_ms = [median_ms(lambda n=n: runner.forward(cache, ids[:, : n + 1]), iters=12, warmup=1)
                      for n in range(1, k + 1)]  # 1..k drafts
         # A promoted artifact records the student's draft vocabulary and serving reads the lm_head
-        # at it (feedback/registry/artifact.py): charge that.
-        net = StandaloneNet(model, draft_vocab=student.head_vocab, bf16=True)  # as StandaloneDrafter serves it
-        dcache = DynamicCache()
-        net.extend(ids, None, torch.arange(context)[None], dcache, None)
-        position = torch.tensor([[context]])
+        # at it (feedback/registry/artifact.py): charge that, through the net serving drafts with.
+        net = draft_net(model, student.head_vocab, target=target.model)
+        shape = (1, net.num_kv_heads, context + 1, net.head_dim)
+        dcache = BatchKV([torch.zeros(shape, dtype=net.dtype) for _ in range(net.num_layers)],
+                         [torch.zeros(shape, dtype=net.dtype) for _ in range(net.num_layers)], 0)
+        history = torch.ones(1, 1, context, context, dtype=torch.bool).tril()  # [1, 1, L, L] causal
+        net.extend(ids, None, torch.arange(context)[None], dcache, history)
+        dcache.advance(context)
+        position, sees_all = torch.tensor([[context]]), torch.ones(1, 1, 1, context + 1, dtype=torch.bool)
 
-        def draft_token():
-            hidden = net.step(ids[:, :1], None, position, dcache, None)  # [1, 1, H]
+        def draft_token():  # writes column ``context`` each time: nothing accumulates
+            hidden = net.step(ids[:, :1], None, position, dcache, sees_all)  # [1, 1, H]
             net.logits(hidden[:, -1]).argmax(-1)  # [1]
-            dcache.crop(-1)
 
         # In serving a target forward (540 MB of weights for SmolLM2 in fp32) runs between two
         # drafts and evicts the drafter's weights from the CPU caches: time each draft after one.

@@ -139,7 +139,7 @@ def _selfspec(
 
     if artifact_dir is not None:
         adapter, meta = _load(target, artifact_dir, "selfspec")
-        return SelfSpecDrafter(assemble(adapter, target.model), version=meta.version)
+        return SelfSpecDrafter(assemble(adapter, target.model), version=meta.version, target=target.model)
     vocab = None
     if draft_vocab_size is not None:
         size = int(target.model.get_output_embeddings().weight.shape[0])
@@ -149,7 +149,7 @@ def _selfspec(
         target.model, exit_layer=exit_layer, adapter_layers=adapter_layers,
         adapter_init=adapter_init, draft_vocab=vocab,
     )
-    return SelfSpecDrafter(assemble(adapter, target.model), version="day0")
+    return SelfSpecDrafter(assemble(adapter, target.model), version="day0", target=target.model)
 
 
 def _hybrid(

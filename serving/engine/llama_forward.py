@@ -30,7 +30,6 @@ import copy
 import threading
 import weakref
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -39,43 +38,7 @@ from kernels import packed_linear
 from kernels.llama_layers import LayerStack
 from kernels.packed_linear import PackedLinear
 from serving.engine.batch_cache import RaggedKVCache
-
-
-class ForwardOutput:
-    """``logits`` [B, q', V] (q' = logits_to_keep or q); ``hidden_states`` as Hugging Face numbers
-    them: [0] the embeddings, [i] the output of layer i - 1, [n] the final normed state (only the
-    requested indices are real tensors; None elsewhere).
-
-    A forward that skipped padding also has ``real`` [B, q] bool and ``real_logits`` [N, V], the
-    real inputs' logits in row-major order; ``logits`` is then laid out (zeros at padding) only
-    when read: a greedy verify reads the real rows alone (~1.5 ms at 8 rows on a 2-core CPU)."""
-
-    def __init__(self, logits: torch.Tensor | None = None,
-                 hidden_states: tuple[torch.Tensor, ...] | None = None, *,
-                 real: torch.Tensor | None = None, real_logits: torch.Tensor | None = None):
-        if logits is None and (real is None or real_logits is None):
-            raise ValueError("ForwardOutput needs logits, or real and real_logits")
-        self._logits = logits
-        self.hidden_states = hidden_states
-        self.real, self.real_logits = real, real_logits
-        self._real_rows: torch.Tensor | None = None
-
-    @property
-    def real_rows(self) -> torch.Tensor:
-        """[B, q] int64: each input's row in ``real_logits`` (-1 at padding); made once (a verify
-        reads it for the greedy targets and again for the trace)."""
-        if self._real_rows is None:
-            real = self.real.cpu().numpy()  # numpy: torch's masked writes cost ~10x on tiny tensors
-            rows = np.full(real.shape, -1, dtype=np.int64)
-            rows[real] = np.arange(int(real.sum()))
-            self._real_rows = torch.from_numpy(rows)
-        return self._real_rows
-
-    @property
-    def logits(self) -> torch.Tensor:
-        if self._logits is None:
-            self._logits = _unpack(self.real_logits, self.real)  # [B, q, V], zeros at padding
-        return self._logits
+from serving.engine.forward_output import ForwardOutput
 
 
 def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -85,13 +48,6 @@ def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, shape[-1])  # [T, K]
     y = torch.mm(w, x2.t())  # [N, T]
     return y.t().reshape(*shape[:-1], w.shape[0])
-
-
-def _unpack(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """t [N, F] of the real inputs back to the padded layout [B, q, F], zeros at padding."""
-    out = t.new_zeros(*real.shape, t.shape[-1])  # [B, q, F]
-    out[real] = t
-    return out
 
 
 _THIN_MAX = 4
@@ -109,6 +65,11 @@ def _weights_stamp(model: torch.nn.Module) -> tuple:
     """Changes when any parameter or buffer of ``model`` is replaced or modified in place (in
     place: except for tensors made under ``torch.inference_mode``, which keep no version)."""
     return tuple((t.data_ptr(), _version(t)) for t in (*model.parameters(), *model.buffers()))
+
+
+def _layer_key(layer: torch.nn.Module) -> tuple:
+    """Which tensors a decoder layer's weights are (identity and version, not values)."""
+    return tuple((id(t), t.data_ptr(), _version(t)) for t in layer.parameters())
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -142,6 +103,27 @@ class LlamaForward:
             per_model[key] = (stamp, forward)
             return forward
 
+    @classmethod
+    def existing(cls, model: torch.nn.Module) -> LlamaForward | None:
+        """A forward ``shared`` already built for ``model`` with its current weights, if any (never
+        builds one: packing a whole target is half a gigabyte)."""
+        stamp = _weights_stamp(model)
+        with _SHARED_LOCK:
+            for built_stamp, forward in _SHARED.get(model, {}).values():
+                if built_stamp == stamp:
+                    return forward
+        return None
+
+    @classmethod
+    def for_drafter(cls, model: torch.nn.Module, head_rows: torch.Tensor | None = None,
+                    target: torch.nn.Module | None = None, bf16: bool = True) -> LlamaForward:
+        """A learned drafter's forward (a Llama LM of a few layers, e.g. the target's first layers
+        and an adapter): every projection packed (``bf16``: the bf16 roundings of weights that are
+        not exactly bf16), the lm_head at ``head_rows``, and the layers it shares with ``target``
+        read from the target's own packed panels where the engine has built them."""
+        return cls(model, reuse=cls.existing(target) if target is not None else None,
+                   round_to_bf16=bf16, head_rows=head_rows)
+
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         cfg = getattr(model, "config", None)
@@ -156,14 +138,21 @@ class LlamaForward:
 
     def __init__(
         self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None,
-        bf16_panels: bool = True, amx: bool = True,
+        bf16_panels: bool = True, amx: bool = True, *, reuse: LlamaForward | None = None,
+        round_to_bf16: bool = False, head_rows: torch.Tensor | None = None,
     ):
         """native: serve the projections through kernels.packed_linear (None = where it builds and
         the weights are fp32 on the CPU; the packed copies replace the fused row-major ones);
         bf16_panels: pack a weight whose values are all exactly bf16 as bf16 panels (half the
         bytes a step streams, bit-identical results; kernels/packed_linear.py); amx: those on AMX
         tiles where the CPU has them (a verify of up to 16 tokens for about one step's price);
-        thin_max: the BLAS w @ x^T path's limit otherwise."""
+        thin_max: the BLAS w @ x^T path's limit otherwise.
+
+        For a learned drafter's forward (``for_drafter``): ``reuse``, a forward whose packed layers
+        this model's layers may share (a layer built from the very same weight tensors is taken as
+        it is, not packed again); ``round_to_bf16``, pack the other weights' bf16 roundings (half
+        the bytes a draft reads; a draft's numerics move its acceptance, never the output);
+        ``head_rows``, read the lm_head at these rows only (a draft vocabulary)."""
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
         cfg = model.config
@@ -183,10 +172,17 @@ class LlamaForward:
         self.native = wanted and packed_linear.available()
         self.bf16_panels = bf16_panels
         self.amx = amx
+        self.round_to_bf16 = round_to_bf16
         self.native_attention = wanted and native_attention.available()
         self.layers = []
+        self.layer_keys: list[tuple] = [_layer_key(layer) for layer in inner.layers]
+        """Per layer, which weight tensors it was built from (``reuse`` matches on them)."""
+        reusable = dict(zip(reuse.layer_keys, reuse.layers)) if reuse is not None else {}
         with torch.no_grad():
-            for layer in inner.layers:
+            for layer, key in zip(inner.layers, self.layer_keys):
+                if key in reusable:
+                    self.layers.append(reusable[key])
+                    continue
                 a, m = layer.self_attn, layer.mlp
                 self.layers.append(
                     (
@@ -198,7 +194,8 @@ class LlamaForward:
                         self._served(m.down_proj.weight),
                     )
                 )
-        self.lm_head_served = self._served(self.lm_head)
+            head = self.lm_head if head_rows is None else self.lm_head[head_rows.to(torch.long)]
+            self.lm_head_served = self._served(head)
         self.q_dim = self.num_heads * self.head_dim
         self.kv_dim = self.num_kv_heads * self.head_dim
         self.inter = cfg.intermediate_size
@@ -222,6 +219,8 @@ class LlamaForward:
     def _served(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """A projection's weight as the forward reads it: packed panels on the native path (a
         copy; the model keeps its own), else row-major."""
+        if self.round_to_bf16 and w.dtype == torch.float32:
+            w = w.to(torch.bfloat16).float()
         packed = PackedLinear.pack(w, bf16=self.bf16_panels, amx=self.amx) if self.native else None
         return packed if packed is not None else w.contiguous()
 
@@ -344,9 +343,7 @@ class LlamaForward:
         ``row_tokens`` [B]: how many of each row's q inputs are real; the rest is padding, whose
         logits come back as zeros (see ``_packed``)."""
         b, q = input_ids.shape
-        x = F.embedding(input_ids, self.embed)  # [B, q, H]
-        cos, sin = self.rotary(x, position_ids)  # [B, q, D] each
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]
+        x, cos, sin = self._embed(input_ids, position_ids)
         want = {i % (self.num_layers + 1) for i in hidden_layers}  # -1: the final normed state
         hidden: list[torch.Tensor | None] = [None] * (self.num_layers + 1)
         if 0 in want:
@@ -365,19 +362,42 @@ class LlamaForward:
                 cols[real][:, None].contiguous(),  # [N, 1]
                 attention_mask[:, 0][real][:, None, None].contiguous(),  # [N, 1, 1, L]
             )
-        if self.stack is not None and cols is not None:
-            h = self._stacked(h, att_args, past_key_values, rows, want, hidden)
-        else:
-            h = self._layer_by_layer(h, att_args, past_key_values, rows, want, hidden)
+        h = self._layers(h, att_args, past_key_values, rows, want, hidden)
         if self.num_layers in want:
             hidden[self.num_layers] = self._norm(h, self.final_norm)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]  # the norm is per token: only the kept ones need it
-        logits = self._normed_linear(h, self.final_norm, self.lm_head_served)  # [B, q', V] or [N, V]
+        logits = self.head(h)  # [B, q', V] or [N, V]
         hidden_out = tuple(hidden) if want else None
         if real is not None:
             return ForwardOutput(hidden_states=hidden_out, real=real, real_logits=logits)
         return ForwardOutput(logits, hidden_out)
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor, cache, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream after the last layer, before the final norm: [B, q, H] (a learned
+        drafter's forward over its own cache; ``head`` reads it). ``cache``: HF's ``update(k, v,
+        layer)``, or with ``cols`` [B, q] (the column each token's keys land at) per-layer
+        ``keys``/``values`` buffers [B, Hkv, C, D] that the native attention writes itself."""
+        x, cos, sin = self._embed(input_ids, position_ids)
+        if not (self.native_attention and cols is not None and attention_mask.dtype == torch.bool):
+            cols = None
+        return self._layers(x, (cos, sin, cols, attention_mask), cache, None, set(), [])
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] (or at the head rows) of pre-norm states h [..., H]."""
+        return self._normed_linear(h, self.final_norm, self.lm_head_served)
+
+    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """Embeddings [B, q, H] and the rotary cos, sin [B, 1, q, D]."""
+        x = F.embedding(input_ids, self.embed)  # [B, q, H]
+        cos, sin = self.rotary(x, position_ids)  # [B, q, D] each
+        return x, cos[:, None], sin[:, None]
+
+    def _layers(self, h, att_args, cache, rows, want: set[int], hidden: list) -> torch.Tensor:
+        if self.stack is not None and att_args[2] is not None:
+            return self._stacked(h, att_args, cache, rows, want, hidden)
+        return self._layer_by_layer(h, att_args, cache, rows, want, hidden)
 
     def _stacked(self, h, att_args, cache, rows, want: set[int], hidden: list) -> torch.Tensor:
         """The layers in one native call; the attention arguments as ``_attention`` passes them."""

@@ -4,7 +4,7 @@ forward's logits as they are (padded, or only the real inputs' rows)."""
 import torch
 
 from kernels.tree_verify import greedy_tree_verify, tree_accept
-from serving.engine.llama_forward import ForwardOutput
+from serving.engine.forward_output import ForwardOutput
 from serving.engine.verify_step import greedy_targets
 
 

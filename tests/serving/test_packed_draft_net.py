@@ -1,0 +1,107 @@
+"""PackedDraftNet: learned drafts on the target's decode path (packed panels, native attention,
+the layers shared with the target read from the target's own panels)."""
+
+import pytest
+import torch
+
+from serving.drafters import build_drafter
+from serving.drafters.base import DraftRequestView
+from serving.drafters.standalone import PackedDraftNet
+from serving.engine.llama_forward import LlamaForward
+from serving.engine.model_runner import ModelRunner
+from serving.target import tiny_target
+
+V, K = 256, 4
+pytestmark = pytest.mark.skipif(
+    not PackedDraftNet.supports(tiny_target(vocab_size=V, hidden_size=64).model),
+    reason="native kernels not built",
+)
+
+
+def _bf16_target(seed: int):
+    """A tiny target whose weights are exactly bf16, as SmolLM2's are (so the packed panels hold
+    them exactly and the drafts can be compared with the model's own fp32 forward)."""
+    target = tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=seed)
+    with torch.no_grad():
+        for p in target.model.parameters():
+            p.copy_(p.bfloat16().float())
+    return target
+
+
+def _selfspec(target):
+    return build_drafter("selfspec", target, exit_layer=2, adapter_layers=1, draft_vocab_size=128)
+
+
+def _propose(drafter, seqs):
+    for rid, seq in seqs.items():
+        drafter.add_request(DraftRequestView(rid, list(seq), len(seq) - 1))
+    views = [DraftRequestView(rid, list(seq), len(seq) - 1) for rid, seq in seqs.items()]
+    return drafter.propose(views, K)
+
+
+def _reference(model, vocab_map, seq):
+    """Greedy drafts and their probabilities from the assembled model's own (HF) forward."""
+    seq, toks, probs = list(seq), [], []
+    with torch.no_grad():
+        for _ in range(K):
+            q = model(torch.tensor([seq])).logits[0, -1][vocab_map].float().softmax(-1)  # [Vd]
+            i = int(q.argmax())
+            toks.append(int(vocab_map[i]))
+            probs.append(float(q[i]))
+            seq.append(toks[-1])
+    return toks, probs
+
+
+def _seqs():
+    g = torch.Generator().manual_seed(7)
+    return {f"r{i}": torch.randint(0, V, (n,), generator=g).tolist() for i, n in enumerate((9, 23, 4))}
+
+
+def test_selfspec_drafts_read_the_targets_own_panels_and_match_its_forward():
+    target = _bf16_target(seed=3)
+    runner = ModelRunner(target.model, target.device)  # the engine packs the target first
+    assert runner.fast is not None and LlamaForward.existing(target.model) is runner.fast
+    drafter = _selfspec(target)
+    net = drafter.net
+    assert isinstance(net, PackedDraftNet)
+    # Layers 0-1 are the target's: the very panels the engine reads, not a copy; the adapter is
+    # the drafter's own.
+    assert all(net.forward.layers[i] is runner.fast.layers[i] for i in range(2))
+    assert net.forward.layers[2] is not runner.fast.layers[2]
+    assert net.forward.lm_head_served.out_features == 128  # the lm_head is read at the draft vocabulary only
+
+    seqs = _seqs()
+    p = _propose(drafter, seqs)
+    assert p.lengths.tolist() == [K] * len(seqs)
+    for row, seq in enumerate(seqs.values()):
+        toks, probs = _reference(drafter.model, net.vocab_map, seq)
+        assert p.tokens[row].tolist() == toks
+        torch.testing.assert_close(p.probs[row], torch.tensor(probs), rtol=1e-4, atol=1e-5)
+
+
+def test_a_drafter_built_before_the_engine_packs_its_own_layers_and_drafts_the_same():
+    target = _bf16_target(seed=4)
+    assert LlamaForward.existing(target.model) is None
+    alone = _selfspec(target)  # nothing to share yet: its own panels of layers 0-1
+    runner = ModelRunner(target.model, target.device)
+    shared = _selfspec(target)
+    assert alone.net.forward.layers[0] is not runner.fast.layers[0]
+    assert shared.net.forward.layers[0] is runner.fast.layers[0]
+    a, b = _propose(alone, _seqs()), _propose(shared, _seqs())
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
+
+
+def test_a_trained_standalone_drafter_drafts_through_bf16_roundings():
+    """Weights that are not exactly bf16 (a trained student's) are packed rounded: half the bytes;
+    the drafts are those of the model with its weights rounded, the target's output untouched."""
+    target = tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=5)
+    drafter = build_drafter("standalone", target, init="random", seed=1)
+    rounded = drafter.model
+    reference = type(rounded)(rounded.config)
+    reference.load_state_dict({k: v.bfloat16().float() for k, v in rounded.state_dict().items()})
+    reference.eval()
+    seqs = _seqs()
+    p = _propose(drafter, seqs)
+    for row, seq in enumerate(seqs.values()):
+        toks, _ = _reference(reference, torch.arange(V), seq)
+        assert p.tokens[row].tolist() == toks
