@@ -103,33 +103,35 @@ class RowState:
 @dataclass
 class _Layout:
     """Column layout of a batched cache: [0, base) committed (row i valid below lengths[i]), then
-    new positions: the extend block [base, base+M) (row i valid below pending[i]), then draft steps."""
+    new positions: the extend block [base, base+M) (row i valid below pending[i]), then draft steps.
+    The masks are made in numpy: a draft step runs right after a target forward has flushed the
+    CPU caches, where each small torch op costs 20-40 us (ARCHITECTURE.md, "The step's Python
+    runs on cold caches")."""
 
     lengths: torch.Tensor  # [B]
     pending: torch.Tensor  # [B]
     base: int
     block: int  # M
-    valid: torch.Tensor  # [B, cols] bool
-    new_index: torch.Tensor  # [cols] -1 for committed columns, else position in the new block
+    valid: np.ndarray  # [B, cols] bool
+    new_index: np.ndarray  # [cols] -1 for committed columns, else position in the new block
 
     @classmethod
     def build(cls, lengths: torch.Tensor, pending: torch.Tensor, extra: int) -> _Layout:
-        base, block = int(lengths.max()), int(pending.max())
-        cols = torch.arange(base + block + extra)  # [C]
+        n, m = lengths.numpy(), pending.numpy()
+        base, block = int(n.max()), int(m.max())
+        cols = np.arange(base + block + extra)  # [C]
         j = cols - base  # [C]
-        committed = cols[None, :] < lengths[:, None]  # [B, C]
-        new_valid = (j[None, :] >= 0) & (
-            (j[None, :] < pending[:, None]) | (j[None, :] >= block)
-        )  # [B, C]
-        new_index = torch.where(j >= 0, j, torch.full_like(j, -1))  # [C]
+        committed = cols[None, :] < n[:, None]  # [B, C]
+        new_valid = (j[None, :] >= 0) & ((j[None, :] < m[:, None]) | (j[None, :] >= block))  # [B, C]
+        new_index = np.where(j >= 0, j, -1)  # [C]
         return cls(lengths, pending, base, block, committed | new_valid, new_index)
 
     def mask(self, first_query: int, num_queries: int) -> torch.Tensor:
         """[B, 1, Lq, Lk] bool for queries at new-block indices first_query.. (causal within the block)."""
         lk = self.base + first_query + num_queries
-        q = torch.arange(first_query, first_query + num_queries)  # [Lq]
+        q = np.arange(first_query, first_query + num_queries)  # [Lq]
         causal = self.new_index[None, :lk] <= q[:, None]  # [Lq, Lk]
-        return (self.valid[:, None, None, :lk] & causal[None, None]).contiguous()  # [B, 1, Lq, Lk]
+        return torch.from_numpy(self.valid[:, None, None, :lk] & causal[None, None])  # [B, 1, Lq, Lk]
 
 
 class LearnedDrafter:

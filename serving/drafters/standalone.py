@@ -11,6 +11,7 @@ probabilities then live on those ids only, which the returned distributions say 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import LlamaForCausalLM
 
@@ -120,7 +121,8 @@ class PackedDraftNet:
         cols = None
         if isinstance(cache, BatchKV):  # the native attention writes its buffers itself
             b, q = tokens.shape
-            cols = (cache.length + torch.arange(q)).expand(b, q).contiguous()  # [B, q]
+            first = np.arange(cache.length, cache.length + q, dtype=np.int64)  # numpy: cold caches
+            cols = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(first, (b, q))))  # [B, q]
         return self.forward.hidden(tokens, positions, mask, cache, cols=cols)  # [B, q, H]
 
     def extend(self, tokens, features, positions, cache, mask):

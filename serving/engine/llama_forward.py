@@ -39,6 +39,7 @@ from kernels.llama_layers import LayerStack
 from kernels.packed_linear import PackedLinear
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.forward_output import ForwardOutput
+from serving.engine.rope_table import RopeTable
 
 
 def _mm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -163,6 +164,7 @@ class LlamaForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.eps = cfg.rms_norm_eps
         self.rotary = inner.rotary_emb
+        self.rope = RopeTable(self.rotary, int(getattr(cfg, "max_position_embeddings", 0) or 0))
         self.embed = inner.embed_tokens.weight  # [V, H]
         self.final_norm = inner.norm.weight
         self.lm_head = model.lm_head.weight  # [V, H] (tied: the same tensor as embed)
@@ -391,7 +393,7 @@ class LlamaForward:
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
         """Embeddings [B, q, H] and the rotary cos, sin [B, 1, q, D]."""
         x = F.embedding(input_ids, self.embed)  # [B, q, H]
-        cos, sin = self.rotary(x, position_ids)  # [B, q, D] each
+        cos, sin = self.rope(x, position_ids)  # [B, q, D] each
         return x, cos[:, None], sin[:, None]
 
     def _layers(self, h, att_args, cache, rows, want: set[int], hidden: list) -> torch.Tensor:
