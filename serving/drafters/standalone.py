@@ -122,7 +122,7 @@ class PackedDraftNet:
         if isinstance(cache, BatchKV):  # the native attention writes its buffers itself
             b, q = tokens.shape
             first = np.arange(cache.length, cache.length + q, dtype=np.int64)  # numpy: cold caches
-            cols = torch.from_numpy(np.ascontiguousarray(np.broadcast_to(first, (b, q))))  # [B, q]
+            cols = torch.from_numpy(np.tile(first, (b, 1)))  # [B, q]
         return self.forward.hidden(tokens, positions, mask, cache, cols=cols)  # [B, q, H]
 
     def extend(self, tokens, features, positions, cache, mask):
