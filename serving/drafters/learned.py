@@ -108,23 +108,23 @@ class _Layout:
     CPU caches, where each small torch op costs 20-40 us (ARCHITECTURE.md, "The step's Python
     runs on cold caches")."""
 
-    lengths: torch.Tensor  # [B]
-    pending: torch.Tensor  # [B]
+    lengths: np.ndarray  # [B] int64
+    pending: np.ndarray  # [B] int64
     base: int
     block: int  # M
     valid: np.ndarray  # [B, cols] bool
     new_index: np.ndarray  # [cols] -1 for committed columns, else position in the new block
 
     @classmethod
-    def build(cls, lengths: torch.Tensor, pending: torch.Tensor, extra: int) -> _Layout:
-        n, m = lengths.numpy(), pending.numpy()
+    def build(cls, lengths: np.ndarray, pending: np.ndarray, extra: int) -> _Layout:
+        n, m = lengths, pending
         base, block = int(n.max()), int(m.max())
         cols = np.arange(base + block + extra)  # [C]
         j = cols - base  # [C]
         committed = cols[None, :] < n[:, None]  # [B, C]
         new_valid = (j[None, :] >= 0) & ((j[None, :] < m[:, None]) | (j[None, :] >= block))  # [B, C]
         new_index = np.where(j >= 0, j, -1)  # [C]
-        return cls(lengths, pending, base, block, committed | new_valid, new_index)
+        return cls(n, m, base, block, committed | new_valid, new_index)
 
     def mask(self, first_query: int, num_queries: int) -> torch.Tensor:
         """[B, 1, Lq, Lk] bool for queries at new-block indices first_query.. (causal within the block)."""
@@ -199,8 +199,8 @@ class LearnedDrafter:
                 )
             states.append(self._states[v.request_id])
         active = [i for i, s in enumerate(states) if s.can_draft]
-        out = DraftProposal.empty(batch, k)
         if not active:
+            out = DraftProposal.empty(batch, k)
             out.draft_ms = (time.perf_counter() - t0) * 1e3
             return out
         rows = [states[i] for i in active]
@@ -210,17 +210,25 @@ class LearnedDrafter:
         cache, layout, last = self._extend(rows, extra=k - 1)
         tokens, probs, dists = self._draft(cache, layout, last, [views[i] for i in active], k)
 
-        idx = torch.tensor(active)
-        out.tokens[idx] = tokens
-        out.probs[idx] = probs
-        out.lengths[idx] = k
-        out.source[active] = np.uint8(self.source_kind)
-        out.confidence = out.probs.clone()
-        out.confidence[out.lengths == 0] = 0.0
-        if dists is not None:
-            full = torch.zeros(batch, k, dists.shape[-1], dtype=dists.dtype)
-            full[idx] = dists
-            out.dists = full
+        if len(active) == batch:  # every row drafted: the proposal is the draft as it is
+            out = DraftProposal(
+                tokens=tokens, lengths=torch.full((batch,), k, dtype=torch.long), probs=probs,
+                source=np.full(batch, self.source_kind, dtype=np.uint8), dists=dists,
+            )
+            out.confidence = probs.clone()
+        else:
+            out = DraftProposal.empty(batch, k)
+            idx = torch.tensor(active)
+            out.tokens[idx] = tokens
+            out.probs[idx] = probs
+            out.lengths[idx] = k
+            out.source[active] = np.uint8(self.source_kind)
+            out.confidence = out.probs.clone()
+            out.confidence[out.lengths == 0] = 0.0
+            if dists is not None:
+                full = torch.zeros(batch, k, dists.shape[-1], dtype=dists.dtype)
+                full[idx] = dists
+                out.dists = full
         out.draft_ms = (time.perf_counter() - t0) * 1e3
         self.last_draft_ms_per_step = out.draft_ms / k
         return out
@@ -284,26 +292,28 @@ class LearnedDrafter:
 
     def _extend(self, rows: list[RowState], extra: int):
         """Commit every row's pending inputs; return (cache, layout, last hidden [B, H])."""
-        lengths = torch.tensor([s.length for s in rows])
-        pending = torch.tensor([s.num_pending for s in rows])
+        # numpy and lists for the bookkeeping: this runs right after a target forward, on cold
+        # caches, where each small torch op costs 20-40 us
+        lengths = np.array([s.length for s in rows], dtype=np.int64)  # [B]
+        pending = np.array([s.num_pending for s in rows], dtype=np.int64)  # [B]
         layout = _Layout.build(lengths, pending, extra)
         cache = self._gather(rows, layout, extra)
         block = layout.block
         last = [s.last_hidden for s in rows]
         if block > 0:
-            tokens = torch.zeros(len(rows), block, dtype=torch.long)  # [B, M]
+            ids = np.zeros((len(rows), block), dtype=np.int64)  # [B, M]
             for i, s in enumerate(rows):
-                tokens[i, : s.num_pending] = torch.tensor(s.pending_tokens)
+                ids[i, : s.num_pending] = s.pending_tokens
             features = self._pad_features(rows, block)  # [B, M, F] or None
-            positions = lengths[:, None] + torch.arange(block)[None, :]  # [B, M]
+            positions = lengths[:, None] + np.arange(block)[None, :]  # [B, M]
             hidden = self.net.extend(
-                tokens, features, positions, cache, layout.mask(0, block)
+                torch.from_numpy(ids), features, torch.from_numpy(positions), cache, layout.mask(0, block)
             )  # [B, M, H]
             cache.advance(block)
             for i, s in enumerate(rows):
                 m = s.num_pending
                 if m:
-                    last[i] = hidden[i, m - 1].clone()
+                    last[i] = hidden[i, m - 1].clone() if len(rows) > 1 else hidden[0, m - 1]
                     if len(rows) > 1:
                         self._reserve(s, s.length + m)
                         for layer in range(self.net.num_layers):
@@ -333,20 +343,22 @@ class LearnedDrafter:
         k: int,
     ):
         b = last.shape[0]
-        temps = torch.tensor([max(v.temperature, 0.0) for v in views], dtype=torch.float32)  # [B]
-        sampled = temps > 0  # [B]
-        any_sampled = bool(sampled.any())
-        scale = torch.where(sampled, temps, torch.ones_like(temps))[:, None]  # [B, 1]
-        uniforms = _uniforms(views, k) if any_sampled else None  # [B, k]
+        temps = [max(v.temperature, 0.0) for v in views]
+        any_sampled = any(t > 0 for t in temps)
+        scale = sampled = uniforms = None
+        if any_sampled:
+            t = torch.tensor(temps, dtype=torch.float32)  # [B]
+            sampled = t > 0  # [B]
+            scale = torch.where(sampled, t, torch.ones_like(t))[:, None]  # [B, 1]
+            uniforms = _uniforms(views, k)  # [B, k]
         vocab_map = self.net.vocab_map
-        tokens = torch.zeros(b, k, dtype=torch.long)  # [B, k]
-        probs = torch.zeros(b, k, dtype=torch.float32)  # [B, k]
+        token_cols, prob_cols = [], []  # per draft position: [B] each
         qs = []
         positions = layout.lengths + layout.pending  # [B] position of the first draft input
         hidden = last[:, None]  # [B, 1, H]
         for j in range(k):
             logits = self.net.logits(hidden[:, 0]).float()  # [B, Vd]
-            q = torch.softmax(logits / scale, dim=-1)  # [B, Vd]
+            q = torch.softmax(logits / scale if any_sampled else logits, dim=-1)  # [B, Vd]
             idx = logits.argmax(-1)  # [B]
             if any_sampled:
                 cdf = q.cumsum(-1)  # [B, Vd]
@@ -356,15 +368,17 @@ class LearnedDrafter:
                 )  # [B]
                 idx = torch.where(sampled, drawn, idx)
                 qs.append(q)
-            probs[:, j] = q.gather(1, idx[:, None])[:, 0]
+            prob_cols.append(q.gather(1, idx[:, None])[:, 0])
             ids = vocab_map[idx] if vocab_map is not None else idx  # [B] target ids
-            tokens[:, j] = ids
+            token_cols.append(ids)
             if j + 1 < k:
-                pos = (positions + j)[:, None]  # [B, 1]
+                pos = torch.from_numpy((positions + j)[:, None])  # [B, 1]
                 hidden = self.net.step(
                     ids[:, None], hidden, pos, cache, layout.mask(layout.block + j, 1)
                 )  # [B, 1, H]
                 cache.advance(1)
+        tokens = torch.stack(token_cols, dim=1)  # [B, k]
+        probs = torch.stack(prob_cols, dim=1)  # [B, k]
         dists = None
         if any_sampled:
             qd = torch.stack(qs, dim=1)  # [B, k, Vd]
