@@ -171,9 +171,9 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
     """On this machine, relative to one target decode step at ``context``: one draft token of
     ``student`` (at its draft vocabulary, as a promoted version is served) and a verify forward of
     2..k+1 tokens (``verify_costs``; ``verify_cost`` is the k+1 one), all timed on
-    the paths serving runs (TorchEngine's ModelRunner, the learned drafter's StandaloneNet) and on
-    a thread set up as its step thread, so the gate's simulation charges what serving pays and
-    promotes only drafters that pay here."""
+    the paths serving runs (TorchEngine's ModelRunner; the learned drafter serving builds, its
+    whole ``propose`` of one token) and on a thread set up as its step thread, so the gate's
+    simulation charges what serving pays and promotes only drafters that pay here."""
     from kernels.threads import on_a_step_thread
 
     return on_a_step_thread(lambda: _measure_costs(target, student, k, context))
@@ -182,8 +182,8 @@ def measure_costs(target, student, k: int, context: int = 256) -> dict:
 def _measure_costs(target, student, k: int, context: int) -> dict:
     import copy
 
-    from serving.drafters.learned import BatchKV
-    from serving.drafters.standalone import draft_net
+    from serving.drafters.base import DraftRequestView
+    from serving.drafters.standalone import StandaloneDrafter
     from serving.engine.model_runner import ModelRunner
 
     ids = torch.randint(0, min(1000, int(target.model.config.vocab_size)), (1, context))
@@ -198,23 +198,24 @@ def _measure_costs(target, student, k: int, context: int) -> dict:
         verify_ms = [median_ms(lambda n=n: runner.forward(cache, ids[:, : n + 1]), iters=12, warmup=1)
                      for n in range(1, k + 1)]  # 1..k drafts
         # A promoted artifact records the student's draft vocabulary and serving reads the lm_head
-        # at it (feedback/registry/artifact.py): charge that, through the net serving drafts with.
-        net = draft_net(model, student.head_vocab, target=target.model)
-        shape = (1, net.num_kv_heads, context + 1, net.head_dim)
-        dcache = BatchKV([torch.zeros(shape, dtype=net.dtype) for _ in range(net.num_layers)],
-                         [torch.zeros(shape, dtype=net.dtype) for _ in range(net.num_layers)], 0)
-        history = torch.ones(1, 1, context, context, dtype=torch.bool).tril()  # [1, 1, L, L] causal
-        net.extend(ids, None, torch.arange(context)[None], dcache, history)
-        dcache.advance(context)
-        position, sees_all = torch.tensor([[context]]), torch.ones(1, 1, 1, context + 1, dtype=torch.bool)
+        # at it (feedback/registry/artifact.py): charge that, through the drafter serving builds,
+        # as the engine calls it each step: commit the token the last verify accepted, draft one.
+        # The whole propose(): its bookkeeping around the net is part of what a draft costs.
+        drafter = StandaloneDrafter(model, draft_vocab=student.head_vocab, target=target.model)
+        history = ids[0].tolist()
+        drafter.add_request(DraftRequestView("gate", history, context))
+        drafter.propose([DraftRequestView("gate", history, context)], 1)  # commits the history
+        accepted = iter(ids[0].tolist() * 2)
 
-        def draft_token():  # writes column ``context`` each time: nothing accumulates
-            hidden = net.step(ids[:, :1], None, position, dcache, sees_all)  # [1, 1, H]
-            net.logits(hidden[:, -1]).argmax(-1)  # [1]
+        def draft_token():
+            token = next(accepted)
+            history.append(token)
+            drafter.on_verified("gate", [token], None)
+            drafter.propose([DraftRequestView("gate", history, context)], 1)
 
-        # In serving a target forward (540 MB of weights for SmolLM2 in fp32) runs between two
+        # In serving a target forward (270 MB of packed weights for SmolLM2) runs between two
         # drafts and evicts the drafter's weights from the CPU caches: time each draft after one.
-        # Back to back, the drafter's ~44 MB partly stay in L3 and a draft looked 0.07 of a step
+        # Back to back, the drafter's weights partly stay in L3 and a draft looked 0.07 of a step
         # where serving measured 0.12.
         draft_ms = median_ms(draft_token, iters=12, warmup=1, between=lambda: runner.forward(cache, ids[:, :1]))
     return {"target_step_ms": step_ms, "verify_cost": verify_ms[-1] / step_ms,
