@@ -313,7 +313,7 @@ class LearnedDrafter:
             for i, s in enumerate(rows):
                 m = s.num_pending
                 if m:
-                    last[i] = hidden[i, m - 1].clone() if len(rows) > 1 else hidden[0, m - 1]
+                    last[i] = hidden[i, m - 1].clone()  # not a view: it would keep [B, M, H] alive
                     if len(rows) > 1:
                         self._reserve(s, s.length + m)
                         for layer in range(self.net.num_layers):

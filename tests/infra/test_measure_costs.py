@@ -1,4 +1,4 @@
-"""The gate's costs are measured on the paths serving runs (ModelRunner, StandaloneNet)."""
+"""The gate's costs are measured on the paths serving runs (ModelRunner, the learned drafter's propose)."""
 
 import torch
 
