@@ -164,8 +164,9 @@ class LlamaForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.eps = cfg.rms_norm_eps
         self.rotary = inner.rotary_emb
-        self.rope = RopeTable(self.rotary, int(getattr(cfg, "max_position_embeddings", 0) or 0))
         self.embed = inner.embed_tokens.weight  # [V, H]
+        self.rope = RopeTable(self.rotary, int(getattr(cfg, "max_position_embeddings", 0) or 0),
+                              dtype=self.embed.dtype, device=self.embed.device)
         self.final_norm = inner.norm.weight
         self.lm_head = model.lm_head.weight  # [V, H] (tied: the same tensor as embed)
         self.thin_max = _THIN_MAX if thin_max is None else thin_max
