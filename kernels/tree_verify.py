@@ -72,7 +72,7 @@ def tree_ancestors(parents: Tensor) -> Tensor:
     the CPU in numpy (the same recurrence; torch's ops on these few elements cost ~10x)."""
     if parents.device.type == "cpu":
         b, n = parents.shape
-        par = parents.clamp(min=0).numpy()
+        par = np.maximum(parents.numpy(), 0)
         anc = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()  # [B, N, N]
         rows = np.arange(b)
         for i in range(1, n):
