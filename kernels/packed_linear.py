@@ -48,8 +48,8 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _declare_amx(lib: ctypes.CDLL) -> None:
-    lib.packed_linear_fused_amx.argtypes = _FUSED_ARGS
-    lib.packed_linear_fused_amx.restype = ctypes.c_int
+    for entry in (lib.packed_linear_fused_amx, lib.packed_linear_fused_amx_bf16a):
+        entry.argtypes, entry.restype = _FUSED_ARGS, ctypes.c_int
     lib.packed_linear_amx_init.restype = ctypes.c_int
     lib.packed_linear_amx_panel_width.restype = ctypes.c_int
 
@@ -110,12 +110,25 @@ class PackedLinear:
     [ceil(N/P), K, P]; or "amx", [ceil(N/32), K/32, 2, 16, 16, 2] bf16 tiles."""
 
     def __init__(self, panels: torch.Tensor, out_features: int, in_features: int, layout: str,
-                 fused):
+                 fused, rounds_activations: bool = False):
         self.panels = panels
         self.out_features = out_features
         self.in_features = in_features
         self.layout = layout
         self._fused = fused  # the C entry for this layout
+        self.rounds_activations = rounds_activations
+        """Whether each activation is rounded to bf16 before the multiply (``rounded()``)."""
+
+    def rounded(self) -> PackedLinear:
+        """This weight (the same panels, no copy) read with each activation, after the prologue,
+        rounded to its nearest bf16 value: on AMX tiles one part instead of three exact ones.
+        Not fp32-exact (relative error up to 2^-9 per activation), so only for forwards whose
+        results are checked afterwards, a drafter's. Itself where the layout is not "amx"
+        (elsewhere the activations are fp32 anyway, and the weights cost what they cost)."""
+        if self.layout != "amx" or self.rounds_activations:
+            return self
+        return PackedLinear(self.panels, self.out_features, self.in_features, self.layout,
+                            _load_amx().packed_linear_fused_amx_bf16a, rounds_activations=True)
 
     @classmethod
     def pack(cls, w: torch.Tensor, bf16: bool = True, amx: bool = False) -> PackedLinear | None:
@@ -191,6 +204,8 @@ class PackedLinear:
 
     def _reference(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """The torch path, after the prologue: ``F.linear(h, w) (+ residual)``."""
+        if self.rounds_activations:
+            h = h.to(torch.bfloat16).float()
         y = F.linear(h, self.unpacked())
         return y if residual is None else y + residual
 

@@ -212,3 +212,41 @@ def test_amx_packing_only_where_it_can_run():
     assert PackedLinear.pack(torch.randn(64, 64, generator=g), amx=True).layout == "fp32"
     assert PackedLinear.pack(_bf16_valued(64, 64, generator=g)).layout == "bf16"  # amx is asked for
     assert PackedLinear.pack(_bf16_valued(64, 64, generator=g), bf16=False, amx=True).layout == "fp32"
+
+
+@needs_amx
+@pytest.mark.parametrize("tokens", [1, 8, 9, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 64)])
+def test_amx_rounded_activations_are_the_product_of_their_bf16_roundings(tokens, n, k):
+    """``rounded()``: the same panels (no copy) read with each activation (after the prologue)
+    rounded to its nearest bf16; one or two 16-token groups at a time, the last one partial."""
+    g = torch.Generator().manual_seed(tokens * 13 + n)
+    w = _bf16_valued(n, k, generator=g)
+    exact = PackedLinear.pack(w, amx=True)
+    rounded = exact.rounded()
+    assert rounded.panels is exact.panels and rounded.rounds_activations
+    assert rounded.rounded() is rounded
+    x = torch.randn(tokens, k, generator=g)
+    res = torch.randn(tokens, n, generator=g)
+    norm_w = torch.rand(k, generator=g) + 0.5
+    gu = torch.randn(tokens, 2 * k, generator=g)
+
+    def of_rounding(h):  # the float64 product of the bf16-rounded activations, rounded once
+        return (h.bfloat16().double() @ w.double().T).float()
+
+    torch.testing.assert_close(rounded(x), of_rounding(x), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(rounded(x, residual=res), of_rounding(x) + res, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(rounded.normed(x, norm_w, 1e-5),
+                               of_rounding(F.rms_norm(x, (k,), norm_w, 1e-5)), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(rounded.swiglu(gu, residual=res),
+                               of_rounding(F.silu(gu[:, :k]) * gu[:, k:]) + res, rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(rounded(x), exact(x), rtol=1e-6, atol=1e-6)  # it does round
+
+
+def test_rounded_is_the_weight_itself_off_the_tiles():
+    """Off AMX tiles the activations are fp32 anyway: ``rounded()`` changes nothing."""
+    g = torch.Generator().manual_seed(3)
+    for packed in (PackedLinear.pack(_bf16_valued(64, 48, generator=g)),
+                   PackedLinear.pack(torch.randn(64, 64, generator=g), amx=True)):
+        if packed is not None:
+            assert packed.rounded() is packed

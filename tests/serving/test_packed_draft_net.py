@@ -39,17 +39,35 @@ def _propose(drafter, seqs):
     return drafter.propose(views, K)
 
 
-def _reference(model, vocab_map, seq):
-    """Greedy drafts and their probabilities from the assembled model's own (HF) forward."""
+def _reference(model, vocab_map, seq, rounds: bool):
+    """Greedy drafts and their probabilities from the assembled model's own (HF) forward; with
+    ``rounds``, every projection's input rounded to bf16 first, as the drafter's AMX path reads
+    it (``PackedLinear.rounded``)."""
     seq, toks, probs = list(seq), [], []
-    with torch.no_grad():
-        for _ in range(K):
-            q = model(torch.tensor([seq])).logits[0, -1][vocab_map].float().softmax(-1)  # [Vd]
-            i = int(q.argmax())
-            toks.append(int(vocab_map[i]))
-            probs.append(float(q[i]))
-            seq.append(toks[-1])
+    hooks = [m.register_forward_pre_hook(lambda _, a: (a[0].bfloat16().float(),))
+             for m in model.modules() if rounds and isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.no_grad():
+            for _ in range(K):
+                q = model(torch.tensor([seq])).logits[0, -1][vocab_map].float().softmax(-1)  # [Vd]
+                i = int(q.argmax())
+                toks.append(int(vocab_map[i]))
+                probs.append(float(q[i]))
+                seq.append(toks[-1])
+    finally:
+        for h in hooks:
+            h.remove()
     return toks, probs
+
+
+def _rounds(net) -> bool:
+    """Whether the drafter's projections round their inputs to bf16 (on AMX tiles)."""
+    return bool(getattr(net.forward.lm_head_served, "rounds_activations", False))
+
+
+def _panels(layer):
+    """The tensors a served layer reads (norm weights and packed panels)."""
+    return [getattr(w, "panels", w) for w in layer]
 
 
 def _seqs():
@@ -66,15 +84,16 @@ def test_selfspec_drafts_read_the_targets_own_panels_and_match_its_forward():
     assert isinstance(net, PackedDraftNet)
     # Layers 0-1 are the target's: the very panels the engine reads, not a copy; the adapter is
     # the drafter's own.
-    assert all(net.forward.layers[i] is runner.fast.layers[i] for i in range(2))
-    assert net.forward.layers[2] is not runner.fast.layers[2]
+    for i in range(2):
+        assert all(a is b for a, b in zip(_panels(net.forward.layers[i]), _panels(runner.fast.layers[i])))
+    assert _panels(net.forward.layers[2])[1] is not _panels(runner.fast.layers[2])[1]
     assert net.forward.lm_head_served.out_features == 128  # the lm_head is read at the draft vocabulary only
 
     seqs = _seqs()
     p = _propose(drafter, seqs)
     assert p.lengths.tolist() == [K] * len(seqs)
     for row, seq in enumerate(seqs.values()):
-        toks, probs = _reference(drafter.model, net.vocab_map, seq)
+        toks, probs = _reference(drafter.model, net.vocab_map, seq, _rounds(net))
         assert p.tokens[row].tolist() == toks
         torch.testing.assert_close(p.probs[row], torch.tensor(probs), rtol=1e-4, atol=1e-5)
 
@@ -85,8 +104,8 @@ def test_a_drafter_built_before_the_engine_packs_its_own_layers_and_drafts_the_s
     alone = _selfspec(target)  # nothing to share yet: its own panels of layers 0-1
     runner = ModelRunner(target.model, target.device)
     shared = _selfspec(target)
-    assert alone.net.forward.layers[0] is not runner.fast.layers[0]
-    assert shared.net.forward.layers[0] is runner.fast.layers[0]
+    assert _panels(alone.net.forward.layers[0])[1] is not _panels(runner.fast.layers[0])[1]
+    assert _panels(shared.net.forward.layers[0])[1] is _panels(runner.fast.layers[0])[1]
     a, b = _propose(alone, _seqs()), _propose(shared, _seqs())
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
 
@@ -103,5 +122,5 @@ def test_a_trained_standalone_drafter_drafts_through_bf16_roundings():
     seqs = _seqs()
     p = _propose(drafter, seqs)
     for row, seq in enumerate(seqs.values()):
-        toks, _ = _reference(reference, torch.arange(V), seq)
+        toks, _ = _reference(reference, torch.arange(V), seq, _rounds(drafter.net))
         assert p.tokens[row].tolist() == toks
