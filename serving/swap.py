@@ -37,6 +37,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from feedback.background.priority import BackgroundWorker
 from feedback.background.supervise import SupervisedThread
 from serving.live_acceptance import LiveAcceptance, RollbackJudge, VersionStats, collectors
+from serving.registry_records import RegistryRecords
 
 # The MLflow client retries a dead server for minutes by default; the Swapper retries on its own.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -190,6 +191,8 @@ class Swapper:
         self._subscription = None
         self._warned: set[str] = set()
         self._loader = BackgroundWorker("drafter-load", self.config.load_nice, "drafter loader")
+        self.records = RegistryRecords(registry, self.config.tenant, self.config.load_nice,
+                                       self._on_record)
         self.swaps = 0
         self.rollbacks = 0
         self.refused = 0
@@ -223,6 +226,8 @@ class Swapper:
             self._subscription = None
         self._loader.stop()
         self._flush_live()
+        self.records.flush()
+        self.records.stop()
 
     def wait_subscribed(self, timeout: float = 5.0) -> bool:
         return self._subscription is not None and self._subscription.wait_subscribed(timeout)
@@ -270,7 +275,7 @@ class Swapper:
             self.swaps += 1
             self._c.swaps.inc()
             self._event("swap", version=version, previous_version=old.version, reason=reason)
-            self._mlflow("log_event", version, f"swapped in on {self.config.replica_id} ({reason})")
+            self.records.note_event(version, f"swapped in on {self.config.replica_id} ({reason})")
             log.info("drafter %s -> %s (%s)", old.version, version, reason)
             return {"version": version, "previous_version": old.version, "changed": True}
 
@@ -294,8 +299,8 @@ class Swapper:
                         reason=reason, live=live, floor=floor)
             log.warning("drafter rolled back %s -> %s: %s", bad.version, prev.version, reason)
         if prev.version in self._registry_versions:
-            self._mlflow("set_champion", prev.version)
-        self._mlflow("log_event", bad.version, f"rolled back on {self.config.replica_id}: {reason}")
+            self.records.write("set_champion", prev.version)
+        self.records.note_event(bad.version, f"rolled back on {self.config.replica_id}: {reason}")
         if self.control is not None:
             self.control.announce_rollback(RollbackAnnouncement(
                 tenant=self.config.tenant, from_version=bad.version, to_version=prev.version,
@@ -356,7 +361,7 @@ class Swapper:
             self._rejected[version] = "refused"
             self._event("refused", version=version, reason=str(e))
             log.error("drafter version %s refused: %s", version, e)
-            self._mlflow("log_event", version, f"refused on {self.config.replica_id}: {e}"[:4900])
+            self.records.note_event(version, f"refused on {self.config.replica_id}: {e}"[:4900])
             raise RefusedArtifact(f"drafter version {version} refused: {e}") from e
         drafter.version = version  # traces, metrics and MLflow all speak registry versions
         return drafter
@@ -441,20 +446,19 @@ class Swapper:
                 self._stop.wait(status.failed(e))  # counted, logged, /health down until it recovers
 
     def _flush_live(self) -> None:
+        """Every ``log_interval_s`` and at stop: live acceptance and the events noted since."""
+        self.records.write_events()
         for version, (stats, (drafted, accepted, rows)) in self.live.take_unflushed().items():
             if self.control is not None:
                 self.control.record_acceptance(version, drafted, accepted, rows)
             if version in self._registry_versions and stats.ema is not None:
-                self._mlflow("log_live_acceptance", version, stats.ema, stats.steps)
+                self.records.write("log_live_acceptance", version, stats.ema, stats.steps)
 
-    def _mlflow(self, method: str, version: str, *args) -> None:
-        if self.registry is None:
-            return
-        try:
-            getattr(self.registry, method)(self.config.tenant, version, *args)
+    def _on_record(self, method: str, error: Exception | None) -> None:
+        if error is None:
             self._warned.discard("mlflow")
-        except Exception as e:  # noqa: BLE001
-            self._warn_once("mlflow", f"MLflow {method} failed: {e}")
+        else:
+            self._warn_once("mlflow", f"MLflow {method} failed: {error}")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -155,6 +155,8 @@ class DrafterRegistry:
         mv = self.client.get_model_version(model_name(tenant), str(version))
         self.client.log_metric(mv.run_id, "live_acceptance", float(value), step=int(step))
 
-    def log_event(self, tenant: str, version: str, event: str) -> None:
-        """Swap/rollback events, as tags on the version (operators see them in the UI)."""
-        self.client.set_model_version_tag(model_name(tenant), str(version), f"event.{int(time.time())}", event)
+    def log_event(self, tenant: str, version: str, event: str, at: float | None = None) -> None:
+        """Swap/rollback events, as tags on the version (operators see them in the UI), keyed by
+        when they happened (``at``, epoch seconds; default now) to the millisecond."""
+        at = time.time() if at is None else at
+        self.client.set_model_version_tag(model_name(tenant), str(version), f"event.{int(at * 1000)}", event)

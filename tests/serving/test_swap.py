@@ -235,10 +235,10 @@ def test_a_good_successor_is_kept(target, tmp_path, sqlite_registry):
         await engine.start()
         swapper.start()
         try:
-            swapper.swap_to(v1)
-            await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])
-            swapper.swap_to(v2)
-            await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])
+            for v in (v1, v2):
+                swapper.swap_to(v)  # from the event loop: installed between two later steps
+                await _until(lambda v=v: engine.drafter.version == v, timeout=5.0)
+                await _serve(engine, [_request(i, p) for i, p in enumerate(PROMPTS)])
             await _until(lambda: any(e["event"] == "kept" and e["version"] == v2
                                      for e in swapper.events), timeout=5.0)
         finally:
@@ -276,6 +276,7 @@ def test_corrupt_and_foreign_artifacts_are_refused_and_the_old_drafter_stays(
         swapper.swap_to("999")
     assert engine.drafter is before and swapper.version == "day0"
     assert swapper.refused == 2 and swapper._c.refused._value.get() == 2
+    assert swapper.records.flush()  # registry records are written off the swapping thread
     tags = sqlite_registry.client.get_model_version(f"specloop-drafter-{TENANT}", corrupt).tags
     assert any(v.startswith("refused") for v in tags.values())
     # an announcement of a refused version is not retried and changes nothing
