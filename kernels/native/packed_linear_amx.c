@@ -155,6 +155,59 @@ static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *
     }
 }
 
+/* panel_amx for two panels at once (outputs n0 .. n0 + 64), past 16 tokens, where every tile
+ * holds 16 rows: 4 C tiles (0-3), the A parts (4-6), one B tile register (7) loaded for each C
+ * tile in turn, so 7 tile loads a block feed 12 multiplies (5 fed 6). Each C tile sums the same
+ * products in the same order as panel_amx: the same bits. 10-35 % faster from 32 tokens on (a
+ * batch's verify, a prefill). */
+static void panel_pair_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *wt0,
+                           const uint16_t *wt1, const float *res, float *y, long T, long N, long K,
+                           long n0) {
+    float c[TM * PANEL] __attribute__((aligned(64)));
+    const long blocks = K / TK, stride = K * 2;
+    for (long t0 = 0; t0 < T; t0 += m) {
+        const uint16_t *hi = parts + t0 * K, *mid = hi + Tpad * K, *lo = mid + Tpad * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long kb = 0; kb < blocks; kb++) {
+            const uint16_t *b0 = wt0 + kb * NT * TILE, *b1 = wt1 + kb * NT * TILE;
+            if (t0 == 0)
+                for (int line = 0; line < NT * TILE * 2 / 64; line++) {
+                    _mm_prefetch((const char *)(b0 + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
+                    _mm_prefetch((const char *)(b1 + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
+                }
+            _tile_loadd(4, hi + kb * TK, stride);
+            _tile_loadd(5, mid + kb * TK, stride);
+            _tile_loadd(6, lo + kb * TK, stride);
+            _tile_loadd(7, b0, 64);
+            _tile_dpbf16ps(0, 4, 7);
+            _tile_dpbf16ps(0, 5, 7);
+            _tile_dpbf16ps(0, 6, 7);
+            _tile_loadd(7, b0 + TILE, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(1, 5, 7);
+            _tile_dpbf16ps(1, 6, 7);
+            _tile_loadd(7, b1, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(2, 5, 7);
+            _tile_dpbf16ps(2, 6, 7);
+            _tile_loadd(7, b1 + TILE, 64);
+            _tile_dpbf16ps(3, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_dpbf16ps(3, 6, 7);
+        }
+        long rows = T - t0 < m ? T - t0 : m;
+        _tile_stored(0, c, PANEL * 4);
+        _tile_stored(1, c + TN, PANEL * 4);
+        store_rows(c, PANEL, res ? res + t0 * N : NULL, y + t0 * N, rows, N, n0);
+        _tile_stored(2, c, PANEL * 4);
+        _tile_stored(3, c + TN, PANEL * 4);
+        store_rows(c, PANEL, res ? res + t0 * N : NULL, y + t0 * N, rows, N, n0 + PANEL);
+    }
+}
+
 /* panel_amx for one part (rounded activations, [Tpad, K] bf16): two groups of m tokens at a time,
  * each B tile multiplied by both groups' A tiles (tiles: 0-3 C, 4-5 A, 6-7 B). */
 static void panel_amx_rounded(const uint16_t *a, long m, const uint16_t *wt, const float *res,
@@ -246,6 +299,9 @@ static void run(void *ctx, int id, int n) {
             const uint16_t *w = j->wt + p * j->K * PANEL;
             if (j->parts == 1)
                 panel_amx_rounded(parts, j->m, w, j->res, j->y, j->T, j->N, j->K, p * PANEL);
+            else if (j->T > TM && p + 1 < hi) /* m = 16: one tile configuration fits both */
+                panel_pair_amx(parts, j->Tpad, j->m, w, w + j->K * PANEL, j->res, j->y, j->T,
+                               j->N, j->K, p++ * PANEL);
             else
                 panel_amx(parts, j->Tpad, j->m, w, j->res, j->y, j->T, j->N, j->K, p * PANEL);
         }
