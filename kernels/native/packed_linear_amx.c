@@ -121,6 +121,12 @@ static void round_row(const float *a, uint16_t *out, long K) {
     }
 }
 
+/* Into L2: the block PF_BLOCKS ahead of block b of a panel (its two B tiles). */
+static inline void prefetch_ahead(const uint16_t *b) {
+    for (int line = 0; line < NT * TILE * 2 / 64; line++)
+        _mm_prefetch((const char *)(b + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
+}
+
 /* One panel (outputs n0 .. n0 + 32) for all T tokens, m at a time. parts: hi, mid, lo, each
  * [Tpad, K] bf16 (rows past T zero). */
 static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *wt,
@@ -134,8 +140,7 @@ static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *
         for (long kb = 0; kb < blocks; kb++) {
             const uint16_t *b = wt + kb * NT * TILE;
             if (t0 == 0) /* later groups read the panel from L2 */
-                for (int line = 0; line < NT * TILE * 2 / 64; line++)
-                    _mm_prefetch((const char *)(b + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
+                prefetch_ahead(b);
             _tile_loadd(2, hi + kb * TK, stride);
             _tile_loadd(3, mid + kb * TK, stride);
             _tile_loadd(4, lo + kb * TK, stride);
@@ -160,6 +165,16 @@ static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *
  * tile in turn, so 7 tile loads a block feed 12 multiplies (5 fed 6). Each C tile sums the same
  * products in the same order as panel_amx: the same bits. 10-35 % faster from 32 tokens on (a
  * batch's verify, a prefill). */
+/* C tile acc += hi, mid and lo (tiles 4-6) times the B tile at src, loaded into tile 7 (tile
+ * numbers are immediates: a macro, not a function). */
+#define PARTS_TIMES_B(acc, src)            \
+    do {                                   \
+        _tile_loadd(7, (src), 64);         \
+        _tile_dpbf16ps(acc, 4, 7);         \
+        _tile_dpbf16ps(acc, 5, 7);         \
+        _tile_dpbf16ps(acc, 6, 7);         \
+    } while (0)
+
 static void panel_pair_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *wt0,
                            const uint16_t *wt1, const float *res, float *y, long T, long N, long K,
                            long n0) {
@@ -173,30 +188,17 @@ static void panel_pair_amx(const uint16_t *parts, long Tpad, long m, const uint1
         _tile_zero(3);
         for (long kb = 0; kb < blocks; kb++) {
             const uint16_t *b0 = wt0 + kb * NT * TILE, *b1 = wt1 + kb * NT * TILE;
-            if (t0 == 0)
-                for (int line = 0; line < NT * TILE * 2 / 64; line++) {
-                    _mm_prefetch((const char *)(b0 + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
-                    _mm_prefetch((const char *)(b1 + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
-                }
+            if (t0 == 0) {
+                prefetch_ahead(b0);
+                prefetch_ahead(b1);
+            }
             _tile_loadd(4, hi + kb * TK, stride);
             _tile_loadd(5, mid + kb * TK, stride);
             _tile_loadd(6, lo + kb * TK, stride);
-            _tile_loadd(7, b0, 64);
-            _tile_dpbf16ps(0, 4, 7);
-            _tile_dpbf16ps(0, 5, 7);
-            _tile_dpbf16ps(0, 6, 7);
-            _tile_loadd(7, b0 + TILE, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(1, 5, 7);
-            _tile_dpbf16ps(1, 6, 7);
-            _tile_loadd(7, b1, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(2, 5, 7);
-            _tile_dpbf16ps(2, 6, 7);
-            _tile_loadd(7, b1 + TILE, 64);
-            _tile_dpbf16ps(3, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-            _tile_dpbf16ps(3, 6, 7);
+            PARTS_TIMES_B(0, b0);
+            PARTS_TIMES_B(1, b0 + TILE);
+            PARTS_TIMES_B(2, b1);
+            PARTS_TIMES_B(3, b1 + TILE);
         }
         long rows = T - t0 < m ? T - t0 : m;
         _tile_stored(0, c, PANEL * 4);
@@ -224,8 +226,7 @@ static void panel_amx_rounded(const uint16_t *a, long m, const uint16_t *wt, con
         for (long kb = 0; kb < blocks; kb++) {
             const uint16_t *b = wt + kb * NT * TILE;
             if (t0 == 0)
-                for (int line = 0; line < NT * TILE * 2 / 64; line++)
-                    _mm_prefetch((const char *)(b + PF_BLOCKS * NT * TILE) + 64 * line, _MM_HINT_T1);
+                prefetch_ahead(b);
             _tile_loadd(4, a0 + kb * TK, stride);
             _tile_loadd(6, b, 64);
             _tile_loadd(7, b + TILE, 64);
