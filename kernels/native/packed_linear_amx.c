@@ -160,11 +160,6 @@ static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *
     }
 }
 
-/* panel_amx for two panels at once (outputs n0 .. n0 + 64), past 16 tokens, where every tile
- * holds 16 rows: 4 C tiles (0-3), the A parts (4-6), one B tile register (7) loaded for each C
- * tile in turn, so 7 tile loads a block feed 12 multiplies (5 fed 6). Each C tile sums the same
- * products in the same order as panel_amx: the same bits. 10-35 % faster from 32 tokens on (a
- * batch's verify, a prefill). */
 /* C tile acc += hi, mid and lo (tiles 4-6) times the B tile at src, loaded into tile 7 (tile
  * numbers are immediates: a macro, not a function). */
 #define PARTS_TIMES_B(acc, src)            \
@@ -175,6 +170,11 @@ static void panel_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *
         _tile_dpbf16ps(acc, 6, 7);         \
     } while (0)
 
+/* panel_amx for two panels at once (outputs n0 .. n0 + 64), past 16 tokens, where every tile
+ * holds 16 rows: 4 C tiles (0-3), the A parts (4-6), one B tile register (7) loaded for each C
+ * tile in turn, so 7 tile loads a block feed 12 multiplies (5 fed 6). Each C tile sums the same
+ * products in the same order as panel_amx: the same bits. 10-35 % faster from 32 tokens on (a
+ * batch's verify, a prefill). */
 static void panel_pair_amx(const uint16_t *parts, long Tpad, long m, const uint16_t *wt0,
                            const uint16_t *wt1, const float *res, float *y, long T, long N, long K,
                            long n0) {
