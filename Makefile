@@ -28,10 +28,11 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(VENV)/bin/specloop demo
 
-# A selfspec drafter trained on package text before any traffic (README: "A drafter that starts
-# from the target"); then: specloop demo --day0-artifact specloop-pretrained-selfspec
+# A selfspec drafter trained before any traffic on package text and on the target's own answers to
+# requests written from the packages (README); then: specloop demo --day0-artifact specloop-pretrained-selfspec
 pretrain: install
-	SPECLOOP_TRAINER_DRAFTER=selfspec $(VENV)/bin/specloop train --corpus 400 --out specloop-pretrained-selfspec
+	SPECLOOP_TRAINER_DRAFTER=selfspec $(VENV)/bin/specloop train --corpus 400 --requests 160 \
+	  --max-new-tokens 96 --out specloop-pretrained-selfspec
 
 test: install
 	$(PY) -m pytest -q -ra

@@ -77,14 +77,17 @@ def train(
     corpus: int = typer.Option(0, min=0, help="Train once, offline, on this many code and as many prose chunks of "
                                "text from the installed packages, teacher-forced through the target "
                                "(trainer/corpus.py); alone or with --offline."),
-    init: Path | None = typer.Option(None, help="--offline/--corpus: start from this drafter artifact "
+    requests: int = typer.Option(0, min=0, help="Train once, offline, on the target's own answers to this many "
+                                 "code and as many chat requests written from the installed packages "
+                                 "(trainer/package_prompts.py); alone or with --corpus/--offline."),
+    init: Path | None = typer.Option(None, help="--offline/--corpus/--requests: start from this drafter artifact "
                                      "(same kind and target) instead of the day-0 drafter."),
-    corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus: where teacher-forced corpus traces are "
-                                      "kept between runs."),
+    corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus/--requests: where teacher-forced and "
+                                      "generated traces are kept between runs."),
     out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline: artifact directory written."),
     model_id: str | None = typer.Option(None, help="--offline: target id in the fingerprint (default: the directory "
                                         "name; serving's default target is SmolLM2-135M-Instruct)."),
-    max_new_tokens: int = typer.Option(64, help="--offline: tokens generated per prompt."),
+    max_new_tokens: int = typer.Option(64, help="--offline/--requests: tokens generated per prompt."),
     steps: int = typer.Option(400, help="--offline: most training steps (early stop on held-out acceptance)."),
 ) -> None:
     """Consume traces, distil the drafter, gate, register and announce promotions; with
@@ -92,9 +95,9 @@ def train(
     import json
 
     model = model or _settings().model
-    if offline is not None or corpus > 0:
+    if offline is not None or corpus > 0 or requests > 0:
         print(json.dumps(run_offline(model, offline, out, model_id, max_new_tokens, steps, corpus=corpus,
-                                     init=init, corpus_cache=corpus_cache)))
+                                     requests=requests, init=init, corpus_cache=corpus_cache)))
         return
 
     from transformers import AutoConfig
@@ -128,10 +131,11 @@ def train(
 
 
 def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: str | None, max_new_tokens: int,
-                steps: int, *, corpus: int = 0, init: Path | None = None,
+                steps: int, *, corpus: int = 0, requests: int = 0, init: Path | None = None,
                 corpus_cache: Path | None = None) -> dict:
-    """``specloop train --offline/--corpus``: generate and trace the target's responses to
-    ``prompts`` and/or teacher-force ``corpus`` chunks per domain of package text, distil
+    """``specloop train --offline/--corpus/--requests``: generate and trace the target's responses
+    to ``prompts`` and to ``requests`` code and chat requests written from the installed packages,
+    and/or teacher-force ``corpus`` chunks per domain of package text, distil
     (trainer/offline.py), save; register in MLflow as the tenant's champion when
     SPECLOOP_TRAINER_TRACKING_URI is set explicitly."""
     import os
@@ -144,7 +148,14 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     from feedback.target.location import model_fingerprint
     from trainer.distill import DistillConfig
     from trainer.export import student_draft_vocab
-    from trainer.offline import cached_corpus_traces, generate_traces, read_prompts, train_offline
+    from trainer.offline import (
+        OfflinePrompt,
+        cached_corpus_traces,
+        cached_generated_traces,
+        chat_ids,
+        read_prompts,
+        train_offline,
+    )
 
     settings = _settings()
     if init is not None and settings.drafter != "selfspec":  # before minutes of generation
@@ -158,7 +169,12 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     tok = AutoTokenizer.from_pretrained(model)
     target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     items = read_prompts(prompts, tok) if prompts is not None else []
-    records = generate_traces(target, tok, fp, items, max_new_tokens=max_new_tokens, tenant=settings.tenant)
+    if requests > 0:
+        from trainer.package_prompts import package_requests
+
+        items += [OfflinePrompt(chat_ids(tok, r.messages), r.domain) for r in package_requests(requests)]
+    records = cached_generated_traces(target, tok, fp, items, corpus_cache, max_new_tokens=max_new_tokens,
+                                      tenant=settings.tenant)
     if corpus > 0:
         from rich.console import Console
         from rich.progress import Progress
@@ -185,10 +201,11 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     version = f"static-{int(time.time())}"
     save_drafter(student.model, config, fp, out, version=version, overwrite=True,
                  draft_vocab=student_draft_vocab(student),
-                 extra={"offline_prompts": str(prompts), "corpus_chunks_per_domain": corpus, "init": str(init),
+                 extra={"offline_prompts": str(prompts), "corpus_chunks_per_domain": corpus,
+                        "package_requests_per_domain": requests, "init": str(init),
                         **{k: v for k, v in fit.items() if k != "stopped_early"}})
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
-              "corpus_chunks": 2 * corpus, "init": str(init) if init else None,
+              "package_requests": 2 * requests, "corpus_chunks": 2 * corpus, "init": str(init) if init else None,
               "generation_s": gen_s, **fit}
     if {"SPECLOOP_TRAINER_TRACKING_URI", "SPECLOOP_MLFLOW_TRACKING_URI"} & set(os.environ):
         from feedback.registry.drafter_registry import DrafterRegistry

@@ -30,6 +30,12 @@ class OfflinePrompt:
     domain: str | None = None
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` in the target's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+
 def read_prompts(path: str | Path, tokenizer) -> list[OfflinePrompt]:
     """JSONL rows with ``messages`` (chat, the target's template) or ``prompt`` (raw text), and an
     optional ``domain``. A bad row raises ValueError naming its line."""
@@ -37,11 +43,7 @@ def read_prompts(path: str | Path, tokenizer) -> list[OfflinePrompt]:
     for n, row in iter_jsonl(path):
         if not isinstance(row, dict) or ("messages" in row) == ("prompt" in row):
             raise ValueError(f"{path}:{n}: needs exactly one of 'messages' or 'prompt'")
-        if "messages" in row:
-            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
-        else:
-            ids = tokenizer.encode(str(row["prompt"]))
+        ids = chat_ids(tokenizer, row["messages"]) if "messages" in row else tokenizer.encode(str(row["prompt"]))
         out.append(OfflinePrompt(list(ids), row.get("domain")))
     if not out:
         raise ValueError(f"{path}: no prompts")
@@ -154,23 +156,40 @@ def train_offline(student, records: list[TraceRecord], fingerprint: TargetFinger
             "stopped_early": res.stopped_early, "train_s": time.perf_counter() - t0}
 
 
-def cached_corpus_traces(model, fingerprint: TargetFingerprint, chunks, cache_dir: str | Path | None, *,
-                         topk: int = 20, tenant: str = "default", progress=None) -> list[TraceRecord]:
-    """``corpus_traces``, kept in ``cache_dir`` under a key of the target and the chunks' token ids
-    (teacher-forcing 200k tokens takes minutes on a CPU; a second run reads them back). None: no
-    cache."""
+def _cached(cache_dir: str | Path | None, name: str, key: bytes, make) -> list[TraceRecord]:
+    """``make()``'s traces, kept in ``cache_dir`` as ``{name}-{hash of key}.traces`` (None: no
+    cache): teacher-forcing or generating thousands of tokens takes minutes on a CPU, and a second
+    run reads them back."""
     import hashlib
 
     from feedback.bus.trace_file import load_traces, save_traces
 
     if cache_dir is None:
-        return corpus_traces(model, fingerprint, chunks, topk=topk, tenant=tenant, progress=progress)
-    h = hashlib.sha256(f"{fingerprint.key()}|{topk}|{tenant}".encode())
-    for c in chunks:
-        h.update(np.asarray(c.ids, dtype=np.int32).tobytes() + c.domain.encode() + b"|")
-    path = Path(cache_dir) / f"corpus-{h.hexdigest()[:20]}.traces"
+        return make()
+    path = Path(cache_dir) / f"{name}-{hashlib.sha256(key).hexdigest()[:20]}.traces"
     if path.exists():
         return load_traces(path)
-    records = corpus_traces(model, fingerprint, chunks, topk=topk, tenant=tenant, progress=progress)
+    records = make()
     save_traces(records, path)
     return records
+
+
+def cached_corpus_traces(model, fingerprint: TargetFingerprint, chunks, cache_dir: str | Path | None, *,
+                         topk: int = 20, tenant: str = "default", progress=None) -> list[TraceRecord]:
+    """``corpus_traces``, kept in ``cache_dir`` under a key of the target and the chunks' token ids."""
+    key = [f"{fingerprint.key()}|{topk}|{tenant}".encode()]
+    key += [np.asarray(c.ids, dtype=np.int32).tobytes() + c.domain.encode() + b"|" for c in chunks]
+    return _cached(cache_dir, "corpus", b"".join(key),
+                   lambda: corpus_traces(model, fingerprint, chunks, topk=topk, tenant=tenant, progress=progress))
+
+
+def cached_generated_traces(model, tokenizer, fingerprint: TargetFingerprint, prompts: list[OfflinePrompt],
+                            cache_dir: str | Path | None, *, max_new_tokens: int = 64, topk: int = 20,
+                            tenant: str = "default") -> list[TraceRecord]:
+    """``generate_traces``, kept in ``cache_dir`` under a key of the target, the prompts' token ids
+    and domains, and the response length."""
+    key = [f"{fingerprint.key()}|{topk}|{tenant}|{max_new_tokens}".encode()]
+    key += [np.asarray(p.ids, dtype=np.int32).tobytes() + str(p.domain).encode() + b"|" for p in prompts]
+    return _cached(cache_dir, "responses", b"".join(key),
+                   lambda: generate_traces(model, tokenizer, fingerprint, prompts, max_new_tokens=max_new_tokens,
+                                           topk=topk, tenant=tenant))
