@@ -12,8 +12,10 @@ def test_bench_engine_reports_bound_and_verify_costs():
     assert set(out["reference"]["verify_cost"]) == set(out["verify_cost"])
     assert out["forward"] == "llama_forward"
     assert out["lossless"] is True
-    assert out["bound_fraction"] == round(out["bound_ms"] / out["step_ms"], 3) or abs(
-        out["bound_fraction"] - out["bound_ms"] / out["step_ms"]) < 0.01
+    # the fraction is computed unrounded; bound_ms and step_ms are reported to 0.01 ms, which on a
+    # tiny model's sub-millisecond step moves their ratio by a few per cent
+    slack = out["bound_fraction"] * (0.005 / out["bound_ms"] + 0.005 / out["step_ms"]) + 0.001
+    assert abs(out["bound_fraction"] - out["bound_ms"] / out["step_ms"]) <= slack
     assert "model" in out["cpu"] and isinstance(out["cpu"]["flags"], list)
     # the bound uses the faster of the step's own weights and a fresh tensor: never flattered
     probes = [out["bandwidth_gbs_256mb_tensor"]] + [out["bandwidth_gbs_weights"] or 0.0]
