@@ -74,6 +74,20 @@ def _paragraphs(text: str) -> list[str]:
     return paras
 
 
+def _take(domain: str, sources, candidates, render, n: int, per_source: int, rng) -> list[PackageRequest]:
+    """``n`` requests of ``domain``: ``candidates(item)`` of each source in turn (shuffled, at most
+    ``per_source`` of them), each written as a user turn by ``render``."""
+    out: list[PackageRequest] = []
+    for label, item in sources:
+        found = candidates(item)
+        rng.shuffle(found)
+        for c in found[: min(per_source, n - len(out))]:
+            out.append(PackageRequest([{"role": "user", "content": render(c)}], domain, label))
+        if len(out) >= n:
+            return out
+    raise ValueError(f"installed packages gave {len(out)} {domain} requests, {n} asked")
+
+
 def package_requests(n_per_domain: int, *, seed: int = 0, per_source: int = 4,
                      distributions: list[str] | None = None) -> list[PackageRequest]:
     """``n_per_domain`` code and as many chat requests, at most ``per_source`` from any one file
@@ -81,31 +95,10 @@ def package_requests(n_per_domain: int, *, seed: int = 0, per_source: int = 4,
     only = None if distributions is None else {canonical_name(d) for d in distributions}
     code, prose = _sources(seed, only)
     rng = random.Random(seed)
-    out: list[PackageRequest] = []
-    got = 0
-    for label, item in code:
-        text = _read(item)
-        tasks = _docstring_tasks(text) if text else []
-        rng.shuffle(tasks)
-        for sig, doc in tasks[: min(per_source, n_per_domain - got)]:
-            prompt = f"Write a Python function `{sig}` that does the following: {doc}"
-            out.append(PackageRequest([{"role": "user", "content": prompt}], "code", label))
-            got += 1
-        if got >= n_per_domain:
-            break
-    if got < n_per_domain:
-        raise ValueError(f"installed packages gave {got} code requests, {n_per_domain} asked")
-    got = 0
-    for label, body in prose:
-        paras = _paragraphs(body)
-        rng.shuffle(paras)
-        for para in paras[: min(per_source, n_per_domain - got)]:
-            prompt = rng.choice(CHAT_TEMPLATES).format(text=para)
-            out.append(PackageRequest([{"role": "user", "content": prompt}], "chat", label))
-            got += 1
-        if got >= n_per_domain:
-            break
-    if got < n_per_domain:
-        raise ValueError(f"installed packages gave {got} chat requests, {n_per_domain} asked")
-    return out
-
+    return (
+        _take("code", code, lambda item: _docstring_tasks(_read(item) or ""),
+              lambda task: f"Write a Python function `{task[0]}` that does the following: {task[1]}",
+              n_per_domain, per_source, rng)
+        + _take("chat", prose, _paragraphs, lambda para: rng.choice(CHAT_TEMPLATES).format(text=para),
+                n_per_domain, per_source, rng)
+    )

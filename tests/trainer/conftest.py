@@ -35,3 +35,13 @@ def target_dir(tmp_path_factory):
     target.model.save_pretrained(d)
     target.tokenizer.save_pretrained(d)
     return target, d
+
+
+@pytest.fixture
+def selfspec_env(monkeypatch):
+    """``specloop train`` settings for a small selfspec student on the tiny target (no MLflow)."""
+    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFTER", "selfspec")
+    monkeypatch.setenv("SPECLOOP_TRAINER_EXIT_LAYER", "1")
+    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFT_VOCAB_SIZE", "4096")
+    monkeypatch.setenv("SPECLOOP_TRAINER_BATCH_TRACES", "2")
+    monkeypatch.delenv("SPECLOOP_TRAINER_TRACKING_URI", raising=False)

@@ -46,20 +46,11 @@ def test_batched_corpus_traces_equal_one_sequence_teacher_forcing(target_dir):
         np.testing.assert_allclose(r.steps.target_topk_logprobs, one.steps.target_topk_logprobs, atol=1e-4)
 
 
-def _selfspec_env(monkeypatch):
-    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFTER", "selfspec")
-    monkeypatch.setenv("SPECLOOP_TRAINER_EXIT_LAYER", "1")
-    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFT_VOCAB_SIZE", "4096")
-    monkeypatch.setenv("SPECLOOP_TRAINER_BATCH_TRACES", "2")
-    monkeypatch.delenv("SPECLOOP_TRAINER_TRACKING_URI", raising=False)
-
-
-def test_corpus_training_saves_a_drafter_that_a_later_run_starts_from(target_dir, tmp_path, monkeypatch):
+def test_corpus_training_saves_a_drafter_that_a_later_run_starts_from(target_dir, tmp_path, selfspec_env):
     from trainer.cli import run_offline
     from trainer.students import selfspec_student_from_artifact
 
     target, d = target_dir
-    _selfspec_env(monkeypatch)
     pre = tmp_path / "pretrained"
     res = run_offline(str(d), None, pre, target.model_id, max_new_tokens=8, steps=4, corpus=6)
     assert res["traces"] == 12 and res["corpus_chunks"] == 12 and res["train_steps"] >= 1
@@ -88,12 +79,11 @@ def test_corpus_training_saves_a_drafter_that_a_later_run_starts_from(target_dir
     assert res2["init"] == str(pre) and read_meta(tmp_path / "again").extra["init"] == str(pre)
 
 
-def test_init_refuses_an_artifact_of_another_target(target_dir, tmp_path, monkeypatch):
+def test_init_refuses_an_artifact_of_another_target(target_dir, tmp_path, selfspec_env):
     from trainer.cli import run_offline
     from trainer.students import selfspec_student_from_artifact
 
     target, d = target_dir
-    _selfspec_env(monkeypatch)
     pre = tmp_path / "pretrained"
     run_offline(str(d), None, pre, target.model_id, max_new_tokens=8, steps=1, corpus=2)
     other = target.fingerprint.model_copy(update={"model_id": "another-model"})

@@ -43,15 +43,10 @@ def test_traces_carry_the_targets_greedy_choice_at_every_output_position(target_
         assert main.num_rows == len(r.output_ids)
 
 
-def test_offline_training_saves_a_selfspec_drafter_serving_loads(target_dir, tmp_path, monkeypatch):
+def test_offline_training_saves_a_selfspec_drafter_serving_loads(target_dir, tmp_path, selfspec_env):
     from trainer.cli import run_offline
 
     target, d = target_dir
-    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFTER", "selfspec")
-    monkeypatch.setenv("SPECLOOP_TRAINER_EXIT_LAYER", "1")
-    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFT_VOCAB_SIZE", "4096")
-    monkeypatch.setenv("SPECLOOP_TRAINER_BATCH_TRACES", "2")
-    monkeypatch.delenv("SPECLOOP_TRAINER_TRACKING_URI", raising=False)
     out = tmp_path / "static"
     res = run_offline(str(d), prompts_file(tmp_path), out, target.model_id, max_new_tokens=8, steps=6)
     assert res["traces"] == 11 and res["heldout_traces"] >= 1 and res["train_steps"] >= 1

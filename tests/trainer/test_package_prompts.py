@@ -76,16 +76,11 @@ def test_asking_for_more_requests_than_the_packages_hold_is_an_error():
         package_requests(10**4, distributions=["typer"])
 
 
-def test_train_requests_answers_them_with_the_target_and_caches_the_answers(target_dir, tmp_path, monkeypatch):
+def test_train_requests_answers_them_with_the_target_and_caches_the_answers(target_dir, tmp_path, selfspec_env):
     from feedback.registry.artifact import read_meta
     from trainer.cli import run_offline
 
     target, d = target_dir
-    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFTER", "selfspec")
-    monkeypatch.setenv("SPECLOOP_TRAINER_EXIT_LAYER", "1")
-    monkeypatch.setenv("SPECLOOP_TRAINER_DRAFT_VOCAB_SIZE", "4096")
-    monkeypatch.setenv("SPECLOOP_TRAINER_BATCH_TRACES", "2")
-    monkeypatch.delenv("SPECLOOP_TRAINER_TRACKING_URI", raising=False)
     cache = tmp_path / "cache"
     res = run_offline(str(d), None, tmp_path / "a", target.model_id, max_new_tokens=6, steps=2, requests=3,
                       corpus_cache=cache)
