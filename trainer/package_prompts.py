@@ -8,8 +8,8 @@ generates. With no hub and no data set download, the requests are written from t
 
 - ``code``: a public function with a docstring becomes "Write a Python function ``name(args)``
   that ...", the docstring's first paragraph as the task (HumanEval's shape, none of its tasks);
-- ``chat``: a README paragraph becomes one of a few plain requests (summarise it, explain it,
-  answer a question about it, continue it, list its points) in the template's user turn.
+- ``chat``: a README paragraph becomes one of a few plain requests (``CHAT_TEMPLATES``: summarise
+  it, explain it to a beginner, list its points, rewrite it, say what it solves, introduce it).
 
 Evaluation sets and the target's own package are excluded by name, as in the corpus.
 """
