@@ -82,8 +82,8 @@ def train(
                                  "(trainer/package_prompts.py); alone or with --corpus/--offline."),
     init: Path | None = typer.Option(None, help="--offline/--corpus/--requests: start from this drafter artifact "
                                      "(same kind and target) instead of the day-0 drafter."),
-    corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus/--requests: where teacher-forced and "
-                                      "generated traces are kept between runs."),
+    corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus/--requests/--offline: where "
+                                      "teacher-forced and generated traces are kept between runs."),
     out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline: artifact directory written."),
     model_id: str | None = typer.Option(None, help="--offline: target id in the fingerprint (default: the directory "
                                         "name; serving's default target is SmolLM2-135M-Instruct)."),

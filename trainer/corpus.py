@@ -46,8 +46,9 @@ def _name(dist) -> str:
     return (dist.metadata["Name"] or "").strip().lower()
 
 
-def _sources(seed: int, only: set[str] | None) -> tuple[list[tuple[str, object]], list[tuple[str, str]]]:
-    """(code files, prose texts), each as (source label, file or text), in a seeded random order."""
+def package_sources(seed: int, only: set[str] | None) -> tuple[list[tuple[str, object]], list[tuple[str, str]]]:
+    """(code files, prose texts) of the installed distributions (the evaluation sets excluded;
+    only those in ``only`` when given), each as (source label, file or text), in a seeded random order."""
     code, prose = [], []
     for dist in sorted(importlib.metadata.distributions(), key=_name):
         name = _name(dist)
@@ -79,7 +80,8 @@ def _description(dist) -> str:
     return body if sep else ""
 
 
-def _read(item) -> str | None:
+def read_source(item) -> str | None:
+    """The text of an installed file (a ``package_sources`` code item); None where it cannot be read."""
     try:
         return Path(item.locate()).read_text(errors="ignore")
     except (OSError, AttributeError):
@@ -98,12 +100,12 @@ def package_corpus(tokenizer, chunks_per_domain: int, *, chunk_tokens: int = 256
     ``distributions``: only these installed distributions (names as pip lists them; default all).
     Raises ValueError when the installed packages cannot fill the request."""
     only = None if distributions is None else {canonical_name(d) for d in distributions}
-    code, prose = _sources(seed, only)
+    code, prose = package_sources(seed, only)
     out: list[CorpusChunk] = []
     for domain, items in (("code", code), ("prose", prose)):
         got = 0
         for label, item in items:
-            text = item if isinstance(item, str) else _read(item)
+            text = item if isinstance(item, str) else read_source(item)
             if not text or len(text) < 200:
                 continue
             for ids in _chunks(tokenizer, text, chunk_tokens, min(per_source, chunks_per_domain - got)):

@@ -21,7 +21,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from trainer.corpus import _read, _sources, canonical_name
+from trainer.corpus import canonical_name, package_sources, read_source
 
 CHAT_TEMPLATES = (
     "Summarize the following text in a few sentences:\n\n{text}",
@@ -93,10 +93,10 @@ def package_requests(n_per_domain: int, *, seed: int = 0, per_source: int = 4,
     """``n_per_domain`` code and as many chat requests, at most ``per_source`` from any one file
     or README. Raises ValueError when the installed packages cannot fill the request."""
     only = None if distributions is None else {canonical_name(d) for d in distributions}
-    code, prose = _sources(seed, only)
+    code, prose = package_sources(seed, only)
     rng = random.Random(seed)
     return (
-        _take("code", code, lambda item: _docstring_tasks(_read(item) or ""),
+        _take("code", code, lambda item: _docstring_tasks(read_source(item) or ""),
               lambda task: f"Write a Python function `{task[0]}` that does the following: {task[1]}",
               n_per_domain, per_source, rng)
         + _take("chat", prose, _paragraphs, lambda para: rng.choice(CHAT_TEMPLATES).format(text=para),
