@@ -19,6 +19,9 @@ run (so the before/after ratio is measured on the same machine at the same time)
 - ``fma_panels``: where the fast forward computes its projections on AMX tiles (CPUs with
   AMX-BF16; kernels/native/packed_linear_amx.c), the same forward with the FMA kernel over the
   same bf16 panels, as before (``speedup_vs_fma_panels``).
+- ``without_cuda_graphs``: on CUDA, where the fast forward's steps replay CUDA graphs
+  (serving/engine/cuda_graphs.py), the same forward launched op by op, as before
+  (``speedup_vs_without_cuda_graphs``); ``cuda_graphs``: how many were captured, in how long.
 - ``layer_by_layer``: where the fast forward runs its layers in one native call
   (kernels/llama_layers.py), the same forward over the same weights with the layers called one at
   a time from Python, as before (``speedup_vs_layer_by_layer``).
@@ -169,6 +172,10 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if layout == "amx":  # the same bf16 weights on the FMA kernel: what the tiles buy
         fma = TorchEngine(target, config=EngineConfig(k=0, forward="auto", amx_panels=False))
         paths.insert(1, _Path("fma_panels", fma, step_thread=True))
+    graphs = fast.runner.graphs
+    if graphs is not None:  # the same forward launched op by op: what the CUDA graphs buy
+        eager = TorchEngine(target, config=EngineConfig(k=0, forward="auto", cuda_graphs=False))
+        paths.insert(1, _Path("eager_launches", eager))
     stacked = fast.runner.fast is not None and fast.runner.fast.stack is not None
     if stacked:  # the same weights, the layers called from Python: what one native call buys
         per_call = TorchEngine(target, config=EngineConfig(k=0, forward="auto"))
@@ -280,6 +287,11 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if layout == "amx":
         out["fma_panels"] = figures("fma_panels")
         out["speedup_vs_fma_panels"] = _speedup(out["fma_panels"], out)
+    if graphs is not None:
+        out["cuda_graphs"] = {"captured": graphs.captures, "capture_s": round(graphs.capture_s, 2),
+                              "failure": graphs.failure}
+        out["without_cuda_graphs"] = figures("eager_launches")
+        out["speedup_vs_without_cuda_graphs"] = _speedup(out["without_cuda_graphs"], out)
     if stacked:
         out["layer_by_layer"] = figures("layer_by_layer")
         out["speedup_vs_layer_by_layer"] = _speedup(out["layer_by_layer"], out)

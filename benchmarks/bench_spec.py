@@ -124,9 +124,10 @@ async def bench_spec_async(
     batches: tuple[int, ...] = (),
     batch_repeats: int = 4,
     device: str = "cpu",
+    cuda_graphs: bool = True,
 ) -> dict:
     """``target``: an already loaded Target (tests); else ``model`` is loaded at ``dtype`` on
-    ``device``."""
+    ``device``. ``cuda_graphs``: every engine's EngineConfig.cuda_graphs (on CUDA only)."""
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
     from serving.engine.goodput_policy import GoodputPolicy
@@ -148,7 +149,7 @@ async def bench_spec_async(
         return [p.token_ids(tok) for p in group]
 
     base_timer = StepTimer()
-    baseline = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=1), observers=[base_timer])
+    baseline = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=1, cuda_graphs=cuda_graphs), observers=[base_timer])
     base: dict[str, RunResult] = {}
     base_steps: dict[str, dict] = {}
     # One untimed request per domain first: a process's first forwards pay for allocation, kernel
@@ -172,7 +173,7 @@ async def bench_spec_async(
                 # warm-up prompts of its own domain.
                 drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
                 choose = GoodputPolicy(k) if pol == "adaptive" else None
-                engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1), observers=[timer],
+                engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1, cuda_graphs=cuda_graphs), observers=[timer],
                                      policy=choose)
                 if phase == "warmed":
                     log.info("%s: warming on %d %s prompts", drafter_kind, len(warmups), domain)
@@ -225,6 +226,7 @@ async def bench_spec_async(
         "warm_prompts_per_domain": warm,
         "dtype": dtype,
         "device": str(target.device),
+        "cuda_graphs": cuda_graphs and target.device.type == "cuda",
         "threads": torch.get_num_threads(),
         "baseline_tok_s": round(base_tokens / base_wall, 3) if base_wall else 0.0,
         "target_ms": round(sum(s["verify_ms"] for s in all_base_steps) / max(len(all_base_steps), 1), 3),
@@ -244,7 +246,7 @@ async def bench_spec_async(
     if batches:
         out["by_batch"] = await _by_batch(
             target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree, batches,
-            batch_repeats, warm > 0,
+            batch_repeats, warm > 0, cuda_graphs,
         )
     if len(policies) == 2:
         fixed, adaptive = by_policy["fixed"], by_policy["adaptive"]
@@ -270,7 +272,7 @@ def _tail(timer: StepTimer, batch: int) -> float | None:
 
 
 async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree,
-                    batches, repeats, warmed) -> dict:
+                    batches, repeats, warmed, cuda_graphs: bool = True) -> dict:
     """Never-slower check: target-only vs speculative (adaptive) at each batch size, A/B
     alternating in this process. The drafter is built (and warmed) once per batch size."""
     from serving.drafters.factory import build_drafter
@@ -283,10 +285,10 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
     out = {}
     for b in batches:
         base_timer, timer = StepTimer(), StepTimer()
-        base_engine = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=b), observers=[base_timer])
+        base_engine = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=b, cuda_graphs=cuda_graphs), observers=[base_timer])
         drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
         policy = GoodputPolicy(k)
-        spec_engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=b),
+        spec_engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=b, cuda_graphs=cuda_graphs),
                                   observers=[timer], policy=policy)
         if warmups:
             await run_prompts(spec_engine, ids(warmups), max_tokens, concurrency=b)
@@ -352,7 +354,7 @@ def _mean(xs: list[float]) -> float:
 def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, warm: int,
         artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None,
         policy: str = "fixed", tree: bool = True, batches: tuple[int, ...] = (),
-        batch_repeats: int = 4, device: str = "cpu") -> dict:
+        batch_repeats: int = 4, device: str = "cpu", cuda_graphs: bool = True) -> dict:
     items = load_prompts(prompts)
     if domains:
         items = [p for p in items if (p.domain or "default") in domains]
@@ -362,7 +364,7 @@ def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, 
     out = asyncio.run(bench_spec_async(
         items, drafter_kind=drafter, artifact_dir=artifact, limit=limit, warm=warm,
         max_tokens=max_tokens, k=k, threads=threads, dtype=dtype, policy=policy, tree=tree,
-        batches=batches, batch_repeats=batch_repeats, device=device,
+        batches=batches, batch_repeats=batch_repeats, device=device, cuda_graphs=cuda_graphs,
     ))
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out

@@ -34,6 +34,8 @@ def spec(
                               "check: target-only vs adaptive speculation at each, A/B in one process."),
     batch_repeats: int = typer.Option(4, min=1, help="A/B rounds per batch size (ABBA order)."),
     device: str = typer.Option("cpu", help="torch device for the target (e.g. cuda:0)."),
+    cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA, steps "
+                                     "replay CUDA graphs (EngineConfig.cuda_graphs); off: launched op by op."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
@@ -42,7 +44,7 @@ def spec(
 
     batches = tuple(int(b) for b in batch.split(",") if b.strip())
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
-              tree, batches, batch_repeats, device)
+              tree, batches, batch_repeats, device, cuda_graphs)
     print(json.dumps(out, indent=None if json_out else 2))
 
 

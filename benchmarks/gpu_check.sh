@@ -8,10 +8,14 @@
 #   env     versions, the GPU, python packages installed from .gpu/whl (carried wheels)
 #   stash   keep .gpu/gguf.part00 in /tmp for a later call (the model is 98 MB and one call carries
 #           at most 64 MiB, so the GGUF travels in two halves to a warm machine)
-#   smoke   engine tests on CUDA with tiny random targets, and `bench engine --tiny` on CUDA
+#   smoke   engine tests on CUDA with tiny random targets (CUDA graphs captured and replayed), and
+#           `bench engine --tiny` on CUDA
 #   model   join the GGUF halves, check its sha256, convert it as serving does
 #   engine  `specloop bench engine --device $DEV:0`
 #   suffix  `specloop bench spec --device cuda:0 --drafter suffix --warm 12` alone
+#   nographs   the same with `--no-cuda-graphs` (steps launched op by op: the before)
+#   heldout `bench spec` suffix warmed on held-out ShareGPT prompts
+#   batch   `bench spec --batch 1,4,8`: the never-slower check
 #   spec    `specloop bench spec --device $DEV:0`: suffix trees warmed; batch 1/4/8; held-out prompts
 #   texttests  engine tests that need the real tokenizer, on CUDA
 #
@@ -61,7 +65,7 @@ for stage in "$@"; do
   smoke)
     step smoke_tests 300 env SPECLOOP_TEST_DEVICE=$DEV $PY -m pytest -q -p no:cacheprovider --timeout 90 \
       tests/serving/test_tree_engine.py tests/serving/test_torch_engine.py tests/serving/test_verify_step.py \
-      tests/serving/test_learned_drafters.py -k "not text"
+      tests/serving/test_learned_drafters.py tests/serving/test_cuda_graphs.py -k "not text"
     step engine_tiny 120 "${SPECLOOP[@]}" bench engine --tiny --device $DEV:0 --reps 3
     ;;
   model)
@@ -79,6 +83,15 @@ print({'params_abs_sum': float(sum(p.double().abs().sum() for p in t.model.param
     ;;
   suffix)
     step spec_suffix 240 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --prompts .gpu/default.jsonl
+    ;;
+  nographs)
+    step spec_suffix_nographs 300 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --prompts .gpu/default.jsonl --no-cuda-graphs
+    ;;
+  heldout)
+    step spec_heldout 150 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --limit 8 --max-tokens 48 --prompts .gpu/sharegpt.jsonl
+    ;;
+  batch)
+    step spec_batch 200 "${SPECLOOP[@]}" bench spec --device $DEV:0 --batch 1,4,8 --limit 8 --warm 0 --max-tokens 48 --prompts .gpu/default.jsonl
     ;;
   spec)
     step spec_suffix 240 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --prompts .gpu/default.jsonl

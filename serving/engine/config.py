@@ -89,6 +89,13 @@ class EngineConfig(BaseModel):
         "decode step; fp32-precise, not bit for bit the FMA panels' numbers. Ignored elsewhere "
         "and with bf16_panels off.",
     )
+    cuda_graphs: bool = Field(
+        True,
+        description="On CUDA, replay the target's decode and verify forwards as CUDA graphs, one "
+        "captured per batch size, width and cache allocation (serving/engine/cuda_graphs.py): a "
+        "step of a small target is otherwise ~450 kernel launches of host work. Ignored off CUDA "
+        "and with forward='hf'.",
+    )
     capture_features: bool = Field(
         False,
         description="Run the target with hidden states even when the drafter needs none, so traces "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from serving.engine.batch_cache import RaggedKVCache
+from serving.engine.cuda_graphs import StepGraphs
 from serving.engine.llama_forward import LlamaForward
 
 
@@ -22,6 +23,7 @@ class ModelRunner:
         native_kernels: bool = True,
         bf16_panels: bool = True,
         amx_panels: bool = True,
+        cuda_graphs: bool = True,
     ):
         self.model = model
         self.device = device
@@ -35,6 +37,11 @@ class ModelRunner:
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
             self.fast = LlamaForward.shared(model, native=None if native_kernels else False,
                                             bf16_panels=bf16_panels, amx=amx_panels)
+        self.graphs: StepGraphs | None = None
+        """The fast forward's decode and verify steps as CUDA graphs (serving/engine/cuda_graphs.py)
+        when the model is on CUDA and ``cuda_graphs`` is on; None runs every forward eagerly."""
+        if self.fast is not None and cuda_graphs and torch.device(device).type == "cuda":
+            self.graphs = StepGraphs(self.fast)
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""
 
@@ -53,6 +60,9 @@ class ModelRunner:
         ``feature_layers`` are set. ``row_tokens`` [B]: row b's inputs beyond its first
         ``row_tokens[b]`` are padding (their logits are not read; the fast forward may skip them)."""
         positions, mask = cache.prepare(input_ids.shape[1])  # [B, q], [B, 1, q, L]
+        graphs = self.graphs
+        if graphs is not None and graphs.applies(cache, input_ids.shape[1], logits_to_keep, self.feature_layers):
+            return graphs(cache, input_ids.to(self.device), positions, mask)
         if self.fast is not None:
             return self.fast(input_ids.to(self.device), positions, mask, cache,
                              logits_to_keep=logits_to_keep, hidden_layers=self.feature_layers,
