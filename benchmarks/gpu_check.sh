@@ -16,6 +16,11 @@
 #   nographs   the same with `--no-cuda-graphs` (steps launched op by op: the before)
 #   heldout `bench spec` suffix warmed on held-out ShareGPT prompts
 #   batch   `bench spec --batch 1,4,8`: the never-slower check
+#   profile the eager forward at q = 1 and q = 2, kernel by kernel (torch.profiler): why a graphed
+#           verify of 2 tokens cost 1.5 steps on an H100 (ARCHITECTURE.md, "CUDA graphs for the step")
+#
+# Timings of the first run on an H100 (2026-11-26): `env stash smoke` 90 s; `model engine suffix
+# heldout batch nographs` 491 s (nographs alone 216 s); `engine texttests` 57 s; 686 s held in all.
 #   spec    `specloop bench spec --device $DEV:0`: suffix trees warmed; batch 1/4/8; held-out prompts
 #   texttests  engine tests that need the real tokenizer, on CUDA
 #
@@ -97,6 +102,31 @@ print({'params_abs_sum': float(sum(p.double().abs().sum() for p in t.model.param
     step spec_suffix 240 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --prompts .gpu/default.jsonl
     step spec_batch 200 "${SPECLOOP[@]}" bench spec --device $DEV:0 --batch 1,4,8 --limit 8 --warm 0 --max-tokens 48 --prompts .gpu/default.jsonl
     step spec_heldout 150 "${SPECLOOP[@]}" bench spec --device $DEV:0 --drafter suffix --warm 12 --limit 8 --max-tokens 48 --prompts .gpu/sharegpt.jsonl
+    ;;
+  profile)
+    step profile 180 $PY -c "
+import torch
+from torch.profiler import ProfilerActivity, profile
+from serving.engine.batch_cache import RaggedKVCache
+from serving.engine.config import EngineConfig
+from serving.engine.torch_engine import TorchEngine
+from serving.target import load_target
+t = load_target(None); t.model.to('$DEV:0')
+e = TorchEngine(t, config=EngineConfig(k=0, cuda_graphs=False))
+sync = torch.cuda.synchronize if '$DEV' == 'cuda' else (lambda: None)
+acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if '$DEV' == 'cuda' else [])
+with torch.inference_mode():
+    cache = RaggedKVCache.for_model(t.model, batch_size=1)
+    e.runner.forward(cache, torch.randint(0, 1000, (1, 256)), logits_to_keep=1); cache.commit([256])
+    for q in (1, 2):
+        for _ in range(5): e.runner.forward(cache, torch.randint(0, 1000, (1, q)))
+        sync()
+        with profile(activities=acts) as prof:
+            for _ in range(20): e.runner.forward(cache, torch.randint(0, 1000, (1, q)))
+            sync()
+        key = 'cuda_time_total' if '$DEV' == 'cuda' else 'cpu_time_total'
+        print('== q =', q); print(prof.key_averages().table(sort_by=key, row_limit=15))
+"
     ;;
   texttests)
     step text_tests 120 env SPECLOOP_TEST_DEVICE=$DEV $PY -m pytest -q -p no:cacheprovider \
