@@ -72,14 +72,21 @@ def sqlite_registry(tmp_path):
 
 
 class StepLog(BaseObserver):
-    """drafter version of every step, per request."""
+    """drafter version of every step, per request. ``slow_until``: while it returns False, each
+    step lingers ``linger_s`` on the step thread (at most ``max_linger_s`` in all), so that requests
+    outlive something that happens between steps (a swap) however loaded the machine is."""
 
     def __init__(self):
         self.versions: dict[str, set[str]] = {}
+        self.slow_until = None
+        self.linger_s, self.max_linger_s, self.lingered_s = 0.05, 30.0, 0.0
 
     def on_step(self, batch):
         for rid in batch.request_ids:
             self.versions.setdefault(rid, set()).add(batch.drafter_version)
+        if self.slow_until is not None and not self.slow_until() and self.lingered_s < self.max_linger_s:
+            time.sleep(self.linger_s)
+            self.lingered_s += self.linger_s
 
 
 def _stack(target, *, registry=None, control=None, watch_steps=16, poll=0.0):
@@ -136,6 +143,7 @@ def test_announced_version_swaps_in_while_requests_are_in_flight(
     good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))
     control = _control(redis_server, redis_namespace)
     engine, swapper, steps = _stack(target, registry=sqlite_registry, control=control)
+    steps.slow_until = lambda: engine.drafter.version == good  # requests still run when it lands
 
     async def main():
         await engine.start()
