@@ -59,6 +59,10 @@ class RaggedKVCache:
         self._tree: tuple[torch.Tensor, torch.Tensor] | None = None  # (depth [B, q], anc [B, q, q])
         self.max_rows: int | None = None
         """Rows the owner will run at most (the engine's max batch size): the stores' row count."""
+        self.fixed_capacity: int | None = None
+        """Set (with ``max_rows``): the stores are allocated once, ``max_rows`` rows of this many
+        columns, at the first need, and never move, grow or shrink; a forward past it is an error.
+        CUDA graphs bake in the buffers' addresses (serving/engine/cuda_graphs.py)."""
         self._stores: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         """Per layer (keys, values) [R, H, C, D] with R >= B rows: ``keys[l]``/``values[l]`` are
         their first B rows while they last (``append``); a reallocation elsewhere ends that."""
@@ -222,10 +226,15 @@ class RaggedKVCache:
         # twice the rows (a few reallocations while a batch fills), never past max_rows: the
         # stores hold at most twice what runs, whatever the max batch size
         total = max(rows, min(self.max_rows, 2 * rows)) if self.max_rows else rows + max(1, rows // 2)
+        if self.fixed_capacity is not None:
+            total = max(rows, self.max_rows or 1)  # once, for every row the owner will run
         shape = (total, self.num_kv_heads, capacity, self.head_dim)
+        # fixed stores are zeroed once: rows that never joined are read by graphs captured before
+        # any request ran (``hold_rows``), and 0 * NaN poisons attention
+        alloc = torch.zeros if self.fixed_capacity is not None else torch.empty
         stores = [
-            (torch.empty(shape, dtype=self.dtype, device=self.device),
-             torch.empty(shape, dtype=self.dtype, device=self.device))
+            (alloc(shape, dtype=self.dtype, device=self.device),
+             alloc(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
         cols = min(old, capacity)
@@ -237,6 +246,19 @@ class RaggedKVCache:
         self.keys = [ks[:b] for ks, _ in stores]
         self.values = [vs[:b] for _, vs in stores]
         self.capacity = capacity
+
+    def hold_rows(self, rows: int, length: int) -> None:
+        """Make the first ``rows`` rows of the stores live, ``length`` tokens each, copying nothing
+        (their contents are whatever the stores hold): an empty cache's batch shaped as a running
+        one will be, for capturing CUDA graphs before any request runs. ``drop_rows`` ends it."""
+        if self.batch_size:
+            raise ValueError("hold_rows needs an empty cache")
+        self._ensure_capacity(max(length, 1))
+        if not self._has_spare_rows(rows):
+            self._reallocate(rows, self.capacity)
+        self.keys = [ks[:rows] for ks, _ in self._stores]
+        self.values = [vs[:rows] for _, vs in self._stores]
+        self.lengths = [length] * rows
 
     def drop_rows(self, dropped: set[int]) -> list[int]:
         """Remove the rows in ``dropped``: each hole is filled with a surviving row from the end
@@ -264,12 +286,17 @@ class RaggedKVCache:
         target = _round_up(max(self.lengths, default=0))
         self.keys = [k[:n] for k in self.keys]  # the survivors lead: views, no copy
         self.values = [v[:n] for v in self.values]
-        if target + 2 * _GROW <= self.capacity:  # far too large: a smaller copy
+        if self.fixed_capacity is None and target + 2 * _GROW <= self.capacity:  # far too large: a smaller copy
             self._reallocate(n, target)
         return order
 
     def _ensure_capacity(self, needed: int) -> None:
         if needed <= self.capacity:
+            return
+        if self.fixed_capacity is not None:
+            if needed > self.fixed_capacity:
+                raise ValueError(f"{needed} columns past the cache's fixed capacity {self.fixed_capacity}")
+            self._reallocate(self.batch_size, self.fixed_capacity)
             return
         # The new columns are zeros, not garbage: masked columns still enter the attention
         # matmul (weight 0), and 0 * NaN from uninitialised memory would poison the output.

@@ -7,11 +7,20 @@ states of ``feature_layers``, concatenated). The engine's step thread is its onl
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.cuda_graphs import StepGraphs
 from serving.engine.llama_forward import LlamaForward
+
+log = logging.getLogger(__name__)
+
+PRECAPTURED_ROWS = 8
+"""Row counts whose graphs a GPU batch cache captures when it is made (each ~2 x 5 graphs of ~90
+ms on an H100); larger batches capture theirs when they first run."""
 
 
 class ModelRunner:
@@ -51,6 +60,34 @@ class ModelRunner:
         row joins without a copy of the batch (``RaggedKVCache.append``)."""
         cache = RaggedKVCache.for_model(self.model, batch_size=batch_size or 0)
         cache.max_rows = max_rows if max_rows is not None else batch_size
+        return cache
+
+    def new_batch_cache(self, max_rows: int, max_context: int, widest: int) -> RaggedKVCache:
+        """The running batch's cache (TorchEngine's ``_cache``), for at most ``max_rows`` rows.
+
+        With CUDA graphs its stores are fixed (``RaggedKVCache.fixed_capacity``): ``max_rows``
+        rows of ``max_context`` columns plus the widest padded verify, allocated once, so that the
+        graphs' buffers never move, where that takes at most a quarter of the GPU's free memory
+        (SmolLM2, 8 rows, fp32: 3.1 GB); and the graphs of up to ``widest`` tokens per row for
+        up to ``PRECAPTURED_ROWS`` rows are captured now, before any request waits on them
+        (``StepGraphs.precapture``)."""
+        cache = self.new_cache(max_rows=max_rows)
+        graphs = self.graphs
+        if graphs is None or (graphs.capture and self.device.type != "cuda"):
+            return cache  # (graphs with capture off: the CPU tests of this path)
+        capacity = -(-(max_context + max(graphs.max_tokens, widest)) // 256) * 256
+        per_column = 2 * cache.num_layers * cache.num_kv_heads * cache.head_dim * cache.dtype.itemsize
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        if free is not None and max_rows * capacity * per_column > free // 4:
+            log.warning("fixed KV stores of %d rows x %d columns would take over a quarter of the "
+                        "GPU's free memory: the cache grows as it goes, and graphs are captured "
+                        "again where it moves", max_rows, capacity)
+            return cache
+        cache.fixed_capacity = capacity
+        t0 = time.perf_counter()
+        rows = range(1, min(max_rows, PRECAPTURED_ROWS) + 1)
+        n = graphs.precapture(cache, rows, min(widest, graphs.max_tokens))
+        log.info("captured %d step graphs in %.1f s", n, time.perf_counter() - t0)
         return cache
 
     def forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0,

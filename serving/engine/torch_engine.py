@@ -331,7 +331,7 @@ class TorchEngine(DrafterSwaps):
 
     def _new_cache(self):
         """An empty batch cache with room for ``max_batch_size`` rows (rows join without a copy)."""
-        return self.runner.new_cache(max_rows=self.config.max_batch_size)
+        return self.runner.new_batch_cache(self.config.max_batch_size, self.max_context, self.config.k + 1)
 
     def _step_or_fail(self) -> None:
         try:

@@ -1,9 +1,10 @@
 """StepGraphs (serving/engine/cuda_graphs.py): decode and verify steps as CUDA graphs.
 
-On a CPU the graphs' static-shape forward runs eagerly (``capture=False``): attention over the
-cache's whole capacity under the padded mask, the keys/values written at static columns, inputs
-copied into static buffers. These tests check it computes what the eager forward computes, step
-by step and through the engine. With ``SPECLOOP_TEST_DEVICE=cuda`` (benchmarks/gpu_check.sh) the
+On a CPU the graphs' static-shape forward runs eagerly (``capture=False``): widths padded to a
+power of two, attention over a power-of-two read of the cache under the padded mask, the
+keys/values written at static columns, inputs copied into static buffers, graphs made in advance
+on fixed stores. These tests check it computes what the eager forward computes, step by step and
+through the engine, and that a batch replays the graphs made before it ran. With ``SPECLOOP_TEST_DEVICE=cuda`` (benchmarks/gpu_check.sh) the
 same tests capture and replay real graphs.
 """
 
@@ -40,8 +41,9 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def test_graphed_steps_compute_what_the_eager_forward_does(ids_target):
-    """Decode, chain verify and tree verify steps over a ragged batch, past a capacity growth:
-    logits and the cache agree with the eager forward's at every step."""
+    """Decode, chain verify and tree verify steps over a ragged batch of a cache that grows (its
+    buffers move, and new graphs follow): logits and the cache agree with the eager forward's at
+    every step."""
     eager, graphed, graphs = _runners(ids_target)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -73,8 +75,9 @@ def test_graphed_steps_compute_what_the_eager_forward_does(ids_target):
             for row, n in enumerate(caches[0].lengths):
                 _close(a[row, :, :n], b[row, :, :n])
     assert caches[0].lengths == caches[1].lengths
-    shapes = {key[:3] for key in graphs._graphs}
-    assert {(2, 1), (2, 5)} <= {s[:2] for s in shapes} and len({s[2] for s in shapes}) >= 2
+    shapes = {key[:3] for key in graphs._graphs}  # (rows, width, read)
+    assert {(2, 1), (2, 8)} <= {s[:2] for s in shapes}  # 5 tokens padded to 8
+    assert {256} < {s[2] for s in shapes}  # reads of 256 columns, then more
 
 
 def test_prefills_features_and_wide_forwards_stay_eager(ids_target):
@@ -95,7 +98,43 @@ def test_least_recently_used_graphs_are_dropped(ids_target):
         for q in (1, 2, 3, 1):
             graphed.forward(cache, torch.ones(1, q, dtype=torch.long))
             cache.commit([q])
-    assert [key[1] for key in graphs._graphs] == [3, 1]
+    assert [key[1] for key in graphs._graphs] == [4, 1]  # widths: 3 tokens run as 4
+
+
+def test_precaptured_graphs_serve_a_changing_batch_without_new_ones(ids_target):
+    """On fixed stores, the graphs made before any request ran are the ones a batch replays while
+    rows join and leave and contexts grow past a read bucket: no graph is made while serving (on
+    a GPU each would cost ~90 ms), and every step's logits equal the eager forward's."""
+    eager, graphed, graphs = _runners(ids_target)
+    cache = graphed.new_batch_cache(max_rows=3, max_context=600, widest=5)
+    plain = eager.new_cache(max_rows=3)
+    assert cache.fixed_capacity == 768 and cache.batch_size == 0
+    made = len(graphs._graphs)
+    assert made == 3 * 2 * 4  # rows 1..3, reads of 256 and 512 columns, widths 1, 2, 4, 8
+    stores = None
+    gen = torch.Generator().manual_seed(1)
+    prompts = [[5, 17, 3, 44, 9, 2], [60, 2, 71], list(range(1, 30)), [8, 8, 1]]
+    with torch.inference_mode():
+        for step in range(220):
+            if step in (0, 10, 40, 90):  # a row joins
+                prompt = prompts[(0, 10, 40, 90).index(step)]
+                for runner, c in ((eager, plain), (graphed, cache)):
+                    c.append(runner.prefill(prompt)[0])
+            if step in (60, 120):  # the first row leaves
+                for c in (plain, cache):
+                    c.drop_rows({0})
+            stores = stores or [t.data_ptr() for t in cache.keys]
+            q = 1 + step % 5
+            ids = torch.randint(0, 101, (cache.batch_size, q), generator=gen)
+            want = eager.forward(plain, ids).logits
+            got = graphed.forward(cache, ids).logits
+            _close(want, got)
+            kept = [1 + (step + b) % q for b in range(cache.batch_size)]
+            plain.commit(kept)
+            cache.commit(kept)
+    assert max(cache.lengths) > 256  # past the first read bucket
+    assert len(graphs._graphs) == made  # nothing captured while serving
+    assert [t.data_ptr() for t in cache.keys] == stores  # the stores never moved
 
 
 @pytest.mark.parametrize("k", [0, 4])
@@ -106,6 +145,7 @@ def test_engine_on_graphed_steps_is_lossless(ids_target, run, drafters, k):
     drafter = drafters.Replay(refs, vocab=101, corrupt_every=3) if k else None
     engine = TorchEngine(ids_target, drafter, EngineConfig(k=k, max_batch_size=3))
     graphs = _graphed(engine.runner)
+    engine._cache = engine._new_cache()  # the batch cache as it is made with graphs: fixed stores
     reqs = [GenerationRequest(request_id=f"r{i}", prompt_ids=p, params=SamplingParams(max_tokens=40))
             for i, p in enumerate(PROMPTS)]
     outs = run(engine, reqs, delays=[0.0, 0.005, 0.01, 0.0, 0.02])
