@@ -260,6 +260,15 @@ class RaggedKVCache:
         self.values = [vs[:rows] for _, vs in self._stores]
         self.lengths = [length] * rows
 
+    def clear(self) -> None:
+        """No rows and nothing pending, the stores kept: what a failed step left is dropped (a
+        fixed cache's CUDA graphs stay valid; a new cache would need its own)."""
+        self.lengths = []
+        self._write_rows = self._write_cols = None
+        self._tree = None
+        self.keys = [k[:0] for k in self.keys]
+        self.values = [v[:0] for v in self.values]
+
     def drop_rows(self, dropped: set[int]) -> list[int]:
         """Remove the rows in ``dropped``: each hole is filled with a surviving row from the end
         (one row copied per hole) and the buffers are cut to the survivors, a view; copying every

@@ -35,7 +35,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
     ):
         self.model = model
-        self.device = device
+        self.device = torch.device(device)
         attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"TorchEngine supports sdpa or eager attention, not {attn!r}")
@@ -49,7 +49,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         """The fast forward's decode and verify steps as CUDA graphs (serving/engine/cuda_graphs.py)
         when the model is on CUDA and ``cuda_graphs`` is on; None runs every forward eagerly."""
-        if self.fast is not None and cuda_graphs and torch.device(device).type == "cuda":
+        if self.fast is not None and cuda_graphs and self.device.type == "cuda":
             self.graphs = StepGraphs(self.fast)
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""

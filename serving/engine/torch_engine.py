@@ -343,7 +343,10 @@ class TorchEngine(DrafterSwaps):
             for row in self._rows:
                 self._fail(row, RequestError(f"engine step failed: {e}"))
             self._rows = []
-            self._cache = self._new_cache()
+            if self._cache.fixed_capacity is not None:  # its stores and the graphs made on them stay
+                self._cache.clear()
+            else:
+                self._cache = self._new_cache()
 
     def _step(self) -> None:
         rows = self._rows

@@ -10,6 +10,8 @@ same tests capture and replay real graphs.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -172,3 +174,41 @@ def test_a_failed_capture_falls_back_to_the_eager_forward(ids_target):
         want = eager.forward(caches[0], ids)
     _close(want.logits, out.logits)
     assert graphs.failure and not graphs.applies(caches[1], 1, 0, ())
+
+
+def test_a_failed_step_keeps_the_fixed_stores_and_their_graphs(ids_target, monkeypatch):
+    """A step that fails mid-forward ends its batch; the engine then serves on the same stores and
+    graphs (a new cache would be another allocation of the largest context, and new graphs)."""
+    engine = TorchEngine(ids_target, None, EngineConfig(k=0, max_batch_size=2))
+    graphs = _graphed(engine.runner)
+    engine._cache = engine._new_cache()  # fixed stores, graphs made in advance
+    made, real = len(graphs._graphs), StepGraphs.__call__
+    stores = [t.data_ptr() for t in engine._cache._stores[0]]
+    calls = {"n": 0}
+
+    def failing(self, cache, *args):
+        calls["n"] += 1
+        if calls["n"] == 3:  # after prepare: the cache has a step pending
+            raise RuntimeError("simulated device failure")
+        return real(self, cache, *args)
+
+    monkeypatch.setattr(StepGraphs, "__call__", failing)
+    ref = target_greedy_reference(ids_target.model, PROMPTS[1], 10)
+
+    async def main():
+        await engine.start()
+        try:
+            failed = [c async for c in engine.generate(GenerationRequest(
+                request_id="x", prompt_ids=PROMPTS[0], params=SamplingParams(max_tokens=10)))]
+        except Exception as e:  # noqa: BLE001 - the failed request's error is the point
+            failed = e
+        ok = [t async for c in engine.generate(GenerationRequest(
+            request_id="y", prompt_ids=PROMPTS[1], params=SamplingParams(max_tokens=10))) for t in c.token_ids]
+        await engine.stop()
+        return failed, ok
+
+    failed, ok = asyncio.run(main())
+    assert "simulated" in str(failed)
+    assert ok == ref
+    assert [t.data_ptr() for t in engine._cache._stores[0]] == stores
+    assert len(graphs._graphs) == made
