@@ -18,11 +18,11 @@
 #   batch   `bench spec --batch 1,4,8`: the never-slower check
 #   profile the eager forward at q = 1 and q = 2, kernel by kernel (torch.profiler): why a graphed
 #           verify of 2 tokens cost 1.5 steps on an H100 (ARCHITECTURE.md, "CUDA graphs for the step")
+#   spec    `specloop bench spec --device $DEV:0`: suffix trees warmed; batch 1/4/8; held-out prompts
+#   texttests  engine tests that need the real tokenizer, on CUDA
 #
 # Timings of the first run on an H100 (2026-11-26): `env stash smoke` 90 s; `model engine suffix
 # heldout batch nographs` 491 s (nographs alone 216 s); `engine texttests` 57 s; 686 s held in all.
-#   spec    `specloop bench spec --device $DEV:0`: suffix trees warmed; batch 1/4/8; held-out prompts
-#   texttests  engine tests that need the real tokenizer, on CUDA
 #
 # Results land in $OUT (one JSON or log file per step); every step runs under its own timeout and a
 # failed step does not stop the next one.
