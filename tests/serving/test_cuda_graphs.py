@@ -92,6 +92,13 @@ def test_prefills_features_and_wide_forwards_stay_eager(ids_target):
         assert graphs.applies(cache, 4, 0, ())
 
 
+def test_no_graphs_are_made_in_advance_for_a_drafter_that_wants_hidden_states(ids_target):
+    _, graphed, graphs = _runners(ids_target)
+    graphed.feature_layers = (-1,)  # an EAGLE drafter's features: its steps stay eager
+    cache = graphed.new_batch_cache(max_rows=2, max_context=300, widest=5)
+    assert cache.fixed_capacity is not None and not graphs._graphs
+
+
 def test_least_recently_used_graphs_are_dropped(ids_target):
     graphed = ModelRunner(ids_target.model, ids_target.device)
     graphs = _graphed(graphed, max_graphs=2)
