@@ -250,7 +250,7 @@ class RaggedKVCache:
     def hold_rows(self, rows: int, length: int) -> None:
         """Make the first ``rows`` rows of the stores live, ``length`` tokens each, copying nothing
         (their contents are whatever the stores hold): an empty cache's batch shaped as a running
-        one will be, for capturing CUDA graphs before any request runs. ``drop_rows`` ends it."""
+        one will be, for capturing CUDA graphs before any request runs. ``clear`` ends it."""
         if self.batch_size:
             raise ValueError("hold_rows needs an empty cache")
         self._ensure_capacity(max(length, 1))
@@ -261,8 +261,8 @@ class RaggedKVCache:
         self.lengths = [length] * rows
 
     def clear(self) -> None:
-        """No rows and nothing pending, the stores kept: what a failed step left is dropped (a
-        fixed cache's CUDA graphs stay valid; a new cache would need its own)."""
+        """No rows and nothing pending, the stores kept: what a failed step (or ``hold_rows``) left
+        is dropped (a fixed cache's CUDA graphs stay valid; a new cache would need its own)."""
         self.lengths = []
         self._write_rows = self._write_cols = None
         self._tree = None
@@ -292,7 +292,7 @@ class RaggedKVCache:
         order = [r for r in order if r not in dropped]  # the survivors lead: [0, n)
         self.lengths = [self.lengths[r] for r in order]
         n = len(order)
-        target = _round_up(max(self.lengths, default=0))
+        target = round_up_columns(max(self.lengths, default=0))
         self.keys = [k[:n] for k in self.keys]  # the survivors lead: views, no copy
         self.values = [v[:n] for v in self.values]
         if self.fixed_capacity is None and target + 2 * _GROW <= self.capacity:  # far too large: a smaller copy
@@ -309,7 +309,7 @@ class RaggedKVCache:
             return
         # The new columns are zeros, not garbage: masked columns still enter the attention
         # matmul (weight 0), and 0 * NaN from uninitialised memory would poison the output.
-        self._reallocate(self.batch_size, _round_up(max(needed, int(self.capacity * 1.5))))
+        self._reallocate(self.batch_size, round_up_columns(max(needed, int(self.capacity * 1.5))))
 
 
 def _prefix_of(view: torch.Tensor, store: torch.Tensor) -> bool:
@@ -321,5 +321,6 @@ def _prefix_of(view: torch.Tensor, store: torch.Tensor) -> bool:
     )
 
 
-def _round_up(n: int) -> int:
+def round_up_columns(n: int) -> int:
+    """``n`` columns rounded up to the cache's allocation granule (at least one granule)."""
     return max(_GROW, -(-n // _GROW) * _GROW)

@@ -91,10 +91,11 @@ class EngineConfig(BaseModel):
     )
     cuda_graphs: bool = Field(
         True,
-        description="On CUDA, replay the target's decode and verify forwards as CUDA graphs, one "
-        "captured per batch size, width and cache allocation (serving/engine/cuda_graphs.py): a "
-        "step of a small target is otherwise ~450 kernel launches of host work. Ignored off CUDA "
-        "and with forward='hf'.",
+        description="On CUDA, replay the target's decode and verify forwards as CUDA graphs "
+        "(serving/engine/cuda_graphs.py): a step of a small target is otherwise ~450 kernel "
+        "launches of host work. The batch cache is then allocated once at its full size, and the "
+        "graphs of up to 8 rows are captured when the engine starts. Ignored off CUDA and with "
+        "forward='hf'.",
     )
     capture_features: bool = Field(
         False,

@@ -134,10 +134,14 @@ class StepGraphs:
     def shape(self, cache: RaggedKVCache, q: int, read: int) -> tuple[int, int]:
         """(width, read) buckets of a step of ``q`` tokens per row reading ``read`` columns:
         powers of two, as far as the cache's capacity holds the padded columns."""
-        width = min(_pow2(q), self.max_tokens)
+        width = self._width(q)
         if max(cache.lengths) + width > cache.capacity:  # the padding would not fit: no padding
             width = q
         return width, min(cache.capacity, max(MIN_READ, _pow2(read)))
+
+    def _width(self, q: int) -> int:
+        """The width bucket a step of ``q`` tokens per row is padded to."""
+        return min(_pow2(q), self.max_tokens)
 
     def __call__(self, cache: RaggedKVCache, input_ids: torch.Tensor, positions: torch.Tensor,
                  mask: torch.Tensor) -> ForwardOutput:
@@ -147,11 +151,15 @@ class StepGraphs:
         with torch.inference_mode():
             key = self._key(cache, *self.shape(cache, q, mask.shape[-1]))
             entry = self._graphs.get(key)
-            if entry is None:
+            fresh = entry is None
+            if fresh:
                 entry = _Graph(cache, key[1], key[2])
-                # loaded before the capture: its warm-up run writes this step's keys and values
-                # where this step writes them (static zeros would write over column 0 of every row)
-                entry.load(input_ids, positions, mask, cache.write_columns())
+            else:
+                self._graphs.move_to_end(key)
+            # loaded before a capture too: its warm-up run writes this step's keys and values
+            # where this step writes them (static zeros would write over column 0 of every row)
+            entry.load(input_ids, positions, mask, cache.write_columns())
+            if fresh:
                 try:
                     self._record(entry, cache.device, key)
                 except RuntimeError as e:  # e.g. an op that cannot be captured: op by op from now on
@@ -159,9 +167,6 @@ class StepGraphs:
                     self.failure = f"{type(e).__name__}: {e}"
                     self._graphs.clear()
                     return self.forward(input_ids, positions, mask, cache)
-            else:
-                self._graphs.move_to_end(key)
-                entry.load(input_ids, positions, mask, cache.write_columns())
             if entry.graph is not None:
                 entry.graph.replay()
             else:
@@ -177,7 +182,7 @@ class StepGraphs:
         if cache.fixed_capacity is None or (self.capture and cache.device.type != "cuda"):
             return 0
         before = len(self._graphs)
-        widths = sorted({min(_pow2(w), self.max_tokens) for w in range(1, max_width + 1)})
+        widths = sorted({self._width(w) for w in range(1, max_width + 1)})
         with torch.inference_mode():
             for b in rows:
                 for n in contexts:
@@ -189,9 +194,8 @@ class StepGraphs:
                             positions, mask = cache.prepare(w)
                             ids = torch.zeros(b, w, dtype=torch.long, device=cache.device)
                             self(cache, ids, positions, mask)
-                            cache.commit([0] * b)
                     finally:
-                        cache.drop_rows(set(range(b)))
+                        cache.clear()
                     if self.failure is not None:
                         return 0
         return len(self._graphs) - before

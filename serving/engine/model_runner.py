@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from serving.engine.batch_cache import RaggedKVCache
+from serving.engine.batch_cache import RaggedKVCache, round_up_columns
 from serving.engine.cuda_graphs import StepGraphs
 from serving.engine.llama_forward import LlamaForward
 
@@ -75,7 +75,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is None or (graphs.capture and self.device.type != "cuda"):
             return cache  # (graphs with capture off: the CPU tests of this path)
-        capacity = -(-(max_context + max(graphs.max_tokens, widest)) // 256) * 256
+        capacity = round_up_columns(max_context + max(graphs.max_tokens, widest))
         per_column = 2 * cache.num_layers * cache.num_kv_heads * cache.head_dim * cache.dtype.itemsize
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         if free is not None and max_rows * capacity * per_column > free // 4:
