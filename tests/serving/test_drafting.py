@@ -6,7 +6,7 @@ import torch
 
 from feedback.bus.trace import DrafterKind
 from serving.drafters.base import DraftProposal
-from serving.engine.drafting import plan_from_proposal
+from serving.engine.drafting import DraftPlan, plan_from_proposal
 
 V = 50
 
@@ -59,3 +59,12 @@ def test_draft_distributions_follow_their_rows():
     dists = torch.softmax(torch.randn(1, 3, V), -1)
     plan = plan_from_proposal(_proposal([[1, 2, 3]], [3], dists=dists), [1], np.array([8, 8]), 2, V)
     assert torch.equal(plan.dists[1], dists[0]) and plan.dists[0].sum() == 0
+
+
+def test_the_plain_plan_is_made_once_per_batch_size_and_cannot_be_written():
+    """A plain step allocates nothing: its plan is shared, so nobody may write into it."""
+    plan = DraftPlan.none(3)
+    assert DraftPlan.none(3) is plan and DraftPlan.none(4) is not plan
+    assert plan.k == 0 and plan.lengths.tolist() == [0, 0, 0]
+    with pytest.raises(ValueError):
+        plan.source[0] = 1
