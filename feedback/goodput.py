@@ -43,6 +43,7 @@ class CostModel:
     verify_slope: float = 0.022
     ema: float = 0.1
     _verify_obs: dict[int, float] = field(default_factory=dict)
+    _draft_measured: bool = False
 
     def verify_ms(self, k: int) -> float:
         if k in self._verify_obs:
@@ -56,8 +57,14 @@ class CostModel:
             self.target_step_ms = self._verify_obs[0]
 
     def observe_draft(self, num_tokens: int, ms: float) -> None:
+        """One draft of ``num_tokens`` positions in ``ms``. The first replaces the prior (a costly
+        drafter judged at the prior's 0.05 ms per token for its first ~10 drafts paid for all of
+        them); later ones move an EMA."""
         if num_tokens > 0:
             per_token = ms / num_tokens
+            if not self._draft_measured:
+                self.draft_ms_per_token, self._draft_measured = per_token, True
+                return
             self.draft_ms_per_token = (1 - self.ema) * self.draft_ms_per_token + self.ema * per_token
 
 

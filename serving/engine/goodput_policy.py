@@ -249,11 +249,18 @@ class GoodputPolicy:
         extra = self.verify_ms(batch, batch) / self.verify_ms(0, batch) - 1.0
         return max(self.probe_every, math.ceil(extra / self.probe_budget))
 
-    def on_drafter_change(self) -> None:
+    def on_drafter_change(self, prior_acceptance: float | None = None) -> None:
         """A new drafter is installed: what was learned of the old one's acceptance no longer
-        holds. Start from the prior and probe at the next step that would not draft. (Draft
-        costs are kept: they are re-measured at every draft.)"""
-        self.acceptance = AcceptanceEstimate(prior_weight=1.0)
+        holds. Start from ``prior_acceptance`` (the held-out acceptance its artifact records; else
+        the default prior, 0.5) and probe at the next step that would not draft. (Draft costs are
+        kept: they are re-measured at every draft.) A day-0 selfspec drafter's drafts were cut to
+        nothing by the width step at the 0.5 prior, which no cut draft moves, so it went on
+        drafting one token at ~0.25 of a step on its back-off schedule; its artifact said 0.31."""
+        self.acceptance = (
+            AcceptanceEstimate(prior_weight=1.0)
+            if prior_acceptance is None
+            else AcceptanceEstimate(value=float(prior_acceptance), prior_weight=1.0)
+        )
         self.calibration = 1.0
         self.zero_widths = 0
         self._backoff = 0
@@ -364,10 +371,11 @@ class GoodputPolicy:
 
     def observe(
         self, k, num_drafted, num_accepted, draft_ms, verify_ms, width=None, batch=None,
-        nodes=None,
+        nodes=None, proposed=None,
     ) -> None:
         """One verify step: ``width`` its widest row's drafts, ``nodes`` the drafts verified in
-        all (default: ``width`` for every row)."""
+        all (default: ``width`` for every row), ``proposed`` the widest row's drafts before the
+        width step cut them (default: ``width``), which is what ``draft_ms`` paid for."""
         drafted = np.asarray(num_drafted)
         accepted = np.asarray(num_accepted)
         self.acceptance.observe(drafted, accepted)
@@ -390,8 +398,12 @@ class GoodputPolicy:
             self._costly_probe = False
             cost = draft_ms + max(0.0, verify_ms - self.costs.verify_ms(0))
             self._probe_ms = cost if self._probe_ms is None else 0.7 * self._probe_ms + 0.3 * cost
-        if width > 0:
-            self.costs.observe_draft(width, draft_ms)
+        # A draft's cost is measured whether or not the width step kept any of it: a costly
+        # drafter whose drafts were all cut kept the prior's 0.05 ms per token, so ``choose_k``
+        # went on asking a day-0 selfspec drafter for 4 tokens at 7-16 ms a draft.
+        drafted = width if proposed is None else max(int(proposed), width)
+        if drafted > 0:
+            self.costs.observe_draft(drafted, draft_ms)
         if batch is not None and draft_ms > 0:
             old = self._draft_ms.get(int(batch))
             self._draft_ms[int(batch)] = draft_ms if old is None else 0.9 * old + 0.1 * float(draft_ms)

@@ -360,6 +360,7 @@ class TorchEngine(DrafterSwaps):
 
         t0 = time.perf_counter()
         plan = self._draft(rows, k, room)
+        proposed = plan.k  # drafted positions, before the width step cuts them
         plan = self._trim(plan, batch)
         t1 = time.perf_counter()
         last = torch.tensor([r.token_ids[-1] for r in rows], dtype=torch.long)  # [B]
@@ -417,7 +418,8 @@ class TorchEngine(DrafterSwaps):
         # (at batch 8 with 21 nodes ~8 ms against ~1.7 for a plain step: left out, widths that
         # lost looked like gains).
         try:
-            self._observe(k, plan, tried, num_accepted, report, (time.perf_counter() - t1) * 1e3)
+            self._observe(k, plan, tried, num_accepted, report, (time.perf_counter() - t1) * 1e3,
+                          proposed)
         except Exception:
             log.exception("speculation policy failed to observe a step")
         if finished:
@@ -455,9 +457,10 @@ class TorchEngine(DrafterSwaps):
         return trim_plan(plan, widths)
 
     def _observe(self, k: int, plan: DraftPlan, tried, num_accepted, report: VerifyBatch,
-                 step_ms: float) -> None:
-        """Policy: per-row verified path lengths (acceptance trials) and the width that was paid
-        (``step_ms``: the step's milliseconds after the draft)."""
+                 step_ms: float, proposed: int) -> None:
+        """Policy: per-row verified path lengths (acceptance trials), the width that was paid
+        (``step_ms``: the step's milliseconds after the draft) and the drafted positions the
+        draft's milliseconds bought (``proposed``, before the width step's cut)."""
         if getattr(self.policy, "choose_widths", None) is not None:
             self.policy.observe(
                 k,
@@ -468,6 +471,7 @@ class TorchEngine(DrafterSwaps):
                 width=plan.k,
                 batch=len(num_accepted),
                 nodes=int(plan.lengths.numpy().sum()),  # numpy: a torch op here took ~0.2 ms at batch 8
+                proposed=proposed,
             )
         else:
             self.policy.observe(k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, step_ms)

@@ -168,6 +168,26 @@ def test_a_new_drafter_is_probed_at_once_from_the_prior():
     assert p.choose_k(_state()) == 0  # then back to the cost-spaced probes
 
 
+def test_a_new_drafter_starts_from_the_acceptance_its_artifact_measured():
+    p = GoodputPolicy(4)
+    p.on_drafter_change(0.31)
+    assert p.acceptance.value == pytest.approx(0.31)
+    p.on_drafter_change(None)  # a day-0 copy: nothing measured, the default prior
+    assert p.acceptance.value == pytest.approx(0.5)
+
+
+def test_drafts_the_width_step_cut_still_teach_the_draft_cost():
+    """A costly drafter whose drafts were all cut to nothing (no acceptance evidence) must not be
+    judged at the prior's 0.05 ms a token forever: what each draft cost is measured anyway."""
+    p = GoodputPolicy(4, costs=CostModel(target_step_ms=11.5, verify_slope=0.02))
+    assert p.choose_k(_state()) > 0  # prior acceptance 0.5 at a cheap prior draft cost
+    for _ in range(3):  # one-token drafts of 9 ms each, cut by the width step: nothing verified
+        p.observe(1, np.array([0]), np.array([0]), 9.0, 11.5, width=0, batch=1, nodes=0, proposed=1)
+    assert p.costs.draft_ms_per_token == pytest.approx(9.0)
+    assert p.acceptance.value == pytest.approx(0.5)  # no evidence either way...
+    assert p.choose_k(_state()) == 0  # ...but at 9 ms a token nothing pays
+
+
 def test_probes_are_spaced_by_what_they_measured_to_cost():
     """A learned drafter's probe also commits every token it skipped (a new request's prompt):
     probes that cost 150 ms come 10x rarer than 15 ms ones, whatever the per-token estimate."""
