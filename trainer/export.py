@@ -16,11 +16,11 @@ def artifact_exporter(config=None, version_prefix: str = "cand"):
 
     counter = {"n": 0}
 
-    def export(student, out_dir: Path, fingerprint: TargetFingerprint) -> None:
+    def export(student, out_dir: Path, fingerprint: TargetFingerprint, extra: dict | None = None) -> None:
         counter["n"] += 1
         cfg = config if config is not None else student.model.config
         save_drafter(student.model, cfg, fingerprint, out_dir, version=f"{version_prefix}-{counter['n']}",
-                     overwrite=True, draft_vocab=student_draft_vocab(student))
+                     overwrite=True, draft_vocab=student_draft_vocab(student), extra=extra)
 
     return export
 

@@ -36,8 +36,10 @@ class Announcer(Protocol):
     def announce(self, tenant: str, version: str) -> None: ...
 
 
-Exporter = Callable[[object, Path, TargetFingerprint], None]
-"""(student, out_dir, fingerprint) -> writes a drafter artifact directory (feedback/registry/artifact.py)."""
+Exporter = Callable[[object, Path, TargetFingerprint, dict], None]
+"""(student, out_dir, fingerprint, extra) -> writes a drafter artifact directory
+(feedback/registry/artifact.py); ``extra`` is what the artifact records beside the weights (the gate's
+``heldout_acceptance``, which serving starts the new drafter's acceptance estimate from)."""
 
 
 @dataclass
@@ -356,7 +358,8 @@ class TrainerLoop:
         version = None
         if self.registry is not None and self.exporter is not None:
             with tempfile.TemporaryDirectory() as tmp:
-                self.exporter(self.student, Path(tmp), self.fingerprint)
+                extra = {} if d.candidate is None else {"heldout_acceptance": d.candidate.expected_acceptance}
+                self.exporter(self.student, Path(tmp), self.fingerprint, extra)
                 params = {**self.cfg.lineage, **self._loss_params(), "parent_version": self.champion_version or "none",
                           "target_fingerprint": self.fingerprint.key(), "tenant": self.cfg.tenant,
                           "drafter_kind": self.student.kind, "train_steps": self.distiller.global_step,

@@ -62,6 +62,15 @@ def _load(target: Target, artifact_dir, kind: str):
     return model.to(target.model.get_output_embeddings().weight.dtype), meta
 
 
+def _measured(drafter, meta):
+    """``drafter`` with the held-out acceptance its artifact records (the trainer's gate, or
+    ``specloop train``), where serving's acceptance estimate for it starts."""
+    value = meta.extra.get("heldout_acceptance")
+    if isinstance(value, (int, float)) and 0.0 <= value <= 1.0:
+        drafter.prior_acceptance = float(value)
+    return drafter
+
+
 def _eagle(
     target: Target,
     artifact_dir=None,
@@ -83,7 +92,7 @@ def _eagle(
     if artifact_dir is not None:
         head, meta = _load(target, artifact_dir, "eagle")
         head.attach_embeddings(target.model.get_input_embeddings().weight)
-        return EagleDrafter(head, version=meta.version)
+        return _measured(EagleDrafter(head, version=meta.version), meta)
     vocab = int(target.model.get_output_embeddings().weight.shape[0])
     specials = special_token_ids(target.tokenizer, target.model.config)
     draft_vocab = day0_draft_vocab(
@@ -107,6 +116,7 @@ def _standalone(
     from feedback.drafters.models import day0_draft_vocab, special_token_ids, standalone_from_target
     from serving.drafters.standalone import StandaloneDrafter
 
+    meta = None
     if artifact_dir is not None:
         model, meta = _load(target, artifact_dir, "standalone")
         version = meta.version
@@ -121,7 +131,8 @@ def _standalone(
         draft_vocab = day0_draft_vocab(
             vocab, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config)
         )
-    return StandaloneDrafter(model.to(target.device), version=version, draft_vocab=draft_vocab)
+    drafter = StandaloneDrafter(model.to(target.device), version=version, draft_vocab=draft_vocab)
+    return drafter if meta is None else _measured(drafter, meta)
 
 
 def _selfspec(
@@ -139,7 +150,9 @@ def _selfspec(
 
     if artifact_dir is not None:
         adapter, meta = _load(target, artifact_dir, "selfspec")
-        return SelfSpecDrafter(assemble(adapter, target.model), version=meta.version, target=target.model)
+        return _measured(
+            SelfSpecDrafter(assemble(adapter, target.model), version=meta.version, target=target.model), meta
+        )
     vocab = None
     if draft_vocab_size is not None:
         size = int(target.model.get_output_embeddings().weight.shape[0])

@@ -118,9 +118,10 @@ class HybridDrafter:
             target_step_ms=self.policy.target_step_ms,
             draft_ms_per_token=self.policy.draft_ms_per_step,
         )
+        measured = getattr(learned, "prior_acceptance", None)  # what its artifact was promoted with
         self.acceptance = AcceptanceEstimate(
-            value=self.policy.prior_acceptance, ema=self.policy.acceptance_ema,
-            prior_weight=self.policy.prior_steps,
+            value=self.policy.prior_acceptance if measured is None else measured,
+            ema=self.policy.acceptance_ema, prior_weight=self.policy.prior_steps,
         )
         self._rng = np.random.default_rng(self.policy.seed)
         self._learned_len: dict[str, int] = {}  # request -> drafted length of its learned proposal

@@ -62,6 +62,9 @@ class DrafterSwaps:
 
     def _init_swaps(self, drafter: Drafter | None) -> None:
         self._drafter: Drafter | None = drafter
+        prior = getattr(drafter, "prior_acceptance", None)
+        if prior is not None and hasattr(self.policy, "on_drafter_change"):
+            self.policy.on_drafter_change(prior)  # start from what its artifact measured
         self.runner.feature_layers = self._layers_for(drafter)
         self._pending_swap: _PendingSwap | None = None
         self._swap_lock = threading.Lock()  # _pending_swap, _swap_seq
@@ -259,7 +262,8 @@ class DrafterSwaps:
                     log.exception("new drafter failed to drop %s", rid)
         self._drafter = new
         if self.policy is not None and hasattr(self.policy, "on_drafter_change"):
-            self.policy.on_drafter_change()  # acceptance evidence was about the old drafter
+            # acceptance evidence was about the old drafter
+            self.policy.on_drafter_change(getattr(new, "prior_acceptance", None))
         self.runner.feature_layers = self._layers_for(new)
         wants = new is not None and bool(new.feature_layers)
         caught_up = 0

@@ -545,7 +545,7 @@ def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
     class Always4(FixedK):
         changes = 0
 
-        def on_drafter_change(self):  # the engine tells the policy its evidence went stale
+        def on_drafter_change(self, prior_acceptance=None):  # the engine tells the policy its evidence went stale
             self.changes += 1
 
     policy = Always4(4)

@@ -77,7 +77,7 @@ def test_each_version_records_the_offsets_of_the_traces_since_the_previous_one(k
                                        checkpoint_dir=str(tmp_path / "ckpt")),
                        distill=DistillConfig(lr=3e-3, eval_every=3),
                        gate=GateConfig(k=3, hybrid=False, acceptance_margin=-1.0, speedup_margin=-10.0),
-                       registry=reg, exporter=lambda s, out, fp: (out / "w").write_bytes(b"x"))
+                       registry=reg, exporter=lambda s, out, fp, extra: (out / "w").write_bytes(b"x"))
     try:
         deadline = time.monotonic() + 60
         while len(source.polled_at) < 30 and time.monotonic() < deadline:

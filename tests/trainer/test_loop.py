@@ -53,7 +53,7 @@ def test_killed_loop_resumes_from_checkpoint_without_losing_records(tmp_path):
     assert resumed.replay.rejected["duplicate"] == 0
 
 
-def _exporter(student, out, fingerprint):
+def _exporter(student, out, fingerprint, extra):
     save_file({k: v.contiguous() for k, v in student.model.state_dict().items()}, str(out / "model.safetensors"))
     (out / "fingerprint.json").write_text(json.dumps(fingerprint.model_dump()))
 

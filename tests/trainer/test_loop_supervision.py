@@ -32,7 +32,7 @@ class _FlakyRegistry:
         return SimpleNamespace(version=str(len(self.registered)))
 
 
-def _export(student, out, fingerprint):
+def _export(student, out, fingerprint, extra):
     (out / "weights").write_bytes(b"x")
 
 

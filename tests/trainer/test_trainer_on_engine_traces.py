@@ -118,6 +118,8 @@ def test_trainer_raises_heldout_acceptance_gate_promotes_and_version_reloads(eng
     # the registered champion loads back (validated) bit-identical to the promoted student
     model, meta = reg.load_champion("acme", fp)
     assert meta.kind == kind
+    # ...recording the gate's held-out acceptance, which serving starts its estimate from
+    assert before.expected_acceptance < meta.extra["heldout_acceptance"] <= 1.0
     promoted = loop.champion.model.state_dict()
     loaded = model.state_dict()
     assert loaded.keys() == promoted.keys()
