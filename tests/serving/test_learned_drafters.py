@@ -131,11 +131,12 @@ def eagle_reference(target, head, seq, k):
     return toks, probs
 
 
-def standalone_reference(model, seq, k):
+def standalone_reference(model, seq, k, first_position=0):
     seq, toks, probs = list(seq), [], []
     with torch.no_grad():
         for _ in range(k):
-            q = model(torch.tensor([seq])).logits[0, -1].float().softmax(-1)
+            positions = torch.arange(first_position, first_position + len(seq))[None]
+            q = model(torch.tensor([seq]), position_ids=positions).logits[0, -1].float().softmax(-1)
             i = int(q.argmax())
             toks.append(i)
             probs.append(float(q[i]))
@@ -248,6 +249,41 @@ def test_long_pending_rows_are_flushed_without_changing_proposals(
     alone.add("short", history(4, 3))
     assert torch.equal(together.tokens[0], alone.propose(["long"]).tokens[0])
     assert torch.equal(together.tokens[1], alone.propose(["short"]).tokens[0])
+
+
+def test_a_row_far_behind_commits_only_its_latest_inputs_at_their_own_positions(target, small_lm):
+    """After a gap longer than ``max_catch_up`` (a probe, a new request's prompt) the drafter reads
+    the latest inputs as a sliding window would: what the model's own forward predicts from them,
+    at the positions they have in the request."""
+    drafter = StandaloneDrafter(small_lm, bf16=False)
+    drafter.max_catch_up = 8
+    eng = Engine(target, drafter)
+    seq = history(11, 20)
+    eng.add("r", seq)
+    eng.add("short", history(12, 5))  # within the window: its whole history, as before
+    p = eng.propose(["r", "short"])
+    toks, probs = standalone_reference(small_lm, seq[-8:], K, first_position=12)
+    assert p.tokens[0].tolist() == toks
+    assert torch.allclose(p.probs[0], torch.tensor(probs), atol=1e-4)
+    assert p.tokens[1].tolist() == standalone_reference(small_lm, history(12, 5), K)[0]
+    state = drafter._states["r"]
+    assert (state.length, state.skipped) == (8, 12)
+    eng.verified("r", [5, 6, 7])  # drafting goes on from the window, positions unchanged
+    toks, probs = standalone_reference(small_lm, (seq + [5, 6, 7])[12:], K, first_position=12)
+    assert eng.propose(["r"]).tokens[0].tolist() == toks
+
+
+def test_eagle_features_are_dropped_with_their_tokens(target, eagle_head):
+    drafter = EagleDrafter(eagle_head)
+    drafter.max_catch_up = 6
+    eng = Engine(target, drafter)
+    eng.add("r", history(13, 15))
+    assert eng.propose(["r"]).lengths.tolist() == [K]
+    state = drafter._states["r"]
+    assert (state.length, state.skipped, state.num_pending) == (6, 8, 0)
+    eng.verified("r", history(14, 9))  # 9 pending tokens, 9 feature rows: 3 of each dropped
+    assert eng.propose(["r"]).lengths.tolist() == [K]
+    assert (state.length, state.skipped) == (12, 11)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "standalone"])
@@ -546,6 +582,30 @@ def test_build_drafter_from_artifacts(target, tmp_path):
     eng = Engine(target, eagle)
     eng.add("r", history(0, 9))
     assert eng.propose(["r"]).lengths.tolist() == [K]
+
+
+def test_a_drafter_starts_from_the_acceptance_its_artifact_measured(target, tmp_path):
+    from serving.engine.config import EngineConfig
+    from serving.engine.goodput_policy import GoodputPolicy
+    from serving.engine.torch_engine import TorchEngine
+
+    model = standalone_from_target(target.model, num_layers=1)
+    config = StandaloneConfig.for_target(target.model.config, 1, V)
+    save_drafter(model, config, target.fingerprint, tmp_path / "m", version="v1",
+                 extra={"heldout_acceptance": 0.27})
+    save_drafter(model, config, target.fingerprint, tmp_path / "u", version="v2")
+    measured = build_drafter("standalone", target, tmp_path / "m")
+    assert measured.prior_acceptance == pytest.approx(0.27)
+    assert build_drafter("standalone", target, tmp_path / "u").prior_acceptance is None
+    assert build_drafter("standalone", target).prior_acceptance is None  # a day-0 copy
+    # the hybrid judges its learned part from there; serving's policy, a learned drafter alone
+    assert build_drafter("hybrid", target, tmp_path / "m").acceptance.value == pytest.approx(0.27)
+    engine = TorchEngine(target, measured, EngineConfig(k=K), policy=GoodputPolicy(K))
+    assert engine.policy.acceptance.value == pytest.approx(0.27)
+    engine.swap_drafter(build_drafter("standalone", target))  # not running: installed at once
+    assert engine.policy.acceptance.value == pytest.approx(0.5)  # unmeasured: the default prior
+    engine.swap_drafter(build_drafter("standalone", target, tmp_path / "m"))
+    assert engine.policy.acceptance.value == pytest.approx(0.27)
 
 
 def test_unused_rows_in_hybrid_proposal_are_zero_padded(target, sharp_head):
