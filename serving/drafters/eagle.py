@@ -15,7 +15,8 @@ import torch
 from feedback.bus.trace import DrafterKind
 from feedback.drafters.models import EagleHead
 from serving.drafters.base import DraftRequestView
-from serving.drafters.learned import LearnedDrafter, RowState
+from serving.drafters.draft_kv import RowState
+from serving.drafters.learned import LearnedDrafter
 
 
 class EagleNet:

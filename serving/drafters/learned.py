@@ -13,14 +13,14 @@ no model work happens there). ``propose`` runs, for the whole batch:
 Speculative positions are written past the committed length and simply forgotten: rolling back a
 rejected draft costs nothing, and the next extend overwrites them. A batch of several rows works on
 a padded copy of the rows' caches (committed part, then one shared column block for the new
-positions, masked per row); a single row works in its own buffer with no copy.
+positions, masked per row); a single row works in its own buffer with no copy. The caches and
+their layout are serving/drafters/draft_kv.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -28,6 +28,7 @@ import torch
 
 from feedback.bus.trace import DrafterKind
 from serving.drafters.base import DraftProposal, DraftRequestView
+from serving.drafters.draft_kv import BatchKV, Layout, RowState
 
 log = logging.getLogger(__name__)
 
@@ -55,89 +56,6 @@ class DraftNet(Protocol):
     def logits(self, hidden) -> torch.Tensor:
         """[B, H] -> [B, Vd]."""
         ...
-
-
-class BatchKV:
-    """A cache with HF's ``update(key, value, layer_idx)`` signature writing at a shared cursor."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], start: int):
-        self.keys, self.values = keys, values  # per layer [B, kvh, cap, hd]
-        self.length = start
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        end = self.length + key.shape[2]
-        self.keys[layer_idx][:, :, self.length : end] = key
-        self.values[layer_idx][:, :, self.length : end] = value
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-
-@dataclass
-class RowState:
-    """Draft state of one request."""
-
-    keys: list[torch.Tensor]  # per layer [kvh, cap, hd]
-    values: list[torch.Tensor]
-    length: int = 0
-    """committed draft positions (cache columns)"""
-    skipped: int = 0
-    """context tokens never committed (``LearnedDrafter.max_catch_up``): the rotary position of a
-    column committed now is its index plus this, so positions stay those of the request"""
-    pending_tokens: list[int] = field(default_factory=list)
-    pending_features: list[torch.Tensor] = field(default_factory=list)  # each [m, F]
-    last_hidden: torch.Tensor | None = None
-    """[H] output at the last committed position: the first draft token's distribution comes
-    from it, and (eagle) it is the hidden state fed to the first draft step."""
-
-    @property
-    def num_pending(self) -> int:
-        return len(self.pending_tokens)
-
-    @property
-    def can_draft(self) -> bool:
-        return self.num_pending > 0 or self.last_hidden is not None
-
-
-@dataclass
-class _Layout:
-    """Column layout of a batched cache: [0, base) committed (row i valid below lengths[i]), then
-    new positions: the extend block [base, base+M) (row i valid below pending[i]), then draft steps.
-    The masks are made in numpy: a draft step runs right after a target forward has flushed the
-    CPU caches, where each small torch op costs 20-40 us (ARCHITECTURE.md, "The step's Python
-    runs on cold caches")."""
-
-    lengths: np.ndarray  # [B] int64
-    pending: np.ndarray  # [B] int64
-    base: int
-    block: int  # M
-    valid: np.ndarray  # [B, cols] bool
-    new_index: np.ndarray  # [cols] -1 for committed columns, else position in the new block
-    positions: np.ndarray  # [B] rotary position of each row's first new input
-
-    @classmethod
-    def build(cls, lengths: np.ndarray, pending: np.ndarray, extra: int,
-              skipped: np.ndarray | None = None) -> _Layout:
-        n, m = lengths, pending
-        first = n if skipped is None else n + skipped  # [B]
-        base, block = int(n.max()), int(m.max())
-        cols = np.arange(base + block + extra)  # [C]
-        j = cols - base  # [C]
-        committed = cols[None, :] < n[:, None]  # [B, C]
-        new_valid = (j[None, :] >= 0) & ((j[None, :] < m[:, None]) | (j[None, :] >= block))  # [B, C]
-        new_index = np.where(j >= 0, j, -1)  # [C]
-        return cls(n, m, base, block, committed | new_valid, new_index, first)
-
-    def mask(self, first_query: int, num_queries: int) -> torch.Tensor:
-        """[B, 1, Lq, Lk] bool for queries at new-block indices first_query.. (causal within the block)."""
-        lk = self.base + first_query + num_queries
-        q = np.arange(first_query, first_query + num_queries)  # [Lq]
-        causal = self.new_index[None, :lk] <= q[:, None]  # [Lq, Lk]
-        return torch.from_numpy(self.valid[:, None, None, :lk] & causal[None, None])  # [B, 1, Lq, Lk]
 
 
 class LearnedDrafter:
@@ -298,7 +216,7 @@ class LearnedDrafter:
                 new[:, : state.length] = old[:, : state.length]
                 buf[i] = new
 
-    def _gather(self, rows: list[RowState], layout: _Layout, extra: int) -> BatchKV:
+    def _gather(self, rows: list[RowState], layout: Layout, extra: int) -> BatchKV:
         cols = layout.base + layout.block + extra
         if len(rows) == 1:  # work in the row's own buffer: base == its length
             self._reserve(rows[0], cols)
@@ -327,7 +245,7 @@ class LearnedDrafter:
         lengths = np.array([s.length for s in rows], dtype=np.int64)  # [B]
         pending = np.array([s.num_pending for s in rows], dtype=np.int64)  # [B]
         skipped = np.array([s.skipped for s in rows], dtype=np.int64)  # [B]
-        layout = _Layout.build(lengths, pending, extra, skipped)
+        layout = Layout.build(lengths, pending, extra, skipped)
         cache = self._gather(rows, layout, extra)
         block = layout.block
         last = [s.last_hidden for s in rows]
@@ -368,7 +286,7 @@ class LearnedDrafter:
     def _draft(
         self,
         cache: BatchKV,
-        layout: _Layout,
+        layout: Layout,
         last: torch.Tensor,
         views: list[DraftRequestView],
         k: int,

@@ -21,7 +21,8 @@ from kernels import decode_attention as native_attention
 from kernels import packed_linear
 from kernels.thin_linear import thin_linear
 from serving.drafters.base import DraftRequestView
-from serving.drafters.learned import BatchKV, LearnedDrafter
+from serving.drafters.draft_kv import BatchKV
+from serving.drafters.learned import LearnedDrafter
 from serving.engine.llama_forward import LlamaForward
 
 
