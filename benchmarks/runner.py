@@ -30,8 +30,17 @@ class StepTimer(BaseObserver):
         self.nodes: list[int] = []
         """Drafted nodes per step (tree nodes, or chain drafts), summed over rows."""
         self.tree_steps = 0
+        self.stamps: list[float] = []
+        """When each step reported (perf_counter): the interval before a step is its whole period
+        (draft, forward, bookkeeping, and any admission and prefill in between)."""
+        self.opens: list[bool] = []
+        """The step opened a segment (``new_segment``): the interval before it is not its own."""
+        self._open = True
 
     def on_step(self, batch: VerifyBatch) -> None:
+        self.stamps.append(time.perf_counter())
+        self.opens.append(self._open)
+        self._open = False
         self.draft_ms.append(batch.draft_ms)
         self.verify_ms.append(batch.verify_ms)
         self.rows.append(len(batch.request_ids))
@@ -43,6 +52,22 @@ class StepTimer(BaseObserver):
 
     def reset(self) -> None:
         self.__init__()
+
+    def new_segment(self) -> None:
+        """The engine was idle (or another one ran) since the last step: do not time the gap."""
+        self._open = True
+
+    def full_batch_rate(self, rows: int) -> tuple[float, float] | None:
+        """(tokens per second, seconds) over the steps that ran exactly ``rows`` rows, each timed
+        from the previous step's report: the throughput while the batch is full, without the
+        ramp-up and the tail of a finite prompt list (where speculative rows, which advance
+        unevenly, leave one by one and the last ones run at a small batch)."""
+        tokens, seconds = 0, 0.0
+        for i in range(1, len(self.stamps)):
+            if self.rows[i] == rows and not self.opens[i]:
+                tokens += self.rows[i] + self.accepted[i]
+                seconds += self.stamps[i] - self.stamps[i - 1]
+        return (tokens / seconds, seconds) if seconds > 0 else None
 
     def plain_step_ms(self, rows: int) -> float | None:
         """Median verify ms of the steps of ``rows`` rows that drafted nothing: the same work in

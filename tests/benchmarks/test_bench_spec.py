@@ -50,6 +50,8 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
         if plain["target_only"] and plain["speculative"]:  # scaled by the engines' plain steps
             expected = entry["speedup"] * plain["speculative"] / plain["target_only"]
             assert abs(entry["speedup_at_equal_plain_step"] - expected) < 2e-3
+        full = entry["speedup_at_full_batch"]  # the ratio over the steps that ran all b rows
+        assert full is not None and full > 0 and entry["never_slower_at_full_batch"] == (full >= 0.97)
         for share in entry["tail_time_fraction"].values():
             assert share is None or 0.0 <= share <= 1.0
     assert out["by_batch"]["1"]["tail_time_fraction"] == {"target_only": 0.0, "speculative": 0.0}
