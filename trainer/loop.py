@@ -342,9 +342,17 @@ class TrainerLoop:
         if self.ops is not None:
             self.ops.metrics(d.as_metrics(), self.stats.rounds)
             self.ops.event("gate", self.stats.rounds, promote=d.promote, reason=d.reason)
-        if d.promote and _digest(self.student) in self._refused.values():
-            d.promote = False
-            d.reason = "unchanged since it was rolled back in serving: not re-promoted"
+        if d.promote:
+            digest = _digest(self.student)
+            if digest in self._refused.values():
+                d.promote = False
+                d.reason = "unchanged since it was rolled back in serving: not re-promoted"
+            elif self.champion is not None and digest == _digest(self.champion):
+                # a refresh of a champion that no round improved on (each round keeps its best
+                # weights on held-out, so a student that never got better is the champion itself):
+                # a swap to the same weights costs serving a swap and counts as a fresh drafter
+                d.promote = False
+                d.reason = "unchanged since the champion (no round improved on it): nothing to swap"
             self.stats.last_decision = d.reason
         if d.promote:
             parent = self.champion_version

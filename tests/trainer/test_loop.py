@@ -91,3 +91,8 @@ def test_loop_promotes_registers_and_announces(tmp_path):
     # same model again: not better than itself -> no second promotion
     loop.gate()
     assert loop.stats.promotions == 1
+    # ...nor refreshed once the champion is live long enough: the same weights are nothing to swap
+    loop._champion_since -= 10 * GateConfig().refresh_after_s
+    d = loop.gate()
+    assert not d.promote and "unchanged since the champion" in d.reason
+    assert loop.stats.promotions == 1 and ann.calls == [("acme", "1")]
