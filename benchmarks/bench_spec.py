@@ -304,11 +304,9 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
             # ABBA order: this VM has slow periods of seconds (plain steps 5-9 % slower), and a
             # drift within a round then weighs on both engines alike.
             first, second = (base_engine, spec_engine) if rep % 2 == 0 else (spec_engine, base_engine)
-            base_timer.new_segment()
-            timer.new_segment()
+            base_timer.new_segment()  # each engine runs once a round: the gap before its first
+            timer.new_segment()  # step this round (the other engine's run) is not that step's
             ra = await run_prompts(first, ids(evals), max_tokens, concurrency=b, train=False)
-            base_timer.new_segment()
-            timer.new_segment()
             rb = await run_prompts(second, ids(evals), max_tokens, concurrency=b, train=False)
             r0, r1 = (ra, rb) if first is base_engine else (rb, ra)
             base_s, base_tokens = base_s + r0.wall_s, base_tokens + r0.tokens

@@ -79,17 +79,15 @@ class Layout:
     positions: np.ndarray  # [B] rotary position of each row's first new input
 
     @classmethod
-    def build(cls, lengths: np.ndarray, pending: np.ndarray, extra: int,
-              skipped: np.ndarray | None = None) -> Layout:
+    def build(cls, lengths: np.ndarray, pending: np.ndarray, skipped: np.ndarray, extra: int) -> Layout:
         n, m = lengths, pending
-        first = n if skipped is None else n + skipped  # [B]
         base, block = int(n.max()), int(m.max())
         cols = np.arange(base + block + extra)  # [C]
         j = cols - base  # [C]
         committed = cols[None, :] < n[:, None]  # [B, C]
         new_valid = (j[None, :] >= 0) & ((j[None, :] < m[:, None]) | (j[None, :] >= block))  # [B, C]
         new_index = np.where(j >= 0, j, -1)  # [C]
-        return cls(n, m, base, block, committed | new_valid, new_index, first)
+        return cls(n, m, base, block, committed | new_valid, new_index, n + skipped)
 
     def mask(self, first_query: int, num_queries: int) -> torch.Tensor:
         """[B, 1, Lq, Lk] bool for queries at new-block indices first_query.. (causal within the block)."""

@@ -245,7 +245,7 @@ class LearnedDrafter:
         lengths = np.array([s.length for s in rows], dtype=np.int64)  # [B]
         pending = np.array([s.num_pending for s in rows], dtype=np.int64)  # [B]
         skipped = np.array([s.skipped for s in rows], dtype=np.int64)  # [B]
-        layout = Layout.build(lengths, pending, extra, skipped)
+        layout = Layout.build(lengths, pending, skipped, extra)
         cache = self._gather(rows, layout, extra)
         block = layout.block
         last = [s.last_hidden for s in rows]

@@ -401,9 +401,9 @@ class GoodputPolicy:
         # A draft's cost is measured whether or not the width step kept any of it: a costly
         # drafter whose drafts were all cut kept the prior's 0.05 ms per token, so ``choose_k``
         # went on asking a day-0 selfspec drafter for 4 tokens at 7-16 ms a draft.
-        drafted = width if proposed is None else max(int(proposed), width)
-        if drafted > 0:
-            self.costs.observe_draft(drafted, draft_ms)
+        paid_for = width if proposed is None else max(int(proposed), width)
+        if paid_for > 0:
+            self.costs.observe_draft(paid_for, draft_ms)
         if batch is not None and draft_ms > 0:
             old = self._draft_ms.get(int(batch))
             self._draft_ms[int(batch)] = draft_ms if old is None else 0.9 * old + 0.1 * float(draft_ms)
