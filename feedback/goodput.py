@@ -20,6 +20,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+LEARNED_BRANCHES = 2
+"""Candidates per drafted position of a learned draft: its most likely token and the runner-up,
+siblings in a token tree (serving/drafters/draft_tree.py). Serving's learned drafters draft so
+(``LearnedDrafter.branches``) and the trainer's gate simulates and charges it
+(``GateConfig.branches``). Two, measured: on 2 CPU cores a one-token selfspec draft verified with
+its runner-up ran at 1.065x of plain decoding on HumanEval against 1.037x for the chain and 1.025x
+for four candidates, whose wider verify cost more than they added (ARCHITECTURE.md, "Learned
+drafts branch")."""
+
 
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens emitted by one verify step with k drafts at per-token acceptance ``acceptance``."""
@@ -68,10 +77,12 @@ class CostModel:
             self.draft_ms_per_token = (1 - self.ema) * self.draft_ms_per_token + self.ema * per_token
 
 
-def learned_goodput(acceptance: float, k: int, costs: CostModel) -> float:
-    """Expected tokens per unit cost of a learned draft of ``k`` tokens at per-token
-    ``acceptance``: its draft time plus the verify of k + 1 positions."""
-    return expected_tokens(acceptance, k) / (k * costs.draft_ms_per_token + costs.verify_ms(k))
+def learned_goodput(acceptance: float, k: int, costs: CostModel, nodes: int | None = None) -> float:
+    """Expected tokens per unit cost of a learned draft of ``k`` positions at per-position
+    ``acceptance``: its draft time plus the verify of its ``nodes`` (default k; a tree with
+    runners-up beside each position has more)."""
+    n = k if nodes is None else nodes
+    return expected_tokens(acceptance, k) / (k * costs.draft_ms_per_token + costs.verify_ms(n))
 
 
 def suffix_goodput(expected_accepted: float, k: int, costs: CostModel) -> float:
@@ -80,9 +91,16 @@ def suffix_goodput(expected_accepted: float, k: int, costs: CostModel) -> float:
     return (1.0 + expected_accepted) / costs.verify_ms(k)
 
 
-def best_k(acceptance: float, k_max: int, costs: CostModel) -> int:
-    """k in 0..k_max with the highest expected goodput."""
-    return int(np.argmax([learned_goodput(acceptance, k, costs) for k in range(k_max + 1)]))
+def draft_nodes(k: int, branches: int, k_max: int) -> int:
+    """Nodes a learned draft of ``k`` positions with ``branches`` candidates each verifies, at most
+    the ``k_max`` a step verifies."""
+    return min(k * branches, max(k_max, k))
+
+
+def best_k(acceptance: float, k_max: int, costs: CostModel, branches: int = 1) -> int:
+    """k in 0..k_max with the highest expected goodput (``branches``: candidates per position)."""
+    return int(np.argmax([learned_goodput(acceptance, k, costs, draft_nodes(k, branches, k_max))
+                          for k in range(k_max + 1)]))
 
 
 def suffix_preferred(suffix_len: int, g_suffix: float, g_learned: float) -> bool:

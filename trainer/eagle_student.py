@@ -152,7 +152,9 @@ class EagleStudent(Student):
         )
 
     @torch.no_grad()
-    def evaluate(self, record: TraceRecord, k: int) -> RecordEval:
+    def evaluate(self, record: TraceRecord, k: int, branches: int = 1) -> RecordEval:
+        """As StandaloneStudent.evaluate, for greedy chains only (``branches`` is not simulated
+        for the EAGLE head: its runners-up would need their own feature chains)."""
         main = build_examples(record, include_discard=False, max_len=self.max_len)[0]
         out = np.asarray(record.output_ids, dtype=np.int64)
         if main.features is None:  # no features: the head cannot draft here

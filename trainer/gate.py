@@ -29,7 +29,15 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import TraceRecord
-from feedback.goodput import CostModel, best_k, hybrid_choice, learned_goodput, suffix_goodput
+from feedback.goodput import (
+    LEARNED_BRANCHES,
+    CostModel,
+    best_k,
+    draft_nodes,
+    hybrid_choice,
+    learned_goodput,
+    suffix_goodput,
+)
 from feedback.suffix.draft import SuffixConfig, SuffixProposer
 
 
@@ -49,6 +57,11 @@ class GateConfig:
     """Measured cost of verifying 1..k drafts (a forward of 2..k+1 tokens) relative to one target
     step; None: linear from 1 to ``verify_cost``. On a CPU the curve is concave (a forward of 2
     tokens already costs ~1.2 steps, 5 tokens ~1.35), so the line under-charges short drafts."""
+    branches: int = LEARNED_BRANCHES
+    """Candidates per drafted position in serving's learned drafts (``LearnedDrafter.branches``):
+    above 1 a learned draft is a tree of the drafter's runners-up along its greedy chain, whose
+    acceptance the simulation counts (``StandaloneStudent.evaluate``) and whose verify it charges
+    at length x branches nodes, at most k."""
     hybrid: bool = True
     """Simulate inside the hybrid policy with the suffix drafter (suffix first, else learned)."""
     refresh_after_s: float | None = 20.0
@@ -149,7 +162,7 @@ def relative_costs(cfg: GateConfig):
 
 def learned_length(acceptance: float, cfg: GateConfig) -> int:
     """The learned draft length serving's hybrid drafts at this acceptance (its ``learned_length``)."""
-    return best_k(acceptance, cfg.k, relative_costs(cfg))
+    return best_k(acceptance, cfg.k, relative_costs(cfg), cfg.branches)
 
 
 def simulate(
@@ -188,7 +201,7 @@ def simulate(
             acceptance = learned_acceptance([accept_at], cfg.k)
         if length is None:
             length = learned_length(acceptance, cfg)
-        g_learned = learned_goodput(acceptance, length, costs)
+        g_learned = learned_goodput(acceptance, length, costs, draft_nodes(length, cfg.branches, cfg.k))
     while p < n:
         remaining = n - p - 1  # the bonus token is always emitted
         use = "learned" if accept_at is not None else "none"
@@ -201,7 +214,7 @@ def simulate(
             cost += costs.verify_ms(len(draft.tokens))
         elif use == "learned":
             a = min(int(accept_at[p]), length)
-            cost += costs.verify_ms(length) + cfg.draft_cost * length
+            cost += costs.verify_ms(draft_nodes(length, cfg.branches, cfg.k)) + cfg.draft_cost * length
             if learned_steps is not None:
                 learned_steps[0] += a
                 learned_steps[1] += a < length
@@ -224,7 +237,7 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
     chains: list[np.ndarray | None] = [None] * len(heldout)
     if student is not None:
         for i, rec in enumerate(heldout):
-            ev = student.evaluate(rec, cfg.k)
+            ev = student.evaluate(rec, cfg.k, cfg.branches)
             ea_sum += float(ev.overlap.sum())
             rows += int(ev.overlap.shape[0])
             t, s, _ = simulate(rec.output_ids, rec.prompt_ids, ev.accept_at, cfg, None, length=cfg.k)

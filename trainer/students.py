@@ -25,7 +25,7 @@ from trainer.packing import batch_tensors, pack_examples
 @dataclass
 class RecordEval:
     overlap: np.ndarray  # [R] sum over the target top-k of min(p, q), accepted-path rows
-    accept_at: np.ndarray  # [len(output)] accepted tokens of the greedy k-chain from each position
+    accept_at: np.ndarray  # [len(output)] accepted tokens of the greedy k-chain (or tree) from each position
 
 
 @dataclass
@@ -46,6 +46,18 @@ def run_lengths(match: np.ndarray, cap: int) -> np.ndarray:
     for p in range(len(match) - 1, -1, -1):
         run[p] = run[p + 1] + 1 if match[p] else 0
     return np.minimum(run[:-1], cap)
+
+
+def tree_run_lengths(match: np.ndarray, in_top: np.ndarray, cap: int) -> np.ndarray:
+    """Accepted tokens from each position of a draft whose every level also offers the drafter's
+    runners-up (serving/drafters/draft_tree.py): the greedy chain's run (``match``, capped at
+    ``cap``), and one more where the first refused position's token was among them (``in_top``);
+    a runner-up has no children, so acceptance stops there."""
+    run = run_lengths(match, cap)  # [n]
+    nxt = np.arange(len(run)) + run  # [n] the first position the chain got wrong
+    more = (run < cap) & (nxt < len(run))
+    more[more] = in_top[nxt[more]]
+    return run + more
 
 
 def topk_overlap(q: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
@@ -173,7 +185,10 @@ class StandaloneStudent(Student):
         return self._row_tensors(examples, logits[b_idx, pos])  # [N, Vd]
 
     @torch.no_grad()
-    def evaluate(self, record: TraceRecord, k: int) -> RecordEval:
+    def evaluate(self, record: TraceRecord, k: int, branches: int = 1) -> RecordEval:
+        """Held-out measures of one trace: the expected acceptance at its accepted-path rows, and
+        the accepted tokens of the student's greedy k-chain from each output position (with
+        ``branches`` > 1: of its tree with that many candidates a position, as serving drafts)."""
         main = build_examples(record, include_discard=False, max_len=self.max_len)[0]
         ids = torch.from_numpy(main.tokens)[None]  # [1, L]
         if self._hf():
@@ -188,11 +203,17 @@ class StandaloneStudent(Student):
         # greedy prediction for every output position p (logit index P + p - 1 - cut)
         out = np.asarray(record.output_ids, dtype=np.int64)
         P = len(record.prompt_ids)
-        pred = np.full(len(out), -1, dtype=np.int64)
+        m = max(1, min(int(branches), logits.shape[-1]))
+        pred = np.full((len(out), m), -1, dtype=np.int64)
         first = max(0, cut - P + 1)  # output positions whose context survived truncation
         idx = torch.arange(first, len(out)) + P - 1 - cut
-        pred[first:] = self.to_target_ids(logits[idx].argmax(-1)).numpy()
-        return RecordEval(overlap=overlap, accept_at=run_lengths(pred == out, k))
+        at_out = logits[idx]  # [n', Vd] predicting each output position
+        best = at_out.argmax(-1, keepdim=True) if m == 1 else at_out.topk(m, dim=-1).indices  # [n', m]
+        pred[first:] = self.to_target_ids(best).numpy()
+        if m == 1:
+            return RecordEval(overlap=overlap, accept_at=run_lengths(pred[:, 0] == out, k))
+        in_top = (pred == out[:, None]).any(1)  # [n]
+        return RecordEval(overlap=overlap, accept_at=tree_run_lengths(pred[:, 0] == out, in_top, k))
 
 
 class SelfSpecStudent(StandaloneStudent):

@@ -65,6 +65,10 @@ class DraftProposal:
     were (suffix: observed continuation frequency; learned: q). The hybrid drafter and adaptive k
     use it; None means unknown."""
     draft_ms: float = 0.0
+    catch_up_ms: float = 0.0
+    """Of ``draft_ms``, the time spent committing backlogs: the inputs of rows that did not draft
+    on their previous steps, beyond what one verify step commits. Drafting every step does not pay
+    it; on a probe the speculation policy charges it to the probe, not to drafting."""
     parents: torch.Tensor | None = None
     """[B, k] int64 token tree: the parent of draft j as a draft index (< j), -1 for a child of the
     row's last committed token; None = every row is a chain (parent of j is j - 1). Trees need

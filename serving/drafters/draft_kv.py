@@ -61,6 +61,48 @@ class RowState:
     def can_draft(self) -> bool:
         return self.num_pending > 0 or self.last_hidden is not None
 
+    def skip_stale(self, keep: int) -> None:
+        """Drop all but the last ``keep`` pending inputs (their features with them), counting
+        them as ``skipped``."""
+        excess = self.num_pending - keep
+        if excess <= 0:
+            return
+        del self.pending_tokens[:excess]
+        if self.pending_features:
+            kept = torch.cat(self.pending_features)[excess:]  # [keep, F]
+            self.pending_features = [kept] if kept.shape[0] else []
+        self.skipped += excess
+
+    def hold_last(self) -> tuple[int, torch.Tensor | None]:
+        """Take the last pending input (and its feature row, [1, F] or None) out of the pending
+        list; ``pend`` puts it back."""
+        token = self.pending_tokens.pop()
+        feature = None
+        if self.pending_features:
+            feats = torch.cat(self.pending_features)  # [n, F]
+            feature = feats[-1:]
+            self.pending_features = [feats[:-1]] if feats.shape[0] > 1 else []
+        return token, feature
+
+    def pend(self, tokens: list[int], features: torch.Tensor | None) -> None:
+        """Queue inputs committed by the target (``features`` [len(tokens), F] or None)."""
+        self.pending_tokens.extend(int(t) for t in tokens)
+        if features is not None and features.shape[0]:
+            self.pending_features.append(features)
+
+    def reserve(self, needed: int) -> None:
+        """Grow the KV buffers (by doubling) to hold at least ``needed`` columns."""
+        cap = self.keys[0].shape[1]
+        if needed <= cap:
+            return
+        while cap < needed:
+            cap *= 2
+        for buf in (self.keys, self.values):
+            for i, old in enumerate(buf):
+                new = old.new_zeros(old.shape[0], cap, old.shape[2])  # [kvh, cap, hd]
+                new[:, : self.length] = old[:, : self.length]
+                buf[i] = new
+
 
 @dataclass
 class Layout:

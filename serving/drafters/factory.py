@@ -28,17 +28,23 @@ def build_drafter(
       ``learned_options`` (dict, as above), ``suffix`` (an existing suffix drafter to keep its
       index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict).
 
+    Every learned kind (eagle, standalone, selfspec) also takes ``branches``: candidates per drafted
+    position (1: chains; default ``LearnedDrafter.branches``; serving/drafters/draft_tree.py).
+
     With ``artifact_dir`` the learned model is loaded through feedback.registry.artifact.load_drafter, which
     refuses an artifact built for another target.
     """
     if kind == "suffix":
         return _suffix(options)
-    if kind == "eagle":
-        return _eagle(target, artifact_dir, **options)
-    if kind == "standalone":
-        return _standalone(target, artifact_dir, **options)
-    if kind == "selfspec":
-        return _selfspec(target, artifact_dir, **options)
+    learned = {"eagle": _eagle, "standalone": _standalone, "selfspec": _selfspec}.get(kind)
+    if learned is not None:
+        branches = options.pop("branches", None)
+        drafter = learned(target, artifact_dir, **options)
+        if branches is not None:
+            if int(branches) < 1:
+                raise ValueError(f"branches must be >= 1, got {branches}")
+            drafter.branches = int(branches)
+        return drafter
     if kind == "hybrid":
         return _hybrid(target, artifact_dir, **options)
     raise ValueError(f"unknown drafter kind {kind!r}: one of {', '.join(KINDS)}")

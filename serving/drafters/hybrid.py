@@ -38,12 +38,14 @@ from feedback.goodput import (
     AcceptanceEstimate,
     CostModel,
     best_k,
+    draft_nodes,
     hybrid_choice,
     learned_goodput,
     suffix_goodput,
     suffix_preferred,
 )
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
+from serving.drafters.draft_tree import tree_trial
 from serving.engine.tree import path_confidence
 
 
@@ -124,7 +126,8 @@ class HybridDrafter:
             ema=self.policy.acceptance_ema, prior_weight=self.policy.prior_steps,
         )
         self._rng = np.random.default_rng(self.policy.seed)
-        self._learned_len: dict[str, int] = {}  # request -> drafted length of its learned proposal
+        self._learned: dict[str, tuple[list[int], list[int] | None]] = {}
+        """request -> its learned proposal this step (tokens, and parents for a tree)."""
         self._proposed_at: float | None = None
         self._proposed_k = 0
         self.last_choice: np.ndarray = np.zeros(0, dtype=np.uint8)
@@ -145,10 +148,10 @@ class HybridDrafter:
                 self._proposed_k, (time.perf_counter() - self._proposed_at) * 1e3
             )
         self._proposed_at = None
-        drafted = self._learned_len.pop(request_id, 0)
-        if drafted:
-            accepted = min(max(len(accepted_ids) - 1, 0), drafted)
-            self.acceptance.observe(np.array([drafted]), np.array([accepted]))
+        drafted = self._learned.pop(request_id, None)
+        if drafted is not None:
+            tried, accepted = tree_trial(*drafted, list(accepted_ids))
+            self.acceptance.observe(np.array([tried]), np.array([accepted]))
         self.suffix.on_verified(request_id, accepted_ids, None)
         self.learned.on_verified(request_id, accepted_ids, features)
 
@@ -157,7 +160,7 @@ class HybridDrafter:
         return self.suffix.forget_tenant(tenant)
 
     def remove_request(self, request_id: str, output_ids: list[int] | None) -> None:
-        self._learned_len.pop(request_id, None)
+        self._learned.pop(request_id, None)
         self.suffix.remove_request(request_id, output_ids)
         self.learned.remove_request(request_id, output_ids)
 
@@ -177,7 +180,7 @@ class HybridDrafter:
         # verifying costs much more per extra token (a CPU), a mediocre drafter still earns with
         # one or two tokens and would lose with k.
         k_learned = self.learned_length(k)
-        g_learned = self.learned_prior_goodput(k_learned)
+        g_learned = self.learned_prior_goodput(k_learned, k)
         lengths = [int(n) for n in sp.lengths]
         if self.policy.suffix_threshold is not None:
             confident = e_suffix >= self.policy.suffix_threshold
@@ -202,11 +205,12 @@ class HybridDrafter:
         out.confidence = conf.clone()
         if need:
             lp = _pad(self.learned.propose([views[i] for i in need], max(k_learned, 1)), k)
+            # rows come back from suffix steps with backlogs: committing them is this call's cost
             self.costs.observe_draft(max(k_learned, 1), lp.draft_ms)
             row_ms = lp.draft_ms / len(need)
             self._row_ms = row_ms if self._row_ms is None else 0.8 * self._row_ms + 0.2 * row_ms
             e_learned = expected_accepted(
-                lp.confidence if lp.confidence is not None else lp.probs, lp.lengths
+                lp.confidence if lp.confidence is not None else lp.probs, lp.lengths, lp.parents
             )
             take = []
             for j, i in enumerate(need):
@@ -217,12 +221,15 @@ class HybridDrafter:
                     take.append((i, j))
             out = self._merge(out, lp, take)
         for i, v in enumerate(views):
-            if out.source[i] == self._learned_source() and out.lengths[i] > 0:
-                self._learned_len[v.request_id] = int(out.lengths[i])
+            n = int(out.lengths[i])
+            if out.source[i] == self._learned_source() and n > 0:
+                parents = None if out.parents is None else out.parents[i, :n].tolist()
+                self._learned[v.request_id] = (out.tokens[i, :n].tolist(), parents)
             else:
-                self._learned_len.pop(v.request_id, None)
+                self._learned.pop(v.request_id, None)
         out.tokens[out.lengths == 0] = 0
         out.draft_ms = (time.perf_counter() - t0) * 1e3
+        out.catch_up_ms = lp.catch_up_ms if need else 0.0
         self.last_choice = out.source.copy()
         self._proposed_at = time.perf_counter()
         self._proposed_k = int(out.lengths.max())
@@ -244,10 +251,16 @@ class HybridDrafter:
     def learned_length(self, k: int) -> int:
         """Draft length in 0..k with the best expected goodput at the learned drafter's live
         acceptance and measured costs."""
-        return best_k(self.acceptance.value, k, self.costs)
+        return best_k(self.acceptance.value, k, self.costs, self._branches)
 
-    def learned_prior_goodput(self, k: int) -> float:
-        return learned_goodput(self.acceptance.value, k, self.costs)
+    def learned_prior_goodput(self, k: int, k_max: int) -> float:
+        """Expected goodput of a learned draft of ``k`` positions, in a step of ``k_max`` nodes."""
+        return learned_goodput(self.acceptance.value, k, self.costs, draft_nodes(k, self._branches, k_max))
+
+    @property
+    def _branches(self) -> int:
+        """Candidates per position of the learned drafter's drafts (1: chains)."""
+        return int(getattr(self.learned, "branches", 1))
 
     def _learned_source(self) -> np.uint8:
         return np.uint8(DrafterKind.parse(self.learned.kind))
@@ -263,7 +276,11 @@ class HybridDrafter:
             out = _as_chains(out)  # the learned draft was sampled: rejection sampling verifies chains
             out.dists = _point_masses(out, lp.dists.shape[-1]) if out.dists is None else out.dists
             out.dists[rows] = lp.dists[src]
-        if out.parents is not None:  # learned rows are chains inside a proposal of suffix trees
+        if lp.parents is not None:  # learned trees (greedy rows) beside suffix trees or chains
+            if out.parents is None:
+                out.parents = torch.arange(-1, out.k - 1).repeat(out.tokens.shape[0], 1)  # [B, k]
+            out.parents[rows] = lp.parents[src]
+        elif out.parents is not None:  # learned chains inside a proposal of suffix trees
             out.parents[rows] = torch.arange(-1, out.k - 1).expand(len(take), -1)
         out.tokens[rows] = lp.tokens[src]
         out.lengths[rows] = lp.lengths[src]

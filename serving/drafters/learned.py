@@ -8,7 +8,8 @@ no model work happens there). ``propose`` runs, for the whole batch:
 
     extend : one forward over every row's pending inputs (padded to the longest), committing them
     draft  : k - 1 single-position forwards on the drafter's own tokens (and, for eagle, its own
-             output hidden states), k lm_head reads
+             output hidden states), k lm_head reads; the chain, or a tree of each position's
+             ``branches`` most likely tokens along it (serving/drafters/draft_tree.py)
 
 Speculative positions are written past the committed length and simply forgotten: rolling back a
 rejected draft costs nothing, and the next extend overwrites them. A batch of several rows works on
@@ -27,8 +28,10 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import DrafterKind
+from feedback.goodput import LEARNED_BRANCHES
 from serving.drafters.base import DraftProposal, DraftRequestView
 from serving.drafters.draft_kv import BatchKV, Layout, RowState
+from serving.drafters.draft_tree import best_first_tree
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +82,17 @@ class LearnedDrafter:
     committed token. Preparing a row for a swap (``prepare_request``, off the step thread) commits
     its whole history."""
 
+    branches: int = LEARNED_BRANCHES
+    """Candidates per drafted position (feedback/goodput.py). Above 1, a batch of greedy rows gets
+    token trees for the same forwards as a chain: each position's most likely tokens as siblings
+    under the chain's previous node, best-first (serving/drafters/draft_tree.py), and the engine's
+    width step keeps the nodes that pay. A batch with sampled rows drafts chains (rejection
+    sampling with the draft's distributions verifies chains)."""
+
     def __init__(self, net: DraftNet, version: str = "day0"):
         self.net = net
         self.version = version
         self._states: dict[str, RowState] = {}
-        self.last_draft_ms_per_step = 0.0
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -140,34 +149,44 @@ class LearnedDrafter:
             out.draft_ms = (time.perf_counter() - t0) * 1e3
             return out
         rows = [states[i] for i in active]
-        for s in rows:
-            self._skip_stale(s)
-            if s.num_pending > self.flush_threshold and len(rows) > 1:
-                self._extend([s], extra=0)
+        if self.max_catch_up is not None:
+            for s in rows:
+                s.skip_stale(self.max_catch_up)
+        backlog = [s for s in rows if s.num_pending > k + 1]
+        catch_up_ms = 0.0
+        if backlog:
+            t_catch = time.perf_counter()
+            self._catch_up(backlog)
+            catch_up_ms = (time.perf_counter() - t_catch) * 1e3
         cache, layout, last = self._extend(rows, extra=k - 1)
-        tokens, probs, dists = self._draft(cache, layout, last, [views[i] for i in active], k)
+        tokens, probs, dists, parents = self._draft(cache, layout, last, [views[i] for i in active], k)
+        n = tokens.shape[1]  # nodes per drafting row: k for chains, k x branches for trees
 
         if len(active) == batch:  # every row drafted: the proposal is the draft as it is
             out = DraftProposal(
-                tokens=tokens, lengths=torch.full((batch,), k, dtype=torch.long), probs=probs,
+                tokens=tokens, lengths=torch.full((batch,), n, dtype=torch.long), probs=probs,
                 source=np.full(batch, self.source_kind, dtype=np.uint8), dists=dists,
+                parents=parents,
             )
             out.confidence = probs.clone()
         else:
-            out = DraftProposal.empty(batch, k)
+            out = DraftProposal.empty(batch, n)
             idx = torch.tensor(active)
             out.tokens[idx] = tokens
             out.probs[idx] = probs
-            out.lengths[idx] = k
+            out.lengths[idx] = n
             out.source[active] = np.uint8(self.source_kind)
+            if parents is not None:  # rows that did not draft keep chain parents (length 0)
+                out.parents = torch.arange(-1, n - 1).repeat(batch, 1)  # [B, n]
+                out.parents[idx] = parents
             out.confidence = out.probs.clone()
             out.confidence[out.lengths == 0] = 0.0
             if dists is not None:
-                full = torch.zeros(batch, k, dists.shape[-1], dtype=dists.dtype)
+                full = torch.zeros(batch, n, dists.shape[-1], dtype=dists.dtype)
                 full[idx] = dists
                 out.dists = full
         out.draft_ms = (time.perf_counter() - t0) * 1e3
-        self.last_draft_ms_per_step = out.draft_ms / k
+        out.catch_up_ms = catch_up_ms
         return out
 
     # -- inputs -------------------------------------------------------------------------------
@@ -179,21 +198,24 @@ class LearnedDrafter:
     def _check_features(self, features: torch.Tensor | None, n: int) -> torch.Tensor | None:
         return None
 
-    def _skip_stale(self, state: RowState) -> None:
-        """Drop all but the last ``max_catch_up`` pending inputs (their features with them)."""
-        if self.max_catch_up is None or state.num_pending <= self.max_catch_up:
-            return
-        excess = state.num_pending - self.max_catch_up
-        del state.pending_tokens[:excess]
-        if state.pending_features:
-            kept = torch.cat(state.pending_features)[excess:]  # [max_catch_up, F]
-            state.pending_features = [kept] if kept.shape[0] else []
-        state.skipped += excess
+    def _catch_up(self, rows: list[RowState]) -> None:
+        """Commit all but the last pending input of each row, apart from the draft's own extend:
+        a row that drafts every step has at most k + 1 inputs pending (what one verify commits),
+        and what a probe or a first draft after a gap pays beyond that is timed apart
+        (``DraftProposal.catch_up_ms``). Rows with more than ``flush_threshold`` go alone (no
+        padding waste)."""
+        held = [s.hold_last() for s in rows]
+        alone = [s for s in rows if s.num_pending > self.flush_threshold] if len(rows) > 1 else []
+        for s in alone:
+            self._extend([s], extra=0)
+        rest = [s for s in rows if s.num_pending]
+        if rest:
+            self._extend(rest, extra=0)
+        for s, (token, feature) in zip(rows, held):
+            s.pend([token], feature)
 
     def _append(self, state: RowState, tokens: list[int], features: torch.Tensor | None) -> None:
-        state.pending_tokens.extend(int(t) for t in tokens)
-        if features is not None and features.shape[0]:
-            state.pending_features.append(features.detach().to("cpu", self.net.dtype))
+        state.pend(tokens, None if features is None else features.detach().to("cpu", self.net.dtype))
 
     # -- caches -------------------------------------------------------------------------------
 
@@ -203,23 +225,10 @@ class LearnedDrafter:
         values = [torch.zeros(shape, dtype=self.net.dtype) for _ in range(self.net.num_layers)]
         return RowState(keys, values)
 
-    @staticmethod
-    def _reserve(state: RowState, needed: int) -> None:
-        cap = state.keys[0].shape[1]
-        if needed <= cap:
-            return
-        while cap < needed:
-            cap *= 2
-        for buf in (state.keys, state.values):
-            for i, old in enumerate(buf):
-                new = old.new_zeros(old.shape[0], cap, old.shape[2])  # [kvh, cap, hd]
-                new[:, : state.length] = old[:, : state.length]
-                buf[i] = new
-
     def _gather(self, rows: list[RowState], layout: Layout, extra: int) -> BatchKV:
         cols = layout.base + layout.block + extra
         if len(rows) == 1:  # work in the row's own buffer: base == its length
-            self._reserve(rows[0], cols)
+            rows[0].reserve(cols)
             return BatchKV(
                 [k[None] for k in rows[0].keys], [v[None] for v in rows[0].values], layout.base
             )
@@ -264,7 +273,7 @@ class LearnedDrafter:
                 if m:
                     last[i] = hidden[i, m - 1].clone()  # not a view: it would keep [B, M, H] alive
                     if len(rows) > 1:
-                        self._reserve(s, s.length + m)
+                        s.reserve(s.length + m)
                         for layer in range(self.net.num_layers):
                             s.keys[layer][:, s.length : s.length + m] = cache.keys[layer][
                                 i, :, layout.base : layout.base + m
@@ -291,9 +300,13 @@ class LearnedDrafter:
         views: list[DraftRequestView],
         k: int,
     ):
+        """(tokens, probs, dists, parents): a chain of k drafts per row ([B, k]; ``dists`` [B, k,
+        V] when some row samples), or, with ``branches`` > 1 and every row greedy, a best-first
+        tree of k x branches nodes per row (``parents`` [B, N]; else None)."""
         b = last.shape[0]
         temps = [max(v.temperature, 0.0) for v in views]
         any_sampled = any(t > 0 for t in temps)
+        m = 1 if any_sampled else self.branches
         scale = sampled = uniforms = None
         if any_sampled:
             t = torch.tensor(temps, dtype=torch.float32)  # [B]
@@ -301,31 +314,42 @@ class LearnedDrafter:
             scale = torch.where(sampled, t, torch.ones_like(t))[:, None]  # [B, 1]
             uniforms = _uniforms(views, k)  # [B, k]
         vocab_map = self.net.vocab_map
-        token_cols, prob_cols = [], []  # per draft position: [B] each
+        token_cols, prob_cols = [], []  # per draft position: [B] each ([B, m] for trees)
         qs = []
         positions = layout.positions + layout.pending  # [B] position of the first draft input
         hidden = last[:, None]  # [B, 1, H]
         for j in range(k):
             logits = self.net.logits(hidden[:, 0]).float()  # [B, Vd]
             q = torch.softmax(logits / scale if any_sampled else logits, dim=-1)  # [B, Vd]
-            idx = logits.argmax(-1)  # [B]
-            if any_sampled:
-                cdf = q.cumsum(-1)  # [B, Vd]
-                u = (uniforms[:, j] * cdf[:, -1])[:, None]  # [B, 1]
-                drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(
-                    max=q.shape[-1] - 1
-                )  # [B]
-                idx = torch.where(sampled, drawn, idx)
-                qs.append(q)
-            prob_cols.append(q.gather(1, idx[:, None])[:, 0])
-            ids = vocab_map[idx] if vocab_map is not None else idx  # [B] target ids
-            token_cols.append(ids)
+            if m > 1:
+                top_q, top = q.topk(min(m, q.shape[-1]), dim=-1)  # [B, m] most likely first
+                idx = top[:, 0]  # [B] the chain goes on from the most likely token
+                prob_cols.append(top_q)
+                token_cols.append(vocab_map[top] if vocab_map is not None else top)  # [B, m]
+            else:
+                idx = logits.argmax(-1)  # [B]
+                if any_sampled:
+                    cdf = q.cumsum(-1)  # [B, Vd]
+                    u = (uniforms[:, j] * cdf[:, -1])[:, None]  # [B, 1]
+                    drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(
+                        max=q.shape[-1] - 1
+                    )  # [B]
+                    idx = torch.where(sampled, drawn, idx)
+                    qs.append(q)
+                prob_cols.append(q.gather(1, idx[:, None])[:, 0])
+                token_cols.append(vocab_map[idx] if vocab_map is not None else idx)
             if j + 1 < k:
+                ids = vocab_map[idx] if vocab_map is not None else idx  # [B] target ids
                 pos = torch.from_numpy((positions + j)[:, None])  # [B, 1]
                 hidden = self.net.step(
                     ids[:, None], hidden, pos, cache, layout.mask(layout.block + j, 1)
                 )  # [B, 1, H]
                 cache.advance(1)
+        if m > 1:
+            tokens, confidence, parents = best_first_tree(
+                torch.stack(prob_cols, dim=1).tolist(), torch.stack(token_cols, dim=1).tolist()
+            )  # [B][k * m] each
+            return (torch.tensor(tokens), torch.tensor(confidence), None, torch.tensor(parents))
         tokens = torch.stack(token_cols, dim=1)  # [B, k]
         probs = torch.stack(prob_cols, dim=1)  # [B, k]
         dists = None
@@ -337,7 +361,7 @@ class LearnedDrafter:
                 )  # [B, k, V]
             else:
                 dists = qd
-        return tokens, probs, dists
+        return tokens, probs, dists, None
 
 
 def _uniforms(views: list[DraftRequestView], k: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ class DraftPlan:
     dists: torch.Tensor | None = None  # [B, K, V] float32 or None (point-mass drafts)
     parents: torch.Tensor | None = None  # [B, K] int64 draft-index parents (-1 root) or None (chains)
     confidence: torch.Tensor | None = None  # [B, K] float32 per-node acceptance estimate or None
+    catch_up_ms: float = 0.0  # the drafter's time committing backlogs (DraftProposal.catch_up_ms)
 
     def node_parents(self) -> torch.Tensor:
         """[B, K+1] parents in node space (node 0 = the row's last token; draft j = node j + 1;
@@ -75,8 +76,11 @@ def plan_from_proposal(
     caps: np.ndarray,
     batch_size: int,
     vocab_size: int,
+    max_nodes: int | None = None,
 ) -> DraftPlan:
-    """``rows``: batch indices the proposal's rows belong to; ``caps`` [B]: most drafts per row.
+    """``rows``: batch indices the proposal's rows belong to; ``caps`` [B]: the deepest draft per
+    row (a tree's node at depth d emits at most d + 1 tokens); ``max_nodes``: most drafted nodes
+    per row (None: ``caps``), the verify width the engine was built for.
 
     Checked and scattered in numpy: these are a few dozen values, and ~40 small torch ops took
     ~0.6 ms of every speculative step on a 2-core Xeon (4 % of a 15 ms step)."""
@@ -87,7 +91,8 @@ def plan_from_proposal(
     kp = tok.shape[1]
     idx = np.asarray(rows, dtype=np.int64)  # [n]
     lengths = np.clip(_host(proposal.lengths).astype(np.int64).reshape(n), 0, kp)  # [n]
-    lengths = np.minimum(lengths, np.asarray(caps, dtype=np.int64)[idx])
+    row_caps = np.asarray(caps, dtype=np.int64)[idx]  # [n]
+    lengths = np.minimum(lengths, row_caps if max_nodes is None else max_nodes)
     lengths = np.minimum(lengths, _first_true((tok < 0) | (tok >= vocab_size), kp))
     par = None
     if proposal.parents is not None:
@@ -98,6 +103,10 @@ def plan_from_proposal(
             raise ValueError(f"proposal parents must be {tuple(tok.shape)}, got {tuple(par.shape)}")
         bad_par = (par < -1) | (par >= np.arange(kp)[None, :])  # [n, kp] a parent must come earlier
         lengths = np.minimum(lengths, _first_true(bad_par, kp))
+    if (row_caps < kp).any():  # some row may not draft that deep (near its end): cut by depth
+        depth = (_depths(np.where(bad_par, -1, par)) if par is not None  # [n, kp]
+                 else np.broadcast_to(np.arange(1, kp + 1)[None, :], tok.shape))  # a chain's
+        lengths = np.minimum(lengths, _first_true(depth > row_caps[:, None], kp))
     k = int(lengths.max()) if n else 0
     if k == 0:
         return DraftPlan.none(batch_size)
@@ -135,7 +144,19 @@ def plan_from_proposal(
         confidence[idx, : c.shape[1]] = np.where(in_len[:, : c.shape[1]], c, 0.0)
         confidence = torch.from_numpy(confidence)
     return DraftPlan(torch.from_numpy(tokens), torch.from_numpy(full_lengths),
-                     torch.from_numpy(probs), source, dists, parents, confidence)
+                     torch.from_numpy(probs), source, dists, parents, confidence,
+                     float(proposal.catch_up_ms))
+
+
+def _depths(parents: np.ndarray) -> np.ndarray:
+    """[n, kp] draft-index parents (-1: a child of the last committed token) -> each node's depth
+    (1 for the root's children). Parents come before their children."""
+    depth = np.zeros(parents.shape, dtype=np.int64)
+    rows = np.arange(parents.shape[0])
+    for j in range(parents.shape[1]):
+        par = parents[:, j]
+        depth[:, j] = np.where(par >= 0, depth[rows, np.maximum(par, 0)], 0) + 1
+    return depth
 
 
 def _host(t) -> np.ndarray:

@@ -184,7 +184,7 @@ class GoodputPolicy:
         cheap = self.costs.draft_ms_per_token * k_max < _CHEAP_DRAFT * self.costs.verify_ms(0)
         # A cheap draft (the suffix index) asks for the full budget and the width decides; a
         # costly one asks for what its acceptance pays for at the batch-agnostic costs.
-        k = k_max if cheap else best_k(self.acceptance.value, k_max, self.costs)
+        k = k_max if cheap else best_k(self.acceptance.value, k_max, self.costs, state.branches)
         self._cheap = cheap
         batch = state.batch_size
         if k > 0 and self._backoff > 0 and not self._probe_new:
@@ -303,7 +303,12 @@ class GoodputPolicy:
         # A non-empty width also pays for the draft: this step's is spent, but widths that do not
         # cover it are cut to nothing, and after ``probe_every`` of those the drafter is asked
         # only on probes (at batch 8 the suffix index took ~1.9 ms a step, ~7 % of one).
-        draft = self._draft_ms.get(batch, 0.0)
+        # A costly drafter's draft (a learned model's forwards) is priced where it is decided, in
+        # ``choose_k`` (its acceptance, its measured cost); here it is spent whatever the width,
+        # so the width is the one that makes the most of it: cutting a one-token selfspec tree
+        # that promised 0.4 tokens for a 0.1-step wider verify threw its 0.25-step draft away on
+        # two drafts in three (`bench spec --drafter selfspec`, HumanEval: 0.96x).
+        draft = self._draft_ms.get(batch, 0.0) if self._cheap else 0.0
         rates = [expected[n] / (self.verify_ms(n, batch) + (draft if n else 0.0)) for n in totals]
         rates[0] *= 1.0 + _WIDTH_MARGIN  # a width must beat plain decoding by the margin
         pick = int(np.argmax(rates))
@@ -371,11 +376,13 @@ class GoodputPolicy:
 
     def observe(
         self, k, num_drafted, num_accepted, draft_ms, verify_ms, width=None, batch=None,
-        nodes=None, proposed=None,
+        nodes=None, proposed=None, catch_up_ms=0.0,
     ) -> None:
         """One verify step: ``width`` its widest row's drafts, ``nodes`` the drafts verified in
         all (default: ``width`` for every row), ``proposed`` the widest row's drafts before the
-        width step cut them (default: ``width``), which is what ``draft_ms`` paid for."""
+        width step cut them (default: ``width``), which is what ``draft_ms`` paid for, and
+        ``catch_up_ms`` the part of ``draft_ms`` that committed backlogs of rows that had not
+        drafted (DraftProposal.catch_up_ms): on a probe it is the probe's cost, not drafting's."""
         drafted = np.asarray(num_drafted)
         accepted = np.asarray(num_accepted)
         self.acceptance.observe(drafted, accepted)
@@ -394,19 +401,26 @@ class GoodputPolicy:
         if width is None:
             width = int(drafted.max()) if drafted.size else 0
         width = int(width)
-        if self._costly_probe:
+        probe = self._costly_probe
+        if probe:
             self._costly_probe = False
             cost = draft_ms + max(0.0, verify_ms - self.costs.verify_ms(0))
             self._probe_ms = cost if self._probe_ms is None else 0.7 * self._probe_ms + 0.3 * cost
         # A draft's cost is measured whether or not the width step kept any of it: a costly
         # drafter whose drafts were all cut kept the prior's 0.05 ms per token, so ``choose_k``
         # went on asking a day-0 selfspec drafter for 4 tokens at 7-16 ms a draft.
+        # A probe's catch-up is the probe's cost (``_probe_ms``, which spaces the probes), not
+        # drafting's: priced with it, a learned drafter measured only on probes (64 skipped inputs
+        # to commit: ~15 ms for a one-token draft on 2 cores, against ~2.5 drafting every step)
+        # looked six times its cost and was never asked to draft again. The catch-up of a draft
+        # between probes (after a back-off) is what drafting on and off costs, and is priced.
+        steady_ms = max(0.0, float(draft_ms) - (float(catch_up_ms) if probe else 0.0))
         paid_for = width if proposed is None else max(int(proposed), width)
         if paid_for > 0:
-            self.costs.observe_draft(paid_for, draft_ms)
-        if batch is not None and draft_ms > 0:
+            self.costs.observe_draft(paid_for, steady_ms)
+        if batch is not None and steady_ms > 0:
             old = self._draft_ms.get(int(batch))
-            self._draft_ms[int(batch)] = draft_ms if old is None else 0.9 * old + 0.1 * float(draft_ms)
+            self._draft_ms[int(batch)] = steady_ms if old is None else 0.9 * old + 0.1 * steady_ms
         self.costs.observe_verify(width, verify_ms)
         if width == 0:
             self._k0_measured = True

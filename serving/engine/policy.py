@@ -24,6 +24,9 @@ class BatchState:
     """[B] int: tokens each row may still emit (max_tokens and context); a row drafts at most
     room - 1 tokens whatever k is."""
     drafter_kind: str | None = None
+    branches: int = 1
+    """Candidates per drafted position the drafter verifies (a learned drafter's token trees:
+    ``LearnedDrafter.branches``): a draft of k positions widens the verify by k x branches nodes."""
 
 
 @runtime_checkable

@@ -355,12 +355,13 @@ class TorchEngine(DrafterSwaps):
         drafter = self._drafter
         k = 0
         if drafter is not None and self.config.k > 0:
-            state = BatchState(batch, self.config.k, room, drafter.kind)
+            state = BatchState(batch, self.config.k, room, drafter.kind, getattr(drafter, "branches", 1))
             k = max(0, min(int(self.policy.choose_k(state)), self.config.k))
 
         t0 = time.perf_counter()
         plan = self._draft(rows, k, room)
-        proposed = plan.k  # drafted positions, before the width step cuts them
+        proposed = min(plan.k, k)  # drafted positions (a tree's nodes may be more), before the cut
+        catch_up_ms = plan.catch_up_ms
         plan = self._trim(plan, batch)
         t1 = time.perf_counter()
         last = torch.tensor([r.token_ids[-1] for r in rows], dtype=torch.long)  # [B]
@@ -419,7 +420,7 @@ class TorchEngine(DrafterSwaps):
         # lost looked like gains).
         try:
             self._observe(k, plan, tried, num_accepted, report, (time.perf_counter() - t1) * 1e3,
-                          proposed)
+                          proposed, catch_up_ms)
         except Exception:
             log.exception("speculation policy failed to observe a step")
         if finished:
@@ -435,7 +436,8 @@ class TorchEngine(DrafterSwaps):
             return DraftPlan.none(len(rows))
         try:
             proposal = drafter.propose([rows[b].view for b in ask], int(caps[ask].max()))
-            return plan_from_proposal(proposal, ask, caps, len(rows), self.vocab_size)
+            return plan_from_proposal(proposal, ask, caps, len(rows), self.vocab_size,
+                                      max_nodes=self.config.k)
         except Exception:
             self.drafter_errors += 1
             if self.drafter_errors <= 10 or self.drafter_errors % 1000 == 0:
@@ -457,10 +459,11 @@ class TorchEngine(DrafterSwaps):
         return trim_plan(plan, widths)
 
     def _observe(self, k: int, plan: DraftPlan, tried, num_accepted, report: VerifyBatch,
-                 step_ms: float, proposed: int) -> None:
+                 step_ms: float, proposed: int, catch_up_ms: float) -> None:
         """Policy: per-row verified path lengths (acceptance trials), the width that was paid
-        (``step_ms``: the step's milliseconds after the draft) and the drafted positions the
-        draft's milliseconds bought (``proposed``, before the width step's cut)."""
+        (``step_ms``: the step's milliseconds after the draft), the drafted positions the
+        draft's milliseconds bought (``proposed``, before the width step's cut) and the part of
+        them that committed backlogs (``catch_up_ms``)."""
         if getattr(self.policy, "choose_widths", None) is not None:
             self.policy.observe(
                 k,
@@ -472,6 +475,7 @@ class TorchEngine(DrafterSwaps):
                 batch=len(num_accepted),
                 nodes=int(plan.lengths.numpy().sum()),  # numpy: a torch op here took ~0.2 ms at batch 8
                 proposed=proposed,
+                catch_up_ms=catch_up_ms,
             )
         else:
             self.policy.observe(k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, step_ms)

@@ -17,11 +17,19 @@ from serving.drafters import build_drafter
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
 from serving.drafters.eagle import EagleDrafter
 from serving.drafters.hybrid import HybridDrafter, HybridPolicy
+from serving.drafters.learned import LearnedDrafter
 from serving.drafters.standalone import StandaloneDrafter
 from serving.target import tiny_target
 
 V, H, K = 256, 64, 4
 LAYERS = (1, 2, 3)
+
+
+@pytest.fixture(autouse=True)
+def chains(monkeypatch):
+    """Learned drafters draft chains in this module's tests (their references are chains); token
+    trees (``LearnedDrafter.branches`` > 1, serving's default) are tested in test_learned_trees.py."""
+    monkeypatch.setattr(LearnedDrafter, "branches", 1)
 
 
 @pytest.fixture(scope="module")

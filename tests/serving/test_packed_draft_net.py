@@ -29,7 +29,7 @@ def _bf16_target(seed: int):
 
 
 def _selfspec(target):
-    return build_drafter("selfspec", target, exit_layer=2, adapter_layers=1, draft_vocab_size=128)
+    return build_drafter("selfspec", target, exit_layer=2, adapter_layers=1, draft_vocab_size=128, branches=1)
 
 
 def _propose(drafter, seqs):
@@ -114,7 +114,7 @@ def test_a_trained_standalone_drafter_drafts_through_bf16_roundings():
     """Weights that are not exactly bf16 (a trained student's) are packed rounded: half the bytes;
     the drafts are those of the model with its weights rounded, the target's output untouched."""
     target = tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=5)
-    drafter = build_drafter("standalone", target, init="random", seed=1)
+    drafter = build_drafter("standalone", target, init="random", seed=1, branches=1)
     rounded = drafter.model
     reference = type(rounded)(rounded.config)
     reference.load_state_dict({k: v.bfloat16().float() for k, v in rounded.state_dict().items()})

@@ -165,7 +165,8 @@ def test_announced_version_swaps_in_while_requests_are_in_flight(
     # at least one request ran steps under both drafters, and every output is target-greedy
     assert any(steps.versions[r.request_id] == {"day0", good} for r in requests)
     _assert_lossless(target, results)
-    assert swapper.swaps == 1 and swapper.events[-1]["event"] == "swap"
+    # one swap, not rolled back (the watch of the new version may have kept it by now)
+    assert swapper.swaps == 1 and [e["event"] for e in swapper.events if e["event"] != "kept"][-1] == "swap"
 
 
 def test_champion_alias_is_polled_when_no_announcement_arrives(target, tmp_path, sqlite_registry):

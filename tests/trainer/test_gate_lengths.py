@@ -3,12 +3,14 @@ serving's cost model does."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from trainer.gate import GateConfig, learned_length, relative_costs, simulate
 
-CPU = GateConfig(k=4, verify_cost=1.7, draft_cost=0.088)  # measured on this 2-core CPU, 1 thread
+CPU = GateConfig(k=4, verify_cost=1.7, draft_cost=0.088, branches=1)  # measured on this 2-core CPU, 1 thread; chains
 
 
 @pytest.mark.parametrize("acceptance, cfg, length", [
@@ -24,7 +26,7 @@ def test_learned_length_matches_serving_hybrid():
     from serving.drafters.hybrid import HybridDrafter, HybridPolicy
 
     class Nothing:
-        version, feature_layers, kind = "x", (), "standalone"
+        version, feature_layers, kind, branches = "x", (), "standalone", CPU.branches
 
     for acceptance in (0.05, 0.2, 0.35, 0.6, 0.9):
         hybrid = HybridDrafter(Nothing(), Nothing(), HybridPolicy(prior_acceptance=acceptance, target_step_ms=1.0,
@@ -71,9 +73,44 @@ def test_measured_verify_costs_by_width_replace_the_line():
     """On a CPU a forward of 2 tokens costs ~1.2 steps though 5 cost ~1.36: charged along the line
     from 1 to 1.36, one draft token looks cheap enough to pay at acceptance 0.25; charged what it
     costs, it does not (1.25 tokens for 1.29 steps)."""
-    line = GateConfig(k=4, verify_cost=1.36, draft_cost=0.08)
-    measured = GateConfig(k=4, verify_cost=1.36, draft_cost=0.08, verify_costs=(1.21, 1.27, 1.32, 1.36))
+    line = GateConfig(k=4, verify_cost=1.36, draft_cost=0.08, branches=1)
+    measured = GateConfig(k=4, verify_cost=1.36, draft_cost=0.08, verify_costs=(1.21, 1.27, 1.32, 1.36), branches=1)
     assert relative_costs(measured).verify_ms(1) == pytest.approx(1.21)
     assert relative_costs(line).verify_ms(1) == pytest.approx(1.09)
     assert learned_length(0.25, line) == 1
     assert learned_length(0.25, measured) == 0
+
+
+def test_a_tree_adds_the_runner_up_where_the_chain_was_refused():
+    from trainer.students import tree_run_lengths
+
+    match = np.array([1, 1, 0, 1, 0, 0], dtype=bool)  # the greedy chain's token is the target's
+    in_top = np.array([1, 1, 1, 0, 0, 1], dtype=bool)  # the target's token is among the candidates
+    assert tree_run_lengths(match, in_top, 4).tolist() == [3, 2, 1, 1, 0, 1]
+    assert tree_run_lengths(match, in_top, 2).tolist() == [2, 2, 1, 1, 0, 1]  # no runner-up past the depth
+
+
+def test_a_student_scored_with_candidates_accepts_at_least_its_chain():
+    from trainer_tracegen import make_trace, tiny_lm
+
+    from trainer.students import StandaloneStudent
+
+    student = StandaloneStudent(tiny_lm(seed=3))
+    rec = make_trace("r", seed=2, out_len=30)
+    chain = student.evaluate(rec, 4).accept_at
+    tree = student.evaluate(rec, 4, branches=2).accept_at
+    everything = student.evaluate(rec, 4, branches=10_000).accept_at  # every token a candidate
+    assert (tree >= chain).all() and (tree <= np.minimum(chain + 1, 4)).all()
+    assert (everything == np.minimum(chain + 1, 4))[: len(chain) - 4].all()
+
+
+def test_a_tree_draft_is_charged_the_verify_of_its_nodes():
+    """One drafted position with its runner-up verifies two nodes: the length is chosen, and each
+    step charged, at that width (a chain of one would be charged one)."""
+    tree = replace(CPU, branches=2, verify_costs=(1.05, 1.1, 1.15, 1.2))
+    assert learned_length(0.35, tree) == 1
+    output = np.arange(60)
+    accept_at = np.where(np.arange(60) % 2 == 0, 1, 0)
+    _, steps, cost = simulate(output, output[:4], accept_at, tree, None, acceptance=0.35)
+    assert cost == pytest.approx(steps * (relative_costs(tree).verify_ms(2) + tree.draft_cost))
+    assert learned_length(0.35, replace(tree, verify_costs=(1.05, 1.4, 1.45, 1.5))) == 0  # two nodes too dear

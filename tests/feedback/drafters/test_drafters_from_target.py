@@ -110,7 +110,7 @@ def test_wrong_target_and_bad_vocab_are_refused(target, tmp_path):
 
 
 def test_drafter_proposes_the_assembled_models_greedy_chain_in_its_vocab(target):
-    drafter = build_drafter("selfspec", target, exit_layer=E, draft_vocab_size=128)
+    drafter = build_drafter("selfspec", target, exit_layer=E, draft_vocab_size=128, branches=1)  # a chain
     dv = drafter.model.selfspec_draft_vocab
     seq = torch.randint(0, V, (11,), generator=torch.Generator().manual_seed(2)).tolist()
     drafter.add_request(DraftRequestView("r", list(seq), len(seq) - 2), None)
