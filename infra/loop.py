@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
-from infra.measure import collect, median_ms
+from infra.measure import collect, median_ms, median_ratio
 from serving.engine.base import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -193,10 +193,14 @@ def _measure_costs(target, student, k: int, context: int) -> dict:
         cache = runner.new_cache(batch_size=1)
         runner.forward(cache, ids, logits_to_keep=1)
         cache.commit([context])
-        # Uncommitted forwards: each call overwrites the last one's keys and values.
-        step_ms = median_ms(lambda: runner.forward(cache, ids[:, :1]), iters=12, warmup=1)
-        verify_ms = [median_ms(lambda n=n: runner.forward(cache, ids[:, : n + 1]), iters=12, warmup=1)
-                     for n in range(1, k + 1)]  # 1..k drafts
+        # Uncommitted forwards: each call overwrites the last one's keys and values. Costs are
+        # ratios to a step timed right before each sample (median_ratio), not ratios of medians.
+        def step():
+            runner.forward(cache, ids[:, :1])
+
+        step_ms = median_ms(step, iters=12, warmup=1)
+        verify_costs = [median_ratio(lambda n=n: runner.forward(cache, ids[:, : n + 1]), step)
+                        for n in range(1, k + 1)]  # 1..k drafts
         # A promoted artifact records the student's draft vocabulary and serving reads the lm_head
         # at it (feedback/registry/artifact.py): charge that, through the drafter serving builds,
         # as the engine calls it each step: commit the token the last verify accepted, draft one.
@@ -217,9 +221,9 @@ def _measure_costs(target, student, k: int, context: int) -> dict:
         # drafts and evicts the drafter's weights from the CPU caches: time each draft after one.
         # Back to back, the drafter's weights partly stay in L3 and a draft looked 0.07 of a step
         # where serving measured 0.12.
-        draft_ms = median_ms(draft_token, iters=12, warmup=1, between=lambda: runner.forward(cache, ids[:, :1]))
-    return {"target_step_ms": step_ms, "verify_cost": verify_ms[-1] / step_ms,
-            "verify_costs": [v / step_ms for v in verify_ms], "draft_cost": draft_ms / step_ms}
+        draft_cost = median_ratio(draft_token, step)
+    return {"target_step_ms": step_ms, "verify_cost": verify_costs[-1],
+            "verify_costs": verify_costs, "draft_cost": draft_cost}
 
 
 def loop_settings(cfg: LoopConfig, stack, tag: str):
