@@ -38,16 +38,12 @@ def median_ratio(fn, base, iters: int = 12, warmup: int = 1) -> float:
     return float(np.median(ratios))
 
 
-def median_ms(fn, iters: int = 20, warmup: int = 3, between=None) -> float:
-    """Median wall milliseconds of ``fn()`` over ``iters`` calls, after ``warmup`` untimed ones.
-    ``between``: called untimed before each timed call (e.g. what serving runs between two drafts,
-    so that ``fn`` finds the caches as it does there, not warm from its own last call)."""
+def median_ms(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median wall milliseconds of ``fn()`` over ``iters`` calls, after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        if between is not None:
-            between()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)

@@ -90,6 +90,12 @@ class DraftProposal:
         )
 
 
+def chain_parents(rows: int, k: int) -> torch.Tensor:
+    """[rows, k] int64 draft-index parents of chains (draft j's parent is j - 1), writable: the
+    ``parents`` of rows that are chains in a proposal that also holds trees."""
+    return torch.arange(-1, k - 1).repeat(rows, 1)
+
+
 @runtime_checkable
 class Drafter(Protocol):
     kind: str

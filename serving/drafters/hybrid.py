@@ -44,7 +44,7 @@ from feedback.goodput import (
     suffix_goodput,
     suffix_preferred,
 )
-from serving.drafters.base import Drafter, DraftProposal, DraftRequestView
+from serving.drafters.base import Drafter, DraftProposal, DraftRequestView, chain_parents
 from serving.drafters.draft_tree import tree_trial
 from serving.engine.tree import path_confidence
 
@@ -278,10 +278,10 @@ class HybridDrafter:
             out.dists[rows] = lp.dists[src]
         if lp.parents is not None:  # learned trees (greedy rows) beside suffix trees or chains
             if out.parents is None:
-                out.parents = torch.arange(-1, out.k - 1).repeat(out.tokens.shape[0], 1)  # [B, k]
+                out.parents = chain_parents(out.tokens.shape[0], out.k)  # [B, k]
             out.parents[rows] = lp.parents[src]
         elif out.parents is not None:  # learned chains inside a proposal of suffix trees
-            out.parents[rows] = torch.arange(-1, out.k - 1).expand(len(take), -1)
+            out.parents[rows] = chain_parents(len(take), out.k)
         out.tokens[rows] = lp.tokens[src]
         out.lengths[rows] = lp.lengths[src]
         out.probs[rows] = lp.probs[src]
@@ -324,7 +324,7 @@ def _pad(p: DraftProposal, k: int) -> DraftProposal:
     if p.dists is not None:
         p.dists = torch.nn.functional.pad(p.dists[:, :k], (0, 0, 0, max(extra, 0)))
     if p.parents is not None:
-        chain = torch.arange(-1, k - 1).expand(p.tokens.shape[0], -1)  # padding columns: never drafted
+        chain = chain_parents(p.tokens.shape[0], k)  # padding columns: never drafted
         p.parents = torch.cat([p.parents[:, :k], chain[:, p.parents.shape[1]:]], dim=1)
     p.lengths = p.lengths.clamp(max=k)
     return p

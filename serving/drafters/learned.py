@@ -29,7 +29,7 @@ import torch
 
 from feedback.bus.trace import DrafterKind
 from feedback.goodput import LEARNED_BRANCHES
-from serving.drafters.base import DraftProposal, DraftRequestView
+from serving.drafters.base import DraftProposal, DraftRequestView, chain_parents
 from serving.drafters.draft_kv import BatchKV, Layout, RowState
 from serving.drafters.draft_tree import best_first_tree
 
@@ -177,7 +177,7 @@ class LearnedDrafter:
             out.lengths[idx] = n
             out.source[active] = np.uint8(self.source_kind)
             if parents is not None:  # rows that did not draft keep chain parents (length 0)
-                out.parents = torch.arange(-1, n - 1).repeat(batch, 1)  # [B, n]
+                out.parents = chain_parents(batch, n)  # [B, n]
                 out.parents[idx] = parents
             out.confidence = out.probs.clone()
             out.confidence[out.lengths == 0] = 0.0

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import DrafterKind
+from kernels.tree_verify import tree_depths
 from serving.drafters.base import DraftProposal
 
 
@@ -104,8 +105,11 @@ def plan_from_proposal(
         bad_par = (par < -1) | (par >= np.arange(kp)[None, :])  # [n, kp] a parent must come earlier
         lengths = np.minimum(lengths, _first_true(bad_par, kp))
     if (row_caps < kp).any():  # some row may not draft that deep (near its end): cut by depth
-        depth = (_depths(np.where(bad_par, -1, par)) if par is not None  # [n, kp]
-                 else np.broadcast_to(np.arange(1, kp + 1)[None, :], tok.shape))  # a chain's
+        if par is None:
+            depth = np.broadcast_to(np.arange(1, kp + 1)[None, :], tok.shape)  # [n, kp] a chain's
+        else:  # node space: the root first, a bad parent read as the root
+            nodes = np.concatenate([np.full((n, 1), -1), np.where(bad_par, -1, par) + 1], axis=1)
+            depth = tree_depths(torch.from_numpy(nodes)).numpy()[:, 1:]  # [n, kp]
         lengths = np.minimum(lengths, _first_true(depth > row_caps[:, None], kp))
     k = int(lengths.max()) if n else 0
     if k == 0:
@@ -146,17 +150,6 @@ def plan_from_proposal(
     return DraftPlan(torch.from_numpy(tokens), torch.from_numpy(full_lengths),
                      torch.from_numpy(probs), source, dists, parents, confidence,
                      float(proposal.catch_up_ms))
-
-
-def _depths(parents: np.ndarray) -> np.ndarray:
-    """[n, kp] draft-index parents (-1: a child of the last committed token) -> each node's depth
-    (1 for the root's children). Parents come before their children."""
-    depth = np.zeros(parents.shape, dtype=np.int64)
-    rows = np.arange(parents.shape[0])
-    for j in range(parents.shape[1]):
-        par = parents[:, j]
-        depth[:, j] = np.where(par >= 0, depth[rows, np.maximum(par, 0)], 0) + 1
-    return depth
 
 
 def _host(t) -> np.ndarray:
