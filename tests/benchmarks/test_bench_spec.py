@@ -49,7 +49,10 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
         plain = entry["plain_step_ms"]
         if plain["target_only"] and plain["speculative"]:  # scaled by the engines' plain steps
             expected = entry["speedup"] * plain["speculative"] / plain["target_only"]
-            assert abs(entry["speedup_at_equal_plain_step"] - expected) < 2e-3
+            # the plain steps are reported to 3 decimals (ms): a tiny model's ~0.3 ms step then
+            # carries ~0.2 % rounding, which the recomputed ratio inherits
+            rounding = 5e-4 / plain["speculative"] + 5e-4 / plain["target_only"]
+            assert abs(entry["speedup_at_equal_plain_step"] - expected) <= expected * rounding + 1e-4
         full = entry["speedup_at_full_batch"]  # the ratio over the steps that ran all b rows
         assert full is not None and full > 0 and entry["never_slower_at_full_batch"] == (full >= 0.97)
         for share in entry["tail_time_fraction"].values():
