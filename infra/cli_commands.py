@@ -1,9 +1,12 @@
-"""Registration of every CLI command on the apps infra/cli.py creates. Keep one line per command.
+"""Registration of every CLI command on the apps infra/cli.py creates. Keep one line per command;
+``specloop bench``'s commands are the ``specloop.bench`` entry points in pyproject.toml.
 
 The apps are passed in (not imported from infra.cli), so there is no import cycle and
 ``python -m infra.cli`` registers the same commands as the ``specloop`` entry point."""
 
 from __future__ import annotations
+
+from importlib.metadata import entry_points
 
 import typer
 
@@ -38,30 +41,22 @@ def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -
     trainer_cli.use_settings(_root.trainer_settings)
     app.command("train")(trainer_cli.train)
 
-    from benchmarks import bench_train  # light: heavy imports happen inside the command
-
-    bench_app.command("train")(bench_train.bench_train)
-    from benchmarks import bench_swap  # light: heavy imports happen inside the command
-
-    bench_app.command("swap")(bench_swap.bench_swap)
-
-    from benchmarks import cli as bench_cli
-
-    bench_app.command("spec")(bench_cli.spec)
-    bench_app.command("capture")(bench_cli.capture)
-
     from infra import demo as _demo  # light: heavy imports happen inside the command
 
     app.command("demo")(_demo.demo)
-    from benchmarks import bench_online  # light: heavy imports happen inside the command
+    register_benchmarks(bench_app)
 
-    bench_app.command("online")(bench_online.bench_online)
-    from benchmarks import bench_load  # light: heavy imports happen inside the command
 
-    bench_app.command("load")(bench_load.bench_load)
-    from benchmarks import bench_engine  # light: heavy imports happen inside the command
+BENCH_GROUP = "specloop.bench"
+"""The entry-point group (pyproject.toml) through which benchmarks/ adds ``specloop bench``'s
+commands: benchmarks sit on top of every package, so none of ours imports them by name."""
 
-    bench_app.command("engine")(bench_engine.bench_engine)
-    from benchmarks import bench_interference  # light: heavy imports happen inside the command
 
-    bench_app.command("interference")(bench_interference.bench_interference)
+def register_benchmarks(bench_app: typer.Typer) -> list[str]:
+    """Attach every installed ``specloop.bench`` entry point as ``specloop bench NAME``; returns the
+    names. Loading one imports its module, which keeps heavy imports inside the command."""
+    names = []
+    for ep in sorted(entry_points(group=BENCH_GROUP), key=lambda e: e.name):
+        bench_app.command(ep.name)(ep.load())
+        names.append(ep.name)
+    return names
