@@ -20,7 +20,8 @@
  * is: its weights were dequantised to bf16): a bf16 weight widened to fp32 is the same number, so
  * the FMA chains are the same and the results bit for bit those of fp32 panels, from half the
  * bytes. A single group of tokens widens each weight vector in registers; several groups widen a
- * chunk once into an fp32 buffer in L1 that they all read.
+ * chunk once into an fp32 buffer in L1 that they all read. int8 panels (a learned drafter's only:
+ * not exact) hold q with one scale per output, applied once to each output's chain.
  *
  * Parallel over panels on the process's worker threads (pool.h). Measured on a 2-core AMD
  * EPYC (Zen 4), the 30 layers + lm_head of SmolLM2-135M: 1 token ~18 ms (thin_linear ~20),
@@ -83,6 +84,23 @@ static inline vf load_bf16(const uint16_t *p) {
     return f;
 }
 
+/* A vector of VW int8 values widened to fp32 (exact). int8 panels (``packed_linear_fused_int8``)
+ * hold each output's weights as q * scale, |q| <= 127, one scale per output: the FMA chains run on
+ * q and the scale multiplies each output once, before the residual. A learned drafter's weights
+ * only (half the bytes of bf16: a draft token streams its layers and head from memory; a draft's
+ * numerics move its acceptance, never the output). */
+static inline vf load_i8(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vf f;
+    for (int i = 0; i < VW; i++) f[i] = (float)p[i];
+    return f;
+#endif
+}
+
 /* Rows [k0, k1) of one panel (outputs n0 .. n0+P) for R tokens of x, into the accumulators in
  * state [R][PV] (zeroed first when k0 == 0). wp points at row k0 of the panel, whose weights are
  * of type WT, read with LOAD; PF: rows prefetched ahead. */
@@ -111,7 +129,8 @@ static inline vf load_bf16(const uint16_t *p) {
  * flight */
 #define DEFINE_PANELS(R)                                                                     \
     DEFINE_PANEL(panel, float, load_f32, PREFETCH_ROWS, R)                                   \
-    DEFINE_PANEL(panel_bf16, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R)
+    DEFINE_PANEL(panel_bf16, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R)                      \
+    DEFINE_PANEL(panel_i8, int8_t, load_i8, 4 * PREFETCH_ROWS, R)
 
 DEFINE_PANELS(1)
 DEFINE_PANELS(2)
@@ -139,11 +158,38 @@ static const panel_bf16_fn PANELS_BF16[RMAX + 1] = {0, panel_bf16_1, panel_bf16_
 #endif
 };
 
+typedef void (*panel_i8_fn)(const float *, const int8_t *, vf *, long, long, long);
+static const panel_i8_fn PANELS_I8[RMAX + 1] = {0, panel_i8_1, panel_i8_2, panel_i8_3,
+#if RMAX > 3
+                                                panel_i8_4, panel_i8_5, panel_i8_6,
+                                                panel_i8_7, panel_i8_8, panel_i8_9
+#endif
+};
+
+/* Panel weights: fp32, bf16, or int8 with one fp32 scale per output. */
+enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
+
+/* Rows [k0, k1) of a chunk widened to fp32 into buf. */
+static void widen_chunk(int kind, const void *w, float *buf, long k0, long k1) {
+    for (long i = 0; i < (k1 - k0) * P; i += VW) {
+        if (kind == W_BF16) {
+            const uint16_t *wh = w;
+            __builtin_prefetch(wh + (k0 + 2 * PREFETCH_ROWS) * P + i, 0, 1);
+            *(vf *)(buf + i) = load_bf16(wh + k0 * P + i);
+        } else {
+            const int8_t *wq = w;
+            __builtin_prefetch(wq + (k0 + 4 * PREFETCH_ROWS) * P + i, 0, 1);
+            *(vf *)(buf + i) = load_i8(wq + k0 * P + i);
+        }
+    }
+}
+
 /* One panel for all T tokens: groups of RMAX, CHUNK_GROUPS at a time sharing each chunk. The
- * panel is fp32 (wp) or bf16 (wh, wp NULL). With bf16 and several groups, each chunk is widened
- * once into buf, which the groups then read as an fp32 panel. */
-static void panel_all(const float *x, const float *wp, const uint16_t *wh, const float *res,
-                      float *y, long T, long N, long K, long n0) {
+ * panel w holds weights of `kind` (W_I8: `scales`, its P outputs' scales). With bf16 or int8 and
+ * several groups, each chunk is widened once into buf, which the groups then read as an fp32
+ * panel. */
+static void panel_all(const float *x, int kind, const void *w, const float *scales,
+                      const float *res, float *y, long T, long N, long K, long n0) {
     vf state[CHUNK_GROUPS][RMAX * PV];
     float buf[KC * P] __attribute__((aligned(64)));
     long first[CHUNK_GROUPS + 1];
@@ -155,30 +201,35 @@ static void panel_all(const float *x, const float *wp, const uint16_t *wh, const
         long step = groups > 1 ? KC : K; /* one group: one pass, no chunks needed */
         for (long k0 = 0; k0 < K; k0 += step) {
             long k1 = k0 + step < K ? k0 + step : K;
-            const float *rows = wp ? wp + k0 * P : buf;
-            if (!wp && groups > 1) /* widen the chunk once for every group */
-                for (long i = 0; i < (k1 - k0) * P; i += VW) {
-                    __builtin_prefetch(wh + (k0 + 2 * PREFETCH_ROWS) * P + i, 0, 1);
-                    *(vf *)(buf + i) = load_bf16(wh + k0 * P + i);
-                }
+            const float *rows = kind == W_F32 ? (const float *)w + k0 * P : buf;
+            if (kind != W_F32 && groups > 1) widen_chunk(kind, w, buf, k0, k1); /* once for all */
             for (long g = 0; g < groups; g++) {
                 long t0 = first[g], r = first[g + 1] - t0;
-                if (!wp && groups == 1)
-                    PANELS_BF16[r](x + t0 * K, wh + k0 * P, state[g], K, k0, k1);
+                if (kind == W_BF16 && groups == 1)
+                    PANELS_BF16[r](x + t0 * K, (const uint16_t *)w + k0 * P, state[g], K, k0, k1);
+                else if (kind == W_I8 && groups == 1)
+                    PANELS_I8[r](x + t0 * K, (const int8_t *)w + k0 * P, state[g], K, k0, k1);
                 else
                     PANELS[r](x + t0 * K, rows, state[g], K, k0, k1);
             }
         }
         for (long g = 0; g < groups; g++) {
             long t0 = first[g], r = first[g + 1] - t0;
+            if (scales) {
+                vf sv[PV];
+                for (int j = 0; j < PV; j++) __builtin_memcpy(&sv[j], scales + j * VW, sizeof(vf));
+                for (long t = 0; t < r; t++)
+                    for (int j = 0; j < PV; j++) state[g][t * PV + j] *= sv[j];
+            }
             store_rows((const float *)state[g], P, res ? res + t0 * N : NULL, y + t0 * N, r, N, n0);
         }
     }
 }
 
 struct job {
-    const float *x, *g, *wp, *res, *in;
-    const uint16_t *wh;
+    const float *x, *g, *res, *in;
+    const void *w;
+    int kind;
     float *h, *y;
     float eps;
     int prologue;
@@ -193,27 +244,31 @@ static void run(void *ctx, int id, int n) {
         for (long t = lo; t < hi; t++) prologue_row(j->x, j->prologue, j->g, j->eps, j->h, t, j->K);
         spl_barrier(n); /* h is complete before any panel reads it */
     }
-    spl_range((j->N + P - 1) / P, id, n, &lo, &hi);
+    long count = (j->N + P - 1) / P;
+    static const long bytes[] = {sizeof(float), sizeof(uint16_t), sizeof(int8_t)};
+    long panel_bytes = j->K * P * bytes[j->kind];
+    /* int8: the scales follow the panels, P per panel */
+    const float *scales = j->kind == W_I8 ? (const float *)((const char *)j->w + count * panel_bytes) : NULL;
+    spl_range(count, id, n, &lo, &hi);
     for (long p = lo; p < hi; p++)
-        panel_all(j->in, j->wp ? j->wp + p * j->K * P : NULL, j->wp ? NULL : j->wh + p * j->K * P,
+        panel_all(j->in, j->kind, (const char *)j->w + p * panel_bytes, scales ? scales + p * P : NULL,
                   j->res, j->y, j->T, j->N, j->K, p * P);
 }
 
 /* y [T, N] = prologue(x) @ w^T (+ res [T, N] when not NULL). x [T, K] (PROLOGUE_SWIGLU: [T, 2K]),
  * g [K] the norm weight (PROLOGUE_RMSNORM), panels [ceil(N/P), K, P] (packed_linear.py): fp32
  * (wp) or bf16 (wh; wp NULL); all contiguous. Returns 0, or -1 on bad arguments. */
-static int fused(const float *x, int prologue, const float *g, float eps, const float *wp,
-                 const uint16_t *wh, const float *res, float *y, long T, long N, long K,
-                 int threads) {
+static int fused(const float *x, int prologue, const float *g, float eps, int kind, const void *w,
+                 const float *res, float *y, long T, long N, long K, int threads) {
     if (T < 1 || N < 1 || K < 1 || threads < 1 || prologue < 0 || prologue > 2) return -1;
     if (prologue == PROLOGUE_RMSNORM && !g) return -1;
-    if (!wp && !wh) return -1;
+    if (!w) return -1;
     float *h = NULL;
     if (prologue != PROLOGUE_NONE) {
         h = malloc(sizeof(float) * T * K);
         if (!h) return -1;
     }
-    struct job j = {x, g, wp, res, h ? h : x, wh, h, y, eps, prologue, T, N, K};
+    struct job j = {x, g, res, h ? h : x, w, kind, h, y, eps, prologue, T, N, K};
     spl_parallel(run, &j, threads);
     free(h);
     return 0;
@@ -221,14 +276,23 @@ static int fused(const float *x, int prologue, const float *g, float eps, const 
 
 int packed_linear_fused(const float *x, int prologue, const float *g, float eps, const float *wp,
                         const float *res, float *y, long T, long N, long K, int threads) {
-    return fused(x, prologue, g, eps, wp, NULL, res, y, T, N, K, threads);
+    return fused(x, prologue, g, eps, W_F32, wp, res, y, T, N, K, threads);
 }
 
 /* The same with bf16 panels (each weight exactly a bf16 value; results equal fp32 panels'). */
 int packed_linear_fused_bf16(const float *x, int prologue, const float *g, float eps,
                              const uint16_t *wh, const float *res, float *y, long T, long N,
                              long K, int threads) {
-    return fused(x, prologue, g, eps, NULL, wh, res, y, T, N, K, threads);
+    return fused(x, prologue, g, eps, W_BF16, wh, res, y, T, N, K, threads);
+}
+
+/* The same with int8 panels, [ceil(N/P), K, P] int8 followed by ceil(N/P) x P fp32 scales: output
+ * n is scale[n] x (its FMA chain over the int8 weights), then the residual. Not fp32-exact against
+ * the weights it was quantised from: for drafters (kernels/packed_linear.py, pack_int8). */
+int packed_linear_fused_int8(const float *x, int prologue, const float *g, float eps,
+                             const int8_t *wq, const float *res, float *y, long T, long N,
+                             long K, int threads) {
+    return fused(x, prologue, g, eps, W_I8, wq, res, y, T, N, K, threads);
 }
 
 /* Outputs per panel: the packing's P (48 with AVX-512, 32 otherwise). */

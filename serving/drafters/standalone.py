@@ -84,6 +84,13 @@ class StandaloneNet:
         return thin_linear(self.model.model.norm(hidden), self.head_weight)  # [B, Vd]
 
 
+DRAFT_INT8 = True
+"""Whether a packed draft net serves int8 panels (``PackedLinear.pack_int8``): a one-token draft
+streams its layers and head from memory, so half the bytes of bf16 is most of a draft's price; on
+the pre-trained selfspec drafter's held-out answers top-1/2 agreement with the target moved by at
+most 0.006 (ARCHITECTURE.md, "Drafts from int8 panels")."""
+
+
 class PackedDraftNet:
     """DraftNet over specloop's own Llama forward (serving/engine/llama_forward.py): the target's
     decode path, for a drafter of a few layers. Every projection is a packed bf16 panel read by
@@ -95,13 +102,16 @@ class PackedDraftNet:
     packed panels where the engine has built them."""
 
     def __init__(self, model: LlamaForCausalLM, draft_vocab: torch.Tensor | None = None,
-                 target: torch.nn.Module | None = None, bf16: bool = True):
+                 target: torch.nn.Module | None = None, bf16: bool = True, int8: bool | None = None):
         """``bf16``: pack the bf16 roundings of weights that are not exactly bf16 (half the bytes);
-        else fp32 panels for them."""
+        else fp32 panels for them (the weights exactly). ``int8`` (default: ``DRAFT_INT8`` where
+        ``bf16``, i.e. where rounding is allowed): int8 panels for every projection and the head,
+        the shared layers included (their own copies)."""
         cfg = model.config
         self.model = model.eval()
         self.vocab_map = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
-        self.forward = LlamaForward.for_drafter(model, head_rows=self.vocab_map, target=target, bf16=bf16)
+        self.forward = LlamaForward.for_drafter(model, head_rows=self.vocab_map, target=target, bf16=bf16,
+                                                int8=DRAFT_INT8 and bf16 if int8 is None else int8)
         self.num_layers = int(cfg.num_hidden_layers)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(self.forward.head_dim)

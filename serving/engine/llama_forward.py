@@ -117,13 +117,17 @@ class LlamaForward:
 
     @classmethod
     def for_drafter(cls, model: torch.nn.Module, head_rows: torch.Tensor | None = None,
-                    target: torch.nn.Module | None = None, bf16: bool = True) -> LlamaForward:
+                    target: torch.nn.Module | None = None, bf16: bool = True,
+                    int8: bool = False) -> LlamaForward:
         """A learned drafter's forward (a Llama LM of a few layers, e.g. the target's first layers
         and an adapter): every projection packed (``bf16``: the bf16 roundings of weights that are
         not exactly bf16), the lm_head at ``head_rows``, and the layers it shares with ``target``
-        read from the target's own packed panels where the engine has built them."""
-        return cls(model, reuse=cls.existing(target) if target is not None else None,
-                   round_to_bf16=bf16, round_activations=bf16, head_rows=head_rows)
+        read from the target's own packed panels where the engine has built them. ``int8``: every
+        projection and the head as int8 panels instead (``PackedLinear.pack_int8``, half the bytes
+        a draft token streams; shared layers get their own int8 copies)."""
+        return cls(model, reuse=cls.existing(target) if target is not None and not int8 else None,
+                   round_to_bf16=bf16, round_activations=bf16, head_rows=head_rows,
+                   int8_panels=int8)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -141,7 +145,7 @@ class LlamaForward:
         self, model: torch.nn.Module, thin_max: int | None = None, native: bool | None = None,
         bf16_panels: bool = True, amx: bool = True, *, reuse: LlamaForward | None = None,
         round_to_bf16: bool = False, round_activations: bool = False,
-        head_rows: torch.Tensor | None = None,
+        head_rows: torch.Tensor | None = None, int8_panels: bool = False,
     ):
         """native: serve the projections through kernels.packed_linear (None = where it builds and
         the weights are fp32 on the CPU; the packed copies replace the fused row-major ones);
@@ -158,7 +162,8 @@ class LlamaForward:
         AMX tiles (``PackedLinear.rounded``: a third of the multiplies, projections 2-3x faster
         from 32 tokens on, so a drafter commits a request's history 1.4-1.9x faster; the reused
         target layers' panels are read that way too);
-        ``head_rows``, read the lm_head at these rows only (a draft vocabulary)."""
+        ``head_rows``, read the lm_head at these rows only (a draft vocabulary); ``int8_panels``,
+        pack every projection and the head as int8 panels (a drafter's: not exact)."""
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
         cfg = model.config
@@ -182,6 +187,7 @@ class LlamaForward:
         self.amx = amx
         self.round_to_bf16 = round_to_bf16
         self.round_activations = round_activations
+        self.int8_panels = int8_panels
         self.native_attention = wanted and native_attention.available()
         self.layers = []
         self.layer_keys: list[tuple] = [_layer_key(layer) for layer in inner.layers]
@@ -228,6 +234,10 @@ class LlamaForward:
     def _served(self, w: torch.Tensor) -> torch.Tensor | PackedLinear:
         """A projection's weight as the forward reads it: packed panels on the native path (a
         copy; the model keeps its own), else row-major."""
+        if self.int8_panels and self.native:
+            packed = PackedLinear.pack_int8(w.float())
+            if packed is not None:
+                return packed
         if self.round_to_bf16 and w.dtype == torch.float32:
             w = w.to(torch.bfloat16).float()
         packed = PackedLinear.pack(w, bf16=self.bf16_panels, amx=self.amx) if self.native else None

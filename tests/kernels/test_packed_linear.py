@@ -250,3 +250,45 @@ def test_rounded_is_the_weight_itself_off_the_tiles():
                    PackedLinear.pack(torch.randn(64, 64, generator=g), amx=True)):
         if packed is not None:
             assert packed.rounded() is packed
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 3, 9, 10, 19, 70, 80])
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 584), (1, 20)])
+def test_int8_panels_compute_with_the_weights_they_quantise_to(tokens, n, k):
+    """int8 panels (a drafter's): one scale per output row, |q| <= 127, within half a step of the
+    weight; every prologue and the residual as with the other layouts; a token's result does not
+    depend on how many tokens share the call (chunks and passes included); half of bf16's bytes."""
+    g = torch.Generator().manual_seed(tokens * 31 + n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[0, 0] = 0.4  # an outlier sets row 0's scale
+    packed = PackedLinear.pack_int8(w)
+    assert packed.layout == "int8" and packed.rounded() is packed
+    deq = packed.unpacked()  # [N, K] q x s
+    step = w.abs().amax(dim=1, keepdim=True) / 127  # [N, 1]
+    assert bool(((deq - w).abs() <= step / 2 + 1e-7).all())
+    assert torch.allclose(deq / step, (deq / step).round(), atol=1e-3)  # multiples of the scale
+    width = pl.panel_width()
+    assert packed.nbytes == -(-n // width) * width * (k + 4)
+
+    x = torch.randn(tokens, 2 * k, generator=g)
+    res = torch.randn(tokens, n, generator=g)
+    norm = torch.rand(k, generator=g) + 0.5
+    cases = [
+        (packed(x[:, :k]), F.linear(x[:, :k], deq)),
+        (packed(x[:, :k], residual=res), F.linear(x[:, :k], deq) + res),
+        (packed.normed(x[:, :k], norm, 1e-5), F.linear(F.rms_norm(x[:, :k], (k,), norm, 1e-5), deq)),
+        (packed.swiglu(x, residual=res), F.linear(F.silu(x[:, :k]) * x[:, k:], deq) + res),
+    ]
+    for got, want in cases:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    alone = torch.cat([packed(x[i : i + 1, :k]) for i in range(tokens)])
+    assert torch.equal(alone, packed(x[:, :k]))
+
+
+@needs_native
+def test_int8_packing_refuses_what_it_cannot_serve():
+    assert PackedLinear.pack_int8(torch.randn(4, 8, dtype=torch.float64)) is None
+    assert PackedLinear.pack_int8(torch.randn(8)) is None
+    zero = PackedLinear.pack_int8(torch.zeros(3, 16))  # an all-zero row: no division by zero
+    assert torch.equal(zero(torch.randn(2, 16)), torch.zeros(2, 3))

@@ -1,10 +1,16 @@
-"""PackedDraftNet: learned drafts on the target's decode path (packed panels, native attention,
-the layers shared with the target read from the target's own panels)."""
+"""PackedDraftNet: learned drafts on the target's decode path (packed panels, native attention).
+With bf16 panels the layers shared with the target are the target's own panels; with int8 panels
+(the default, ``DRAFT_INT8``) every projection and the head are the drafter's own int8 copies,
+and the drafts are those of the model at its int8 weights."""
+
+import copy
 
 import pytest
 import torch
 
+from kernels.packed_linear import PackedLinear
 from serving.drafters import build_drafter
+from serving.drafters import standalone as standalone_mod
 from serving.drafters.base import DraftRequestView
 from serving.drafters.standalone import PackedDraftNet
 from serving.engine.llama_forward import LlamaForward
@@ -16,6 +22,12 @@ pytestmark = pytest.mark.skipif(
     not PackedDraftNet.supports(tiny_target(vocab_size=V, hidden_size=64).model),
     reason="native kernels not built",
 )
+
+
+@pytest.fixture
+def bf16_panels(monkeypatch):
+    """Draft nets built with bf16 panels (``DRAFT_INT8`` off)."""
+    monkeypatch.setattr(standalone_mod, "DRAFT_INT8", False)
 
 
 def _bf16_target(seed: int):
@@ -75,7 +87,7 @@ def _seqs():
     return {f"r{i}": torch.randint(0, V, (n,), generator=g).tolist() for i, n in enumerate((9, 23, 4))}
 
 
-def test_selfspec_drafts_read_the_targets_own_panels_and_match_its_forward():
+def test_selfspec_drafts_read_the_targets_own_panels_and_match_its_forward(bf16_panels):
     target = _bf16_target(seed=3)
     runner = ModelRunner(target.model, target.device)  # the engine packs the target first
     assert runner.fast is not None and LlamaForward.existing(target.model) is runner.fast
@@ -98,7 +110,7 @@ def test_selfspec_drafts_read_the_targets_own_panels_and_match_its_forward():
         torch.testing.assert_close(p.probs[row], torch.tensor(probs), rtol=1e-4, atol=1e-5)
 
 
-def test_a_drafter_built_before_the_engine_packs_its_own_layers_and_drafts_the_same():
+def test_a_drafter_built_before_the_engine_packs_its_own_layers_and_drafts_the_same(bf16_panels):
     target = _bf16_target(seed=4)
     assert LlamaForward.existing(target.model) is None
     alone = _selfspec(target)  # nothing to share yet: its own panels of layers 0-1
@@ -110,7 +122,7 @@ def test_a_drafter_built_before_the_engine_packs_its_own_layers_and_drafts_the_s
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
 
 
-def test_a_trained_standalone_drafter_drafts_through_bf16_roundings():
+def test_a_trained_standalone_drafter_drafts_through_bf16_roundings(bf16_panels):
     """Weights that are not exactly bf16 (a trained student's) are packed rounded: half the bytes;
     the drafts are those of the model with its weights rounded, the target's output untouched."""
     target = tiny_target(vocab_size=V, hidden_size=64, num_layers=4, seed=5)
@@ -124,3 +136,40 @@ def test_a_trained_standalone_drafter_drafts_through_bf16_roundings():
     for row, seq in enumerate(seqs.values()):
         toks, _ = _reference(reference, torch.arange(V), seq, _rounds(drafter.net))
         assert p.tokens[row].tolist() == toks
+
+
+def _at_int8(model):
+    """A copy of ``model`` whose every projection and lm_head hold their int8 quantisations (q x
+    s, one scale per output row, as ``PackedLinear.pack_int8`` packs them); the embedding as is."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for mod in ref.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight = torch.nn.Parameter(PackedLinear.pack_int8(mod.weight.float()).unpacked())
+    return ref.eval()
+
+
+def test_int8_drafts_are_the_models_own_at_its_int8_weights_and_leave_the_target_alone():
+    target = _bf16_target(seed=6)
+    runner = ModelRunner(target.model, target.device)
+    drafter = _selfspec(target)
+    net = drafter.net
+    assert standalone_mod.DRAFT_INT8 and isinstance(net, PackedDraftNet)
+    for i in range(3):  # shared layers too: the drafter's own int8 copies, not the target's panels
+        served = [w for w in net.forward.layers[i] if isinstance(w, PackedLinear)]
+        assert served and all(w.layout == "int8" for w in served)
+        assert _panels(net.forward.layers[i])[1] is not _panels(runner.fast.layers[i])[1]
+    assert net.forward.lm_head_served.layout == "int8" and net.forward.lm_head_served.out_features == 128
+    assert all(w.layout != "int8" for lay in runner.fast.layers for w in lay if isinstance(w, PackedLinear))
+    # half the bytes of the bf16 panels (plus a scale per output)
+    int8_bytes = net.forward.lm_head_served.nbytes
+    assert int8_bytes < 0.6 * PackedLinear.pack(net.forward.lm_head_served.unpacked()).nbytes
+
+    seqs = _seqs()
+    p = _propose(drafter, seqs)
+    reference = _at_int8(drafter.model)
+    for row, seq in enumerate(seqs.values()):
+        toks, probs = _reference(reference, net.vocab_map, seq, rounds=False)
+        assert p.tokens[row].tolist() == toks
+        # the kernel scales each output's sum once; the reference multiplies every weight first
+        torch.testing.assert_close(p.probs[row], torch.tensor(probs), rtol=1e-3, atol=1e-4)
