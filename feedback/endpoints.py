@@ -5,8 +5,11 @@ docker-compose.yml gives each container these names (``x-specloop-common``). ``E
 them; infra's settings tree (infra/settings.py) hands the same values to serving's and the
 trainer's settings, so a process started from the tree cannot disagree with its peers. A process
 may also have its own, more specific name for a setting (``SPECLOOP_TRAINER_TRACKING_URI``);
-``shared()`` accepts that first, then the shared name, then the field's own name (for keyword
-construction).
+``shared()`` accepts that first, then the shared name. Only these prefixed names are environment
+variables: a bare ``MODEL`` or ``DEV_MODE`` in a container's environment is not read. Keyword
+construction by field name (``TrainerSettings(model=...)``, what infra's tree does) comes from the
+settings class's ``validate_by_name``, not from an alias: pydantic-settings reads every alias as an
+environment variable name.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ DEFAULT_REDIS_NAMESPACE = "specloop"
 
 
 def shared(field: str, env: str, own_prefix: str | None = None) -> AliasChoices:
-    """Validation aliases for ``field``: ``<own_prefix><FIELD>`` (if given), the shared ``env``
-    name, then ``field`` itself."""
+    """Validation aliases for ``field``: ``<own_prefix><FIELD>`` (if given), then the shared
+    ``env`` name. Not ``field`` itself: an alias is also an environment variable name (case
+    insensitive), so a bare ``MODEL``/``TOPIC`` would be read; a class using these sets
+    ``validate_by_name=True`` so that ``field=...`` keywords still work."""
     names = [f"{own_prefix}{field.upper()}"] if own_prefix else []
-    return AliasChoices(*names, env, field)
+    return AliasChoices(*names, env)
 
 
 class Endpoints(BaseSettings):

@@ -13,14 +13,15 @@ from typing import Annotated
 import typer
 
 _MODEL = typer.Option(help="Target: SmolLM2-135M-Instruct (default) or a Hugging Face model dir.")
-_DRAFTER = typer.Option(help="Drafter kind: suffix (default) | eagle | standalone | hybrid.")
+_DRAFTER = typer.Option(help="Drafter kind: suffix (default) | eagle | standalone | selfspec | hybrid.")
 _DRAFTER_DIR = typer.Option(help="Drafter artifact directory (learned drafters); default: day-0.")
 _K = typer.Option(help="Maximum drafted tokens per verify step (0 = plain decoding).")
 _DTYPE = typer.Option(help="float32 (default) | bfloat16 | float16.")
 _DEVICE = typer.Option(help="Torch device (default cpu).")
 _THREADS = typer.Option(help="torch intra-op threads.")
 _ENGINE = typer.Option(
-    help="torch (default) | sglang (CUDA GPU; needs `pip install 'specloop[sglang]'`; its other "
+    # "\\[": Rich markup would take [sglang] for a style tag and drop it from the help
+    help="torch (default) | sglang (CUDA GPU; needs `pip install 'specloop\\[sglang]'`; its other "
     "settings are SPECLOOP_SGLANG_* variables, see README).")
 
 

@@ -9,11 +9,12 @@ only matter to SGLang, and settings that only TorchEngine can honour are refused
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from feedback import endpoints as ep
 from feedback.secrets import check_secret, check_uri_password
@@ -148,15 +149,16 @@ class ServingSettings(EngineChoice):
         "tokens per verify per domain, k, speculation-off fraction, estimated speedup, drifts, drafter "
         "changes) to an MLflow ops run, batched off the decode thread (serving/ops_observer.py).")
     ops_every_s: float = Field(10.0, gt=0, description="Seconds between ops-run metric points.")
-    api_keys: dict[str, str] = Field(
+    api_keys: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict, repr=False,
         description="API key -> tenant (JSON in SPECLOOP_API_KEYS). When set, every /v1 request "
         "needs `Authorization: Bearer <key>`; its tenant is the key's (a request naming another "
-        "tenant is refused with 403). Empty: local dev mode, the request's `tenant` field is used "
-        "as given.",
+        "tenant is refused with 403). Empty (unset, `{}` or an empty string, what "
+        "docker-compose.yml passes by default): local dev mode, the request's `tenant` field is "
+        "used as given.",
     )
     dev_mode: bool = Field(
-        False, validation_alias=AliasChoices("SPECLOOP_DEV_MODE", "dev_mode"),
+        False,  # SPECLOOP_DEV_MODE through env_prefix; no alias (an alias is an env var name too)
         description="Local dev mode: allows the published default secrets (admin token "
         "`change-me`, the `mlflow` database password) that are refused otherwise.",
     )
@@ -218,6 +220,19 @@ class ServingSettings(EngineChoice):
         "'{\"context_length\": 8192}'`); they override the ones derived from these settings. "
         "Unchecked: the contract (serving/sglang/contract.py) covers the derived ones only.",
     )
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _api_keys_json(cls, value: Any) -> Any:
+        """SPECLOOP_API_KEYS arrives as a string (NoDecode): JSON, or blank for no keys."""
+        if not isinstance(value, str):
+            return value
+        if not value.strip():
+            return {}
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f'SPECLOOP_API_KEYS is not JSON ({{"key": "tenant"}}): {exc}') from None
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> ServingSettings:

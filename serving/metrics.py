@@ -19,7 +19,8 @@ Series (``row`` = one request in one verify step):
     specloop_spec_draft_length             histogram of drafted tokens per row (the k chosen)
     specloop_spec_off_rows_total           rows verified with no draft (speculation off)
     (elsewhere: specloop_traces_shed_total{reason} in feedback/bus/kafka_sink.py, specloop_drafter_swaps_total
-    / _rollbacks_total in serving/swap.py, specloop_acceptance_drift_total{domain} in
+    / _rollbacks_total / _refused_total and specloop_drafter_live_accept_len{version} /
+    _live_acceptance_rate{version} in serving/live_acceptance.py, specloop_acceptance_drift_total{domain} in
     serving/ops_observer.py, specloop_loop_errors_total{loop} in feedback/background/supervise.py,
     specloop_traces_followed_total{result} in serving/trace_follow.py)
 

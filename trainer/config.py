@@ -3,6 +3,9 @@
 The shared endpoints (Kafka, Redis, MLflow), the target model, the tenant and the serving drafter
 kind are read under the names every process uses (feedback/endpoints.py; what docker-compose.yml
 gives both containers); ``SPECLOOP_TRAINER_<FIELD>`` still overrides them for the trainer alone.
+Only these prefixed names are read from the environment (never a bare ``MODEL`` or ``DEV_MODE``);
+``validate_by_name`` lets callers (infra's settings tree, tests) pass fields by name:
+``TrainerSettings(model=..., dev_mode=True)``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ _OWN = "SPECLOOP_TRAINER_"
 
 
 class TrainerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPECLOOP_TRAINER_")
+    model_config = SettingsConfigDict(env_prefix="SPECLOOP_TRAINER_", validate_by_name=True)
 
     model: str | None = Field(None, validation_alias=ep.shared("model", ep.MODEL, _OWN),
                               description="Target model (directory or the default's name); None = the default SmolLM2.")
@@ -80,7 +83,7 @@ class TrainerSettings(BaseSettings):
                                              "linear up to verify_cost.")
     hybrid: bool = Field(True, description="Gate inside the hybrid policy with the suffix drafter.")
     serve_drafter: Literal["suffix", "eagle", "standalone", "selfspec", "hybrid"] | None = Field(
-        None, validation_alias=AliasChoices(ep.DRAFTER, "serve_drafter"),
+        None, validation_alias=AliasChoices(ep.DRAFTER),
         description="The drafter kind serving runs (the one setting both sides read: "
         "SPECLOOP_DRAFTER). When set it decides what is trained and how it is gated: "
         "suffix/hybrid -> the learned drafter gated inside the hybrid with the suffix index (what "
@@ -90,7 +93,7 @@ class TrainerSettings(BaseSettings):
                           "the trainer's MLflow ops run (feedback/ops/ops_log.py).")
 
     dev_mode: bool = Field(
-        False, validation_alias=AliasChoices(ep.DEV_MODE, "dev_mode"),
+        False, validation_alias=ep.shared("dev_mode", ep.DEV_MODE, _OWN),
         description="Local dev mode: allows the published default secrets (e.g. the `mlflow` "
         "database password in tracking_uri) that are refused otherwise.")
 

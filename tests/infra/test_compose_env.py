@@ -22,6 +22,7 @@ def _env_of(service: str) -> dict[str, str]:
 def _read_names(settings_cls) -> set[str]:
     """Every environment variable a pydantic-settings class reads."""
     prefix = settings_cls.model_config.get("env_prefix", "")
+    by_name = settings_cls.model_config.get("validate_by_name", False)
     names = set()
     for name, field in settings_cls.model_fields.items():
         alias = field.validation_alias
@@ -29,7 +30,7 @@ def _read_names(settings_cls) -> set[str]:
             names |= {c.upper() for c in alias.choices if isinstance(c, str)}
         elif isinstance(alias, str):
             names.add(alias.upper())
-        else:
+        if alias is None or by_name:
             names.add(f"{prefix}{name}".upper())
     return names
 
@@ -51,7 +52,44 @@ def test_trainer_reads_the_endpoints_compose_gives_it(monkeypatch):
     assert s.redis_url == env[endpoints.REDIS_URL]
     assert s.tracking_uri == env[endpoints.MLFLOW_TRACKING_URI] == "http://mlflow:5000"
     assert s.model == env[endpoints.MODEL]  # `specloop train` needs no --model in compose
-    assert s.serve_drafter == env[endpoints.DRAFTER] and s.drafter == "eagle" and not s.hybrid
+    assert s.serve_drafter == env[endpoints.DRAFTER] and s.drafter == "standalone" and not s.hybrid
+
+
+def test_serving_and_the_trainer_gate_use_the_same_k(monkeypatch):
+    serving_env = {**_env_of("serving"), "SPECLOOP_ADMIN_TOKEN": "an-operator-chosen-token"}
+    serving = _load(monkeypatch, serving_env, ServingSettings)
+    trainer = _load(monkeypatch, _env_of("trainer"), TrainerSettings)
+    assert serving.k == trainer.k == 4
+    # one SPECLOOP_K on the host sets both
+    compose = COMPOSE_FILE.read_text()
+    assert compose.count("${SPECLOOP_K:-4}") == 2 and "SPECLOOP_TRAINER_K: ${SPECLOOP_K:-4}" in compose
+
+
+def test_trainer_checkpoints_land_on_its_scratch_volume(monkeypatch):
+    compose = yaml.safe_load(interpolate(COMPOSE_FILE.read_text()))
+    mounts = dict(v.split(":")[:2][::-1] for v in compose["services"]["trainer"]["volumes"])
+    trainer = _load(monkeypatch, _env_of("trainer"), TrainerSettings)
+    assert mounts["/scratch"] == "trainer-scratch"
+    assert trainer.checkpoint_dir == "/scratch/trainer-ckpt"
+
+
+def test_compose_default_drafter_is_one_sglang_serves_and_the_trainer_learns_without_features(monkeypatch):
+    """SGLang serving records no hidden states (trace_features is TorchEngine only), so the kind
+    both sides default to must be one the trainer distils from tokens and top-k alone: not eagle."""
+    serving_env = {**_env_of("serving"), "SPECLOOP_ADMIN_TOKEN": "an-operator-chosen-token"}
+    serving = _load(monkeypatch, serving_env, ServingSettings)
+    trainer = _load(monkeypatch, _env_of("trainer"), TrainerSettings)
+    assert serving.engine == "sglang" and not serving.trace_features
+    assert serving.drafter == trainer.drafter == "standalone"
+    assert serving.sglang_algorithm == "STANDALONE"
+
+
+@pytest.mark.parametrize(("given", "keys"), [("", {}), ('{"sk-live-4f9a7c": "acme"}', {"sk-live-4f9a7c": "acme"})])
+def test_api_keys_reach_serving_and_empty_means_none(monkeypatch, given, keys):
+    env = {**_env_of("serving"), "SPECLOOP_ADMIN_TOKEN": "an-operator-chosen-token"}
+    assert env["SPECLOOP_API_KEYS"] == ""  # compose's default
+    serving = _load(monkeypatch, {**env, "SPECLOOP_API_KEYS": given}, ServingSettings)
+    assert serving.api_keys == keys
 
 
 def test_serving_and_trainer_meet_on_the_same_endpoints(monkeypatch):

@@ -86,3 +86,45 @@ def test_the_cli_reads_serving_and_trainer_settings_through_the_tree(env):
     env(SPECLOOP_REDIS_NAMESPACE="shared-ns")
     assert serving_cli._settings(port=9001).redis_namespace == "shared-ns"
     assert trainer_cli._settings().redis_namespace == "shared-ns"
+
+
+BARE = {"DEV_MODE": "1", "MODEL": "x", "TOPIC": "x", "TENANT": "x", "GROUP_ID": "x",
+        "REDIS_URL": "redis://x:1/0", "TRACKING_URI": "sqlite:///x.db", "BOOTSTRAP_SERVERS": "x:1",
+        "REDIS_NAMESPACE": "x", "SERVE_DRAFTER": "eagle", "KAFKA_TOPIC": "x"}
+
+
+def test_bare_environment_names_are_not_settings(env):
+    """Only the documented SPECLOOP_* names are read: a container's own MODEL, TOPIC or DEV_MODE
+    (set for something else) changes nothing, and in particular does not turn dev mode on."""
+    from feedback.endpoints import Endpoints
+    from serving.config import ServingSettings
+    from trainer.config import TrainerSettings
+
+    env(**BARE, SPECLOOP_ADMIN_TOKEN="change-me")
+    with pytest.raises(ValueError, match="SPECLOOP_ADMIN_TOKEN"):
+        ServingSettings()
+    with pytest.raises(ValueError, match="SPECLOOP_ADMIN_TOKEN"):
+        SpecloopSettings.load()
+    assert Endpoints().model_fields_set == set()  # nothing read
+    t = TrainerSettings()
+    assert t.model_fields_set == set()
+    assert not t.dev_mode and t.model is None and t.serve_drafter is None and t.topic == "specloop.traces"
+
+
+def test_prefixed_names_and_keywords_still_set_them(env):
+    from serving.config import ServingSettings
+    from trainer.config import TrainerSettings
+
+    env(**BARE, SPECLOOP_DEV_MODE="1", SPECLOOP_MODEL="m", SPECLOOP_KAFKA_TOPIC="t",
+        SPECLOOP_DRAFTER="standalone", SPECLOOP_ADMIN_TOKEN="change-me")
+    assert ServingSettings().dev_mode  # dev mode on: the default token is accepted
+    t = TrainerSettings()
+    assert (t.dev_mode, t.model, t.topic, t.serve_drafter) == (True, "m", "t", "standalone")
+    tree = SpecloopSettings.load()
+    assert tree.serving.dev_mode and tree.trainer.dev_mode and tree.trainer.model == "m"
+    env(SPECLOOP_TRAINER_DEV_MODE="0", SPECLOOP_TRAINER_MODEL="own")  # the trainer's own names win
+    t = TrainerSettings()
+    assert (t.dev_mode, t.model) == (False, "own")
+    kw = TrainerSettings(model="k", topic="kt", dev_mode=False, serve_drafter="eagle")  # by field name
+    assert (kw.model, kw.topic, kw.dev_mode, kw.drafter) == ("k", "kt", False, "eagle")
+    assert not ServingSettings(dev_mode=False, admin_token="a-real-token-9f2c").dev_mode

@@ -8,12 +8,13 @@ validated and before any model is loaded.
 from __future__ import annotations
 
 import importlib.util
+from typing import get_args
 
 import pytest
 from typer.testing import CliRunner
 
 from infra.cli import app
-from serving.config import ServingSettings
+from serving.config import DrafterKindName, ServingSettings
 
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
 INSTALL = "pip install 'specloop[sglang]'"
@@ -58,3 +59,14 @@ def test_with_sglang_present_its_settings_are_checked_next(monkeypatch):
     result, out = run(["serve", "--engine", "sglang", "--drafter", "suffix"])
     assert result.exit_code == 2
     assert "drafter=eagle" in out and "drafter_dir is required" in out
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_names_the_sglang_extra_and_every_drafter_kind(command):
+    """Rich markup must not eat ``[sglang]`` from the install command, and --drafter lists every
+    kind the settings accept."""
+    result, out = run([command, "--help"])
+    assert result.exit_code == 0, out
+    assert INSTALL in out
+    drafter_help = out.split("--drafter ", 1)[1].split("--", 1)[0]
+    assert all(kind in drafter_help for kind in get_args(DrafterKindName)), drafter_help
