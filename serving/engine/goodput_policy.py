@@ -409,15 +409,19 @@ class GoodputPolicy:
         # A draft's cost is measured whether or not the width step kept any of it: a costly
         # drafter whose drafts were all cut kept the prior's 0.05 ms per token, so ``choose_k``
         # went on asking a day-0 selfspec drafter for 4 tokens at 7-16 ms a draft.
-        # A probe's catch-up is the probe's cost (``_probe_ms``, which spaces the probes), not
-        # drafting's: priced with it, a learned drafter measured only on probes (64 skipped inputs
-        # to commit: ~15 ms for a one-token draft on 2 cores, against ~2.5 drafting every step)
-        # looked six times its cost and was never asked to draft again. The catch-up of a draft
-        # between probes (after a back-off) is what drafting on and off costs, and is priced.
-        steady_ms = max(0.0, float(draft_ms) - (float(catch_up_ms) if probe else 0.0))
+        # The catch-up (committing a backlog: a new request's prompt, the inputs of steps the
+        # drafter sat out) is priced apart from the per-token cost. Folded into it, one prompt
+        # commit (~18 ms for 64 inputs on 2 cores, against ~2.5 ms for a one-token draft) made the
+        # first draft of a run read ~9 ms a token, and a drafter then measured only on probes
+        # never drafted again. A probe's catch-up is the probe's cost (``_probe_ms``, which spaces
+        # the probes); the others are what drafting on and off costs, amortised over the drafts
+        # (``CostModel.catch_up_ms_per_draft``).
+        steady_ms = max(0.0, float(draft_ms) - float(catch_up_ms))
         paid_for = width if proposed is None else max(int(proposed), width)
         if paid_for > 0:
             self.costs.observe_draft(paid_for, steady_ms)
+            if not probe:
+                self.costs.observe_catch_up(float(catch_up_ms))
         if batch is not None and steady_ms > 0:
             old = self._draft_ms.get(int(batch))
             self._draft_ms[int(batch)] = steady_ms if old is None else 0.9 * old + 0.1 * steady_ms

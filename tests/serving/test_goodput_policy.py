@@ -298,10 +298,37 @@ def test_a_probes_catch_up_is_not_charged_to_drafting():
                    catch_up_ms=12.5)
     assert probed.costs.draft_ms_per_token == pytest.approx(2.5)
     assert probed._probe_ms == pytest.approx(15.0 + 12.0 - 11.5)  # the probe itself cost it all
+    assert probed.costs.catch_up_ms_per_draft == 0.0
     between = GoodputPolicy(4, costs=CostModel(target_step_ms=11.5, verify_slope=0.02))
     between.observe(1, np.array([1]), np.array([1]), 6.0, 12.0, width=1, batch=1, nodes=1, proposed=1,
                     catch_up_ms=3.5)
-    assert between.costs.draft_ms_per_token == pytest.approx(6.0)
+    # the per-token price stays the draft's own; the catch-up is priced apart, amortised
+    assert between.costs.draft_ms_per_token == pytest.approx(2.5)
+    assert between.costs.catch_up_ms_per_draft == pytest.approx(3.5 / (0.98 * 16 + 1))
+    assert between.costs.draft_ms(1) == pytest.approx(2.5 + 3.5 / (0.98 * 16 + 1))
+
+
+def test_a_prompt_commit_does_not_price_drafting_out():
+    """A new request's first learned draft commits its prompt (~18 ms for 64 inputs on 2 cores,
+    against ~2.5 ms for the draft). Folded into the per-token price, the first draft of a run read
+    ~9 ms a token and the drafter never drafted again; priced apart and spread over the drafts, a
+    drafter accepted half the time keeps drafting, and the catch-up's price fades as drafts without
+    one follow (and comes back where the drafter keeps paying them: drafting on and off)."""
+    p = GoodputPolicy(4, costs=CostModel(target_step_ms=11.0, verify_slope=0.02), remeasure_every=10_000)
+    p.acceptance.value = 0.5
+    p.observe(2, np.array([2]), np.array([1]), 20.0, 11.6, width=2, batch=1, nodes=2, proposed=2,
+              catch_up_ms=17.6)  # the first draft: not a probe, it carried the prompt
+    assert p.costs.draft_ms_per_token == pytest.approx(1.2)
+    first = p.costs.catch_up_ms_per_draft
+    assert 0.0 < first < 17.6 / 10
+    assert p.choose_k(_state()) > 0
+    for _ in range(20):
+        p.observe(1, np.array([1]), np.array([1]), 1.5, 11.3, width=1, batch=1, nodes=1, proposed=1)
+    assert p.costs.catch_up_ms_per_draft < first / 2
+    on_and_off = CostModel()
+    for _ in range(40):
+        on_and_off.observe_catch_up(3.0)  # every draft commits the steps it sat out
+    assert on_and_off.catch_up_ms_per_draft > 2.0
 
 
 def test_a_costly_draft_is_spent_so_the_width_makes_the_most_of_it():
