@@ -4,6 +4,7 @@ trainer's exporter records it in the artifact and serving's loader reads the lm_
 import torch
 
 from infra.loop import make_student
+from kernels.packed_linear import PackedLinear
 from serving.swap import ArtifactDrafterLoader
 from serving.target import tiny_target
 from trainer.export import artifact_exporter
@@ -25,8 +26,15 @@ def test_served_drafter_reads_the_students_draft_vocabulary(tmp_path):
         w = student.model.get_output_embeddings().weight
         head = _served_head(net)
         assert head.shape == (128, w.shape[1])
-        # served in bf16: the rows' bf16 roundings (a draft's numerics move acceptance only)
-        assert torch.equal(head.float(), w[student.head_vocab].bfloat16().float())
+        # served rounded (a draft's numerics move acceptance only): the rows' int8 quantisation
+        # on the packed path (DRAFT_INT8), their bf16 roundings on the module path
+        rows = w[student.head_vocab].detach()
+        served = getattr(getattr(net, "forward", None), "lm_head_served", None)
+        if getattr(served, "layout", None) == "int8":
+            expected = PackedLinear.pack_int8(rows.float()).unpacked()
+        else:
+            expected = rows.bfloat16().float()
+        assert torch.equal(head.float(), expected)
 
 
 def _served_head(net) -> torch.Tensor:
