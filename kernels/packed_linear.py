@@ -109,6 +109,23 @@ def _amx_tiles(w: torch.Tensor) -> torch.Tensor:
         return t.permute(0, 3, 1, 4, 2, 5).contiguous()  # [p, kb, s, kp, nn, i]
 
 
+def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
+    """The FMA kernel's library where ``w`` is a 2-D fp32 CPU matrix and the kernel is built."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
+        return None
+    return _load()
+
+
+def _panel_layout(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w [N, K] -> panels [ceil(N/P), K, P] of ``dtype`` (zero-padded to whole panels)."""
+    n, k = w.shape
+    p = panel_width()
+    count = -(-n // p)
+    padded = torch.zeros(count * p, k, dtype=dtype)
+    padded[:n] = w
+    return padded.view(count, p, k).transpose(1, 2).contiguous()  # [N/P, K, P]
+
+
 class PackedLinear:
     """A weight ``w`` [N, K] as panels (zero-padded to whole panels): ``layout`` "fp32" or "bf16",
     [ceil(N/P), K, P]; "amx", [ceil(N/32), K/32, 2, 16, 16, 2] bf16 tiles; or "int8", one byte
@@ -139,22 +156,15 @@ class PackedLinear:
     def pack(cls, w: torch.Tensor, bf16: bool = True, amx: bool = False) -> PackedLinear | None:
         """Panels of ``w``: bf16 ones when ``bf16`` and every weight is exactly a bf16 value, AMX
         tiles of them when also ``amx`` and the machine has AMX (and K is a multiple of 32)."""
-        if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
-            return None
-        lib = _load()
+        lib = _lib_for(w)
         if lib is None:
             return None
         n, k = w.shape
         exact = bf16 and bf16_exact(w)
         if exact and amx and k % _AMX_K == 0 and (amx_lib := _load_amx()) is not None:
             return cls(_amx_tiles(w), n, k, "amx", amx_lib.packed_linear_fused_amx)
-        p = int(lib.packed_linear_panel_width())
-        count = -(-n // p)
-        with torch.no_grad():
-            dtype = torch.bfloat16 if exact else torch.float32
-            padded = torch.zeros(count * p, k, dtype=dtype)
-            padded[:n] = w  # exact either way
-            panels = padded.view(count, p, k).transpose(1, 2).contiguous()  # [N/P, K, P]
+        with torch.no_grad():  # exact either way
+            panels = _panel_layout(w, torch.bfloat16 if exact else torch.float32)  # [N/P, K, P]
         if exact:
             return cls(panels, n, k, "bf16", lib.packed_linear_fused_bf16)
         return cls(panels, n, k, "fp32", lib.packed_linear_fused)
@@ -166,21 +176,15 @@ class PackedLinear:
         learned drafter's weights only, where a draft token streams its layers and head from
         memory and its numerics move acceptance, never the output (on the pre-trained selfspec
         drafter's held-out answers top-1/2 agreement moved by at most 0.006 against bf16)."""
-        if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
-            return None
-        lib = _load()
+        lib = _lib_for(w)
         if lib is None:
             return None
         n, k = w.shape
-        p = int(lib.packed_linear_panel_width())
-        count = -(-n // p)
         with torch.no_grad():
             scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # [N]
             q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
-            padded = torch.zeros(count * p, k, dtype=torch.int8)
-            padded[:n] = q
-            panels = padded.view(count, p, k).transpose(1, 2).contiguous()  # [N/P, K, P]
-            scales = torch.zeros(count * p, dtype=torch.float32)
+            panels = _panel_layout(q, torch.int8)  # [N/P, K, P]
+            scales = torch.zeros(panels.shape[0] * panels.shape[2], dtype=torch.float32)
             scales[:n] = scale
             buf = torch.cat([panels.view(-1), scales.view(torch.int8)])  # panels, then scales
         return cls(buf, n, k, "int8", lib.packed_linear_fused_int8)
