@@ -153,8 +153,11 @@ class EagleStudent(Student):
 
     @torch.no_grad()
     def evaluate(self, record: TraceRecord, k: int, branches: int = 1) -> RecordEval:
-        """As StandaloneStudent.evaluate, for greedy chains only (``branches`` is not simulated
-        for the EAGLE head: its runners-up would need their own feature chains)."""
+        """As StandaloneStudent.evaluate: the accepted tokens of the greedy k-chain from each
+        output position, and with ``branches`` > 1 one more where the chain was refused and the
+        target's token was among that position's runners-up. A runner-up is a leaf of serving's
+        tree (serving/drafters/draft_tree.py), so it needs no feature chain of its own: its logits
+        are the refused position's."""
         main = build_examples(record, include_discard=False, max_len=self.max_len)[0]
         out = np.asarray(record.output_ids, dtype=np.int64)
         if main.features is None:  # no features: the head cannot draft here
@@ -162,7 +165,9 @@ class EagleStudent(Student):
         tokens, feats, ns = self._inputs([main], k)
         n = ns[0]
         outs = chain_hidden(self.model, tokens, feats, k)
-        preds = torch.stack([self.to_target_ids(self.model.compute_logits(h[0]).argmax(-1)) for h in outs])  # [k, n]
+        m = max(1, int(branches))
+        tops = torch.stack([self.to_target_ids(_top(self.model.compute_logits(h[0]), m)) for h in outs])  # [k, n, m]
+        preds = tops[..., 0]  # [k, n] the greedy chain
         # overlap at each accepted-path row, from depth 0 (real features)
         j = main.ctx_len - 2  # [R]
         ok = (j >= 0) & (j < n)
@@ -184,5 +189,12 @@ class EagleStudent(Student):
             a = 0
             while a < k and c + a < L and int(preds[a, jj]) == int(seq[c + a]):
                 a += 1
+            if m > 1 and a < k and c + a < L and bool((tops[a, jj] == seq[c + a]).any()):
+                a += 1  # the refused position's runner-up
             accept_at[p] = a
         return RecordEval(overlap=overlap, accept_at=accept_at)
+
+
+def _top(logits: torch.Tensor, m: int) -> torch.Tensor:
+    """[..., Vd] -> [..., m] draft ids, most likely first (m capped at the vocabulary)."""
+    return logits.topk(min(m, logits.shape[-1]), dim=-1).indices

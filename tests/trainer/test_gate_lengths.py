@@ -114,3 +114,26 @@ def test_a_tree_draft_is_charged_the_verify_of_its_nodes():
     _, steps, cost = simulate(output, output[:4], accept_at, tree, None, acceptance=0.35)
     assert cost == pytest.approx(steps * (relative_costs(tree).verify_ms(2) + tree.draft_cost))
     assert learned_length(0.35, replace(tree, verify_costs=(1.05, 1.4, 1.45, 1.5))) == 0  # two nodes too dear
+
+
+def test_an_eagle_student_scored_with_candidates_accepts_at_least_its_chain():
+    """The EAGLE head's trees are scored as serving drafts them: a runner-up is a leaf, read from
+    the refused position's logits, so it adds at most one token to the chain's run."""
+    from trainer_tracegen import VOCAB, make_trace
+
+    from feedback.drafters.models import eagle_from_target
+    from serving.target import tiny_target
+    from trainer.eagle_student import EagleStudent
+
+    target = tiny_target(vocab_size=VOCAB, hidden_size=32, num_layers=3, seed=11)
+    layers = (0, 1, 2)
+    head = eagle_from_target(target.model, feature_layers=layers, init="random", seed=3)
+    student = EagleStudent(head, depth=4)
+    rec = make_trace("r", seed=2, out_len=30, hidden=32 * len(layers))
+    chain = student.evaluate(rec, 4).accept_at
+    tree = student.evaluate(rec, 4, branches=2).accept_at
+    everything = student.evaluate(rec, 4, branches=10_000).accept_at  # every token a candidate
+    assert (tree >= chain).all() and (tree <= np.minimum(chain + 1, 4)).all()
+    scored = chain < 4  # positions where a refused level exists within the depth...
+    scored[-4:] = False  # ...and the trace goes on past it
+    assert scored.any() and (everything[scored] == chain[scored] + 1)[2:].all()
