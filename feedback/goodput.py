@@ -51,12 +51,6 @@ class CostModel:
     # Relative verify cost per extra verified position, from the measured 0.99/1.09/1.33 curve.
     verify_slope: float = 0.022
     ema: float = 0.1
-    catch_up_ms_per_draft: float = 0.0
-    """What a learned drafter pays per draft, on average, to commit backlogs (a new request's
-    prompt, the inputs of steps it sat out) beyond its per-token price: decayed sums of the
-    catch-ups over the drafts (``observe_catch_up``), starting from ``catch_up_prior_drafts``
-    drafts that paid none, so that one prompt commit (~18 ms for 64 tokens on a 2-core CPU) is
-    spread over a request's drafts rather than priced into every draft token."""
     catch_up_prior_drafts: float = 16.0
     catch_up_decay: float = 0.98
     _verify_obs: dict[int, float] = field(default_factory=dict)
@@ -86,12 +80,20 @@ class CostModel:
                 return
             self.draft_ms_per_token = (1 - self.ema) * self.draft_ms_per_token + self.ema * per_token
 
+    @property
+    def catch_up_ms_per_draft(self) -> float:
+        """What a learned drafter pays per draft, on average, to commit backlogs (a new request's
+        prompt, the inputs of steps it sat out) beyond its per-token price: decayed sums of the
+        catch-ups over the drafts (``observe_catch_up``), starting from ``catch_up_prior_drafts``
+        drafts that paid none, so that one prompt commit (~18 ms for 64 tokens on a 2-core CPU) is
+        spread over a request's drafts rather than priced into every draft token."""
+        return self._catch_up_sum / self._catch_up_drafts if self._catch_up_drafts else 0.0
+
     def observe_catch_up(self, ms: float) -> None:
         """One draft that committed ``ms`` of backlog (0 for most)."""
         drafts = self.catch_up_prior_drafts if self._catch_up_drafts is None else self._catch_up_drafts
         self._catch_up_sum = self.catch_up_decay * self._catch_up_sum + max(0.0, float(ms))
         self._catch_up_drafts = self.catch_up_decay * drafts + 1.0
-        self.catch_up_ms_per_draft = self._catch_up_sum / self._catch_up_drafts
 
     def draft_ms(self, k: int) -> float:
         """What a learned draft of ``k`` positions costs: its tokens and, amortised, its catch-ups."""

@@ -24,7 +24,7 @@ import torch
 
 from feedback.bus.trace import TraceRecord
 from trainer.examples import SequenceExample, bf16_bits_to_float32, build_examples
-from trainer.students import RecordEval, RowBatch, Student, topk_overlap
+from trainer.students import RecordEval, RowBatch, Student, top_candidates, topk_overlap
 
 
 def traffic_frequencies(records: list[TraceRecord], vocab_size: int, prompt_weight: float = 0.25) -> np.ndarray:
@@ -165,8 +165,8 @@ class EagleStudent(Student):
         tokens, feats, ns = self._inputs([main], k)
         n = ns[0]
         outs = chain_hidden(self.model, tokens, feats, k)
-        m = max(1, int(branches))
-        tops = torch.stack([self.to_target_ids(_top(self.model.compute_logits(h[0]), m)) for h in outs])  # [k, n, m]
+        tops = torch.stack([self.to_target_ids(top_candidates(self.model.compute_logits(h[0]), branches))
+                            for h in outs])  # [k, n, m]
         preds = tops[..., 0]  # [k, n] the greedy chain
         # overlap at each accepted-path row, from depth 0 (real features)
         j = main.ctx_len - 2  # [R]
@@ -189,12 +189,8 @@ class EagleStudent(Student):
             a = 0
             while a < k and c + a < L and int(preds[a, jj]) == int(seq[c + a]):
                 a += 1
-            if m > 1 and a < k and c + a < L and bool((tops[a, jj] == seq[c + a]).any()):
+            if tops.shape[-1] > 1 and a < k and c + a < L and bool((tops[a, jj] == seq[c + a]).any()):
                 a += 1  # the refused position's runner-up
             accept_at[p] = a
         return RecordEval(overlap=overlap, accept_at=accept_at)
 
-
-def _top(logits: torch.Tensor, m: int) -> torch.Tensor:
-    """[..., Vd] -> [..., m] draft ids, most likely first (m capped at the vocabulary)."""
-    return logits.topk(min(m, logits.shape[-1]), dim=-1).indices

@@ -60,6 +60,13 @@ def tree_run_lengths(match: np.ndarray, in_top: np.ndarray, cap: int) -> np.ndar
     return run + more
 
 
+def top_candidates(logits: torch.Tensor, branches: int) -> torch.Tensor:
+    """[..., Vd] -> [..., m] draft ids, most likely first: the greedy token (m = 1) or a tree
+    level's ``branches`` candidates (capped at the vocabulary), as serving drafts them."""
+    m = max(1, min(int(branches), logits.shape[-1]))
+    return logits.argmax(-1, keepdim=True) if m == 1 else logits.topk(m, dim=-1).indices
+
+
 def topk_overlap(q: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> torch.Tensor:
     """sum_{x in top-k} min(p(x), q(x)); q: [N, V] probs, ids: [N, T] (-1 = absent) -> [N]."""
     valid = topk_ids >= 0  # [N, T]
@@ -203,12 +210,10 @@ class StandaloneStudent(Student):
         # greedy prediction for every output position p (logit index P + p - 1 - cut)
         out = np.asarray(record.output_ids, dtype=np.int64)
         P = len(record.prompt_ids)
-        m = max(1, min(int(branches), logits.shape[-1]))
-        pred = np.full((len(out), m), -1, dtype=np.int64)
         first = max(0, cut - P + 1)  # output positions whose context survived truncation
         idx = torch.arange(first, len(out)) + P - 1 - cut
-        at_out = logits[idx]  # [n', Vd] predicting each output position
-        best = at_out.argmax(-1, keepdim=True) if m == 1 else at_out.topk(m, dim=-1).indices  # [n', m]
+        best = top_candidates(logits[idx], branches)  # [n', m] predicting each output position
+        pred = np.full((len(out), best.shape[-1]), -1, dtype=np.int64)
         pred[first:] = self.to_target_ids(best).numpy()
         in_top = (pred == out[:, None]).any(1)  # [n] (m = 1: the chain's match, which adds nothing)
         return RecordEval(overlap=overlap, accept_at=tree_run_lengths(pred[:, 0] == out, in_top, k))
