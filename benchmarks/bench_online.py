@@ -102,7 +102,7 @@ def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
     import tempfile
     from pathlib import Path
 
-    from feedback.drafters.models import StandaloneConfig
+    from feedback.drafters.standalone_lm import StandaloneConfig
     from feedback.registry.artifact import save_drafter
     from infra.loop import (
         FrozenDrafter,

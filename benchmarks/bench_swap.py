@@ -163,7 +163,7 @@ def _tiny_target():
 
 
 def _register_versions(target, tmp: Path, registry, tenant: str) -> list[str]:
-    from feedback.drafters.models import StandaloneConfig, standalone_from_target
+    from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
     from feedback.registry.artifact import save_drafter
 
     vocab = int(target.model.get_output_embeddings().weight.shape[0])

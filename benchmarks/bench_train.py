@@ -159,13 +159,9 @@ def run(args) -> dict:
 
     import torch
 
-    from feedback.drafters.models import (
-        day0_draft_vocab,
-        default_feature_layers,
-        eagle_from_target,
-        special_token_ids,
-        standalone_from_target,
-    )
+    from feedback.drafters.eagle_head import default_feature_layers, eagle_from_target
+    from feedback.drafters.standalone_lm import standalone_from_target
+    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from infra.prompts import interleave_categories, load_humaneval, load_mtbench, load_sharegpt
     from serving.target import load_target
     from trainer.distill import DistillConfig, Distiller

@@ -137,7 +137,7 @@ def make_selfspec_student(target, draft_vocab_size: int | None = None, exit_laye
     ``exit_layer`` layers shared, adapter = a copy of the next layer), same draft vocabulary; or
     the adapter of a pre-trained ``artifact``."""
     from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
-    from feedback.drafters.models import day0_draft_vocab, special_token_ids
+    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from trainer.students import SelfSpecStudent, selfspec_student_from_artifact
 
     if artifact is not None:
@@ -156,7 +156,8 @@ def make_student(target, draft_vocab_size: int | None = None, init: str = "targe
     """The trainer's student: serving's day-0 standalone drafter (the target's embeddings, first two
     layers, norm and lm_head), read at the same draft vocabulary serving uses; embeddings copied
     from the target stay frozen, random ones train."""
-    from feedback.drafters.models import day0_draft_vocab, special_token_ids, standalone_from_target
+    from feedback.drafters.standalone_lm import standalone_from_target
+    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from trainer.students import StandaloneStudent
 
     model = standalone_from_target(target.model, init=init).float()
@@ -325,7 +326,7 @@ class OnlineLoop:
     def _start_trainer(self) -> None:
         if self.cfg.drafter == "suffix":
             return  # nothing to train: the suffix index learns in the engine
-        from feedback.drafters.models import StandaloneConfig
+        from feedback.drafters.standalone_lm import StandaloneConfig
         from infra.root import trainer_loop_factory
         from trainer.actor import RemoteTrainer
 

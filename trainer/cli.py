@@ -37,13 +37,10 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
     ``init``: start from this selfspec artifact (checked against ``fingerprint``) instead."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from feedback.drafters.eagle_head import eagle_from_target
     from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
-    from feedback.drafters.models import (
-        day0_draft_vocab,
-        eagle_from_target,
-        special_token_ids,
-        standalone_from_target,
-    )
+    from feedback.drafters.standalone_lm import standalone_from_target
+    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from trainer.eagle_student import EagleStudent
     from trainer.students import SelfSpecStudent, StandaloneStudent
 
@@ -102,7 +99,7 @@ def train(
 
     from transformers import AutoConfig
 
-    from feedback.drafters.models import StandaloneConfig
+    from feedback.drafters.standalone_lm import StandaloneConfig
     from feedback.target.location import model_fingerprint
     from trainer.actor import start_actor
     from trainer.export import artifact_exporter
@@ -195,7 +192,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=cfg)
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
     if config is None:
-        from feedback.drafters.models import StandaloneConfig
+        from feedback.drafters.standalone_lm import StandaloneConfig
 
         config = StandaloneConfig.for_target(student.model.config)
     version = f"static-{int(time.time())}"

@@ -1,5 +1,5 @@
-"""The EAGLE student: an EagleHead (feedback/drafters/models.py) trained on the target features that
-traces carry, with a training-time test (EAGLE-3 style chain simulation).
+"""The EAGLE student: an EagleHead (feedback/drafters/eagle_head.py) trained on the target features
+that traces carry, with a training-time test (EAGLE-3 style chain simulation).
 
 Pairing (as the serving drafter): pair j = (f_j, x_{j+1}) predicts x_{j+2}, so the trace row with
 context length c (predicting x_c) is read at pair j = c - 2. The trace's ``hidden_states`` row t is
@@ -13,7 +13,7 @@ equal the head's own greedy tokens, and after the first miss nothing more counts
 gets each position's exact greedy accepted length from one depth-k pass.
 
 The draft vocabulary is the head's (``draft_to_target`` / ``target_to_draft``); choose it from
-traffic with ``traffic_frequencies`` + ``feedback.drafters.models.day0_draft_vocab``. Target top-k
+traffic with ``traffic_frequencies`` + ``feedback.drafters.vocab.day0_draft_vocab``. Target top-k
 entries outside it are ignored by the losses (the head can never propose them).
 """
 

@@ -27,7 +27,8 @@ from torch import nn
 from transformers import LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-from feedback.drafters.models import StandaloneConfig, checked_vocab_ids
+from feedback.drafters.standalone_lm import StandaloneConfig
+from feedback.drafters.vocab import checked_vocab_ids
 
 
 class SelfSpecConfig(StandaloneConfig):

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from feedback.drafters.eagle_head import EagleHead, EagleHeadConfig
 from feedback.drafters.from_target import SelfSpecAdapter, SelfSpecConfig
-from feedback.drafters.models import EagleHead, EagleHeadConfig, StandaloneConfig, build_standalone
+from feedback.drafters.standalone_lm import StandaloneConfig, build_standalone
 
 DrafterConfig = EagleHeadConfig | SelfSpecConfig | StandaloneConfig
 KINDS = ("eagle", "standalone", "selfspec")

@@ -33,9 +33,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from feedback.drafters.eagle_head import EagleHead
 from feedback.drafters.from_target import SelfSpecAdapter, adapter_of, check_draft_vocab
 from feedback.drafters.kinds import DrafterConfig, build_model, kind_of, parse_config
-from feedback.drafters.models import EagleHead, checked_vocab_ids
+from feedback.drafters.vocab import checked_vocab_ids
 from feedback.target.fingerprint import TargetFingerprint
 
 ARTIFACT_FORMAT_VERSION = 1

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from feedback.drafters.models import EagleHead
+from feedback.drafters.eagle_head import EagleHead
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from feedback.bus.trace import DrafterKind
-from feedback.drafters.models import EagleHead
+from feedback.drafters.eagle_head import EagleHead
 from serving.drafters.base import DraftRequestView
 from serving.drafters.draft_kv import RowState
 from serving.drafters.learned import LearnedDrafter

@@ -87,10 +87,10 @@ def _eagle(
     frequencies=None,
     seed: int = 0,
 ):
-    from feedback.drafters.models import (
+    from feedback.drafters.eagle_head import eagle_from_target
+    from feedback.drafters.vocab import (
         DEFAULT_DRAFT_VOCAB_SIZE,
         day0_draft_vocab,
-        eagle_from_target,
         special_token_ids,
     )
     from serving.drafters.eagle import EagleDrafter
@@ -119,7 +119,8 @@ def _standalone(
     seed: int = 0,
     draft_vocab_size: int | None = None,
 ):
-    from feedback.drafters.models import day0_draft_vocab, special_token_ids, standalone_from_target
+    from feedback.drafters.standalone_lm import standalone_from_target
+    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from serving.drafters.standalone import StandaloneDrafter
 
     meta = None
@@ -151,7 +152,7 @@ def _selfspec(
     draft_vocab_size: int | None = 16384,
 ):
     from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
-    from feedback.drafters.models import day0_draft_vocab, special_token_ids
+    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from serving.drafters.standalone import SelfSpecDrafter
 
     if artifact_dir is not None:

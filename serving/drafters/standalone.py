@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from feedback.bus.trace import DrafterKind
-from feedback.drafters.models import attend, draft_in_bf16, mlp
+from feedback.drafters.ops import attend, draft_in_bf16, mlp
 from kernels import decode_attention as native_attention
 from kernels import packed_linear
 from kernels.thin_linear import thin_linear

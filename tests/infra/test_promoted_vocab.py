@@ -11,7 +11,7 @@ from trainer.export import artifact_exporter
 
 
 def test_served_drafter_reads_the_students_draft_vocabulary(tmp_path):
-    from feedback.drafters.models import StandaloneConfig
+    from feedback.drafters.standalone_lm import StandaloneConfig
 
     target = tiny_target(vocab_size=300, hidden_size=64, num_layers=4)
     student = make_student(target, draft_vocab_size=128)

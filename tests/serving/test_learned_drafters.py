@@ -6,12 +6,8 @@ import torch
 from transformers import DynamicCache
 
 from feedback.bus.trace import DrafterKind
-from feedback.drafters.models import (
-    StandaloneConfig,
-    eagle_from_target,
-    gather_features,
-    standalone_from_target,
-)
+from feedback.drafters.eagle_head import eagle_from_target, gather_features
+from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
 from feedback.registry.artifact import DrafterArtifactError, save_drafter
 from serving.drafters import build_drafter
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView

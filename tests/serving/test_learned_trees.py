@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from feedback.bus.trace import DrafterKind
-from feedback.drafters.models import standalone_from_target
+from feedback.drafters.standalone_lm import standalone_from_target
 from serving.drafters.base import DraftRequestView
 from serving.drafters.draft_tree import best_first_tree, tree_trial
 from serving.drafters.hybrid import HybridDrafter, HybridPolicy

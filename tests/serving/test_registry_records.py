@@ -2,7 +2,7 @@
 
 import pytest
 
-from feedback.drafters.models import StandaloneConfig, standalone_from_target
+from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
 from feedback.registry.artifact import save_drafter
 from feedback.registry.drafter_registry import DrafterRegistry, model_name
 from serving.registry_records import RegistryRecords

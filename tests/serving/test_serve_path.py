@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from feedback.drafters.models import StandaloneConfig, standalone_from_target
+from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
 from feedback.registry.artifact import save_drafter
 from serving.builder import build_draft_loader, build_engine
 from serving.config import ServingSettings

@@ -16,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from feedback.control.plane import ControlPlane, ControlSettings, SwapAnnouncement
-from feedback.drafters.models import StandaloneConfig, standalone_from_target
+from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
 from feedback.registry.artifact import save_drafter
 from feedback.registry.drafter_registry import DrafterRegistry
 from feedback.target.fingerprint import TargetFingerprint

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from feedback.drafters.models import standalone_from_target
+from feedback.drafters.standalone_lm import standalone_from_target
 from serving.drafters.standalone import StandaloneDrafter
 from serving.engine import drafter_swap
 from serving.engine.base import GenerationRequest, SamplingParams

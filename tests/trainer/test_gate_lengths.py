@@ -121,7 +121,7 @@ def test_an_eagle_student_scored_with_candidates_accepts_at_least_its_chain():
     the refused position's logits, so it adds at most one token to the chain's run."""
     from trainer_tracegen import VOCAB, make_trace
 
-    from feedback.drafters.models import eagle_from_target
+    from feedback.drafters.eagle_head import eagle_from_target
     from serving.target import tiny_target
     from trainer.eagle_student import EagleStudent
 

@@ -77,12 +77,9 @@ def test_engine_traces_carry_features_and_rejections(engine_setup):
 
 @pytest.mark.parametrize("kind", ["standalone", "eagle"])
 def test_trainer_raises_heldout_acceptance_gate_promotes_and_version_reloads(engine_setup, tmp_path, kind):
-    from feedback.drafters.models import (
-        StandaloneConfig,
-        day0_draft_vocab,
-        eagle_from_target,
-        standalone_from_target,
-    )
+    from feedback.drafters.eagle_head import eagle_from_target
+    from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
+    from feedback.drafters.vocab import day0_draft_vocab
     from trainer.eagle_student import EagleStudent, traffic_frequencies
     from trainer.export import artifact_exporter
     from trainer.gate import score

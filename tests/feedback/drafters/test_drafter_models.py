@@ -5,15 +5,15 @@ import torch
 from safetensors import safe_open
 from transformers import DynamicCache
 
-from feedback.drafters.models import (
+from feedback.drafters.eagle_head import (
     EagleHead,
     EagleHeadConfig,
-    day0_draft_vocab,
     default_feature_layers,
     eagle_from_target,
     gather_features,
-    standalone_from_target,
 )
+from feedback.drafters.standalone_lm import standalone_from_target
+from feedback.drafters.vocab import day0_draft_vocab
 from feedback.registry.eagle3_export import export_eagle3
 from serving.target import tiny_target
 
@@ -172,7 +172,7 @@ def test_bf16_draft_weights_serve_drafts_and_training_keeps_the_real_weights():
     import pytest
     import torch
 
-    from feedback.drafters.models import draft_in_bf16, linear
+    from feedback.drafters.ops import draft_in_bf16, linear
     from kernels.thin_linear import available
 
     if not available():
@@ -195,29 +195,29 @@ def test_a_long_extend_with_bf16_draft_weights_stays_within_bf16_rounding(monkey
     import pytest
     import torch
 
-    from feedback.drafters import models
+    from feedback.drafters import ops
     from kernels.thin_linear import MAX_TOKENS, available
 
     if not available():
         pytest.skip("no native kernel: bf16 draft weights are not used")
     layer = torch.nn.Linear(64, 48, bias=False)
-    models.draft_in_bf16(torch.nn.Sequential(layer))
+    ops.draft_in_bf16(torch.nn.Sequential(layer))
     x = torch.randn(1, MAX_TOKENS + 9, 64)
     with torch.no_grad():
         exact = x @ layer.weight.T
-        y = models.linear(layer, x)
+        y = ops.linear(layer, x)
         assert y.dtype == torch.float32 and y.shape == exact.shape
         torch.testing.assert_close(y, exact, rtol=3e-2, atol=8e-2)
-        models._bf16_gemm.cache_clear()
+        ops._bf16_gemm.cache_clear()
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-        torch.testing.assert_close(models.linear(layer, x), exact, rtol=1e-5, atol=1e-5)
-    models._bf16_gemm.cache_clear()
+        torch.testing.assert_close(ops.linear(layer, x), exact, rtol=1e-5, atol=1e-5)
+    ops._bf16_gemm.cache_clear()
 
 
 def test_standalone_net_drafts_alike_in_bf16():
     import torch
 
-    from feedback.drafters.models import standalone_from_target
+    from feedback.drafters.standalone_lm import standalone_from_target
     from serving.drafters.standalone import StandaloneNet
     from serving.target import tiny_target
 
@@ -235,7 +235,7 @@ def test_standalone_net_drafts_alike_in_bf16():
 
 
 def test_gemm_row_buckets_are_few_and_waste_at_most_a_quarter():
-    from feedback.drafters.models import gemm_rows_bucket
+    from feedback.drafters.ops import gemm_rows_bucket
 
     sizes = {gemm_rows_bucket(n) for n in range(33, 1025)}
     assert all(n <= gemm_rows_bucket(n) <= 1.25 * n for n in range(1, 5000))
@@ -243,7 +243,7 @@ def test_gemm_row_buckets_are_few_and_waste_at_most_a_quarter():
 
 
 def test_bucketed_bf16_projection_equals_the_plain_one():
-    from feedback.drafters.models import _bf16_gemm_bucketed
+    from feedback.drafters.ops import _bf16_gemm_bucketed
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).bfloat16()

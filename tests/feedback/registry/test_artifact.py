@@ -4,12 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from feedback.drafters.models import (
-    EagleHead,
-    StandaloneConfig,
-    eagle_from_target,
-    standalone_from_target,
-)
+from feedback.drafters.eagle_head import EagleHead, eagle_from_target
+from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
 from feedback.registry.artifact import (
     CONFIG_FILE,
     DRAFT_VOCAB_FILE,

@@ -51,7 +51,7 @@ def test_missing_champion_is_a_clear_error(registry):
 
 
 def test_load_champion_validates_through_the_artifact(registry, tmp_path):
-    from feedback.drafters.models import StandaloneConfig, build_standalone
+    from feedback.drafters.standalone_lm import StandaloneConfig, build_standalone
     from feedback.registry.artifact import save_drafter
 
     cfg = StandaloneConfig(vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

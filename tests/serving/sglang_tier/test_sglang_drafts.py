@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from feedback.drafters.models import StandaloneConfig, build_standalone, eagle_from_target
+from feedback.drafters.eagle_head import eagle_from_target
+from feedback.drafters.standalone_lm import StandaloneConfig, build_standalone
 from feedback.registry.artifact import DrafterArtifactError, save_drafter
 from feedback.target.fingerprint import TargetFingerprint
 from serving.sglang.drafts import SGLangDraft, SGLangDraftLoader, artifact_tensors

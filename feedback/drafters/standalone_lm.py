@@ -1,0 +1,99 @@
+"""The standalone drafter: a plain ``transformers.LlamaForCausalLM`` with few layers on the
+target's tokenizer (what SGLang's STANDALONE runs); ``StandaloneConfig`` is its serialisable config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from feedback.drafters.ops import _rope_parameters
+
+
+class StandaloneConfig(BaseModel):
+    """A small Llama causal LM on the target's vocabulary (saved in the artifact's config.json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    rope_parameters: dict = Field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def for_target(
+        cls, target_config: LlamaConfig, num_layers: int = 2, vocab_size: int | None = None
+    ):
+        tc = target_config
+        return cls(
+            vocab_size=int(vocab_size or tc.vocab_size),
+            hidden_size=int(tc.hidden_size),
+            intermediate_size=int(tc.intermediate_size),
+            num_hidden_layers=int(num_layers),
+            num_attention_heads=int(tc.num_attention_heads),
+            num_key_value_heads=int(tc.num_key_value_heads),
+            head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads),
+            rms_norm_eps=float(tc.rms_norm_eps),
+            hidden_act=str(tc.hidden_act),
+            rope_parameters=_rope_parameters(tc),
+            max_position_embeddings=int(tc.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", True)),
+            bos_token_id=getattr(tc, "bos_token_id", None),
+            eos_token_id=getattr(tc, "eos_token_id", None),
+        )
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(**self.model_dump(), attention_bias=False, mlp_bias=False)
+
+
+def build_standalone(config: StandaloneConfig) -> LlamaForCausalLM:
+    return LlamaForCausalLM(config.llama_config()).eval()
+
+
+def standalone_from_target(
+    target_model: nn.Module,
+    *,
+    num_layers: int = 2,
+    init: Literal["target-layers", "random"] = "target-layers",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Day-0 standalone drafter. ``target-layers``: the target's embeddings, first ``num_layers``
+    decoder layers, final norm and lm_head copied (the pre-study's 2-layer draft); ``random``:
+    fresh HF initialisation."""
+    tc = target_model.config
+    vocab = int(target_model.get_output_embeddings().weight.shape[0])
+    cfg = StandaloneConfig.for_target(tc, num_layers=num_layers, vocab_size=vocab)
+    torch.manual_seed(seed)
+    model = build_standalone(cfg)
+    if init == "target-layers":
+        if num_layers > tc.num_hidden_layers:
+            raise ValueError(f"target has only {tc.num_hidden_layers} layers")
+        src = target_model.state_dict()
+        own = model.state_dict()
+        with torch.no_grad():
+            for name, t in own.items():
+                if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+                    continue
+                if name in src and src[name].shape == t.shape:
+                    t.copy_(src[name])
+                elif name != "lm_head.weight" or not cfg.tie_word_embeddings:
+                    raise ValueError(f"target has no tensor {name} of shape {tuple(t.shape)}")
+    elif init != "random":
+        raise ValueError(f"unknown standalone init {init!r} (target-layers | random)")
+    return model.to(target_model.get_output_embeddings().weight.dtype).eval()
