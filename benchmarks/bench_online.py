@@ -104,7 +104,7 @@ def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
 
     from feedback.drafters.standalone_lm import StandaloneConfig
     from feedback.registry.artifact import save_drafter
-    from infra.loop import (
+    from infra.day0 import (
         FrozenDrafter,
         learned_kind,
         make_selfspec_student,

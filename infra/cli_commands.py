@@ -13,11 +13,11 @@ import typer
 
 def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -> None:
 
-    from infra import stack as _stack  # light: stdlib, pydantic, typer
+    from infra import stack_cli as _stack_cli  # light: stdlib, pydantic, typer
 
-    stack_app.command("up")(_stack.cmd_up)
-    stack_app.command("down")(_stack.cmd_down)
-    stack_app.command("status")(_stack.cmd_status)
+    stack_app.command("up")(_stack_cli.cmd_up)
+    stack_app.command("down")(_stack_cli.cmd_down)
+    stack_app.command("status")(_stack_cli.cmd_status)
 
     from infra import topology as _topology  # light: yaml, pydantic, typer
 

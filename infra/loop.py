@@ -11,7 +11,9 @@ trainer runs in a local Ray actor (trainer/actor.py), a process of its own at lo
 its Python never holds serving's GIL, and builds the loop ``specloop train`` runs inside the worker.
 
 Requests are served one after another (latency-bound decoding, where speculation pays), each one a
-``Point`` (tokens, wall time, tokens per verify step, live drafter version).
+``Point`` (tokens, wall time, tokens per verify step, live drafter version). The day-0 drafter and
+the trainer's first student come from infra/day0.py; the costs the gate charges are measured by
+infra/costs.py.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
-from infra.measure import collect, median_ms, median_ratio
+from infra.costs import measure_costs
+from infra.day0 import (
+    FrozenDrafter,
+    day0_drafter,
+    learned_kind,
+    make_selfspec_student,
+    make_student,
+)
+from infra.measure import collect
 from serving.engine.base import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -70,8 +80,8 @@ class LoopConfig:
     """The trainer process runs this much nicer than serving: it trains on capacity serving leaves."""
     gate_costs: dict | None = None
     """``{"draft_cost": .., "verify_cost": ..}`` (x one target step) the gate's simulation charges;
-    None: measured here at start (``measure_costs``). Tests with tiny models, whose timings mean
-    nothing, pass their own."""
+    None: measured here at start (``infra.costs.measure_costs``). Tests with tiny models, whose
+    timings mean nothing, pass their own."""
 
 
 @dataclass
@@ -89,142 +99,6 @@ class Point:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
-
-
-class FrozenDrafter:
-    """A drafter whose global state stops learning: finished outputs are not indexed."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def remove_request(self, request_id, output_ids):
-        self.inner.remove_request(request_id, None)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
-def day0_drafter(kind: str, target, draft_vocab_size: int | None = None, init: str = "target-layers",
-                 selfspec: dict | None = None, artifact: str | None = None):
-    """The drafter serving starts with. ``hybrid`` starts as the suffix drafter alone: an untrained
-    learned drafter only costs draft time (day-0 acceptance ~0.01), so the learned half joins at
-    the first promotion (the Swapper's loader wraps the running suffix drafter into the hybrid).
-    With a pre-trained selfspec ``artifact``, the learned drafter (the hybrid's learned half) is
-    that one from the first request."""
-    from serving.drafters.factory import build_drafter
-
-    if artifact is not None and kind == "hybrid":
-        return build_drafter("hybrid", target, artifact, learned="selfspec")
-    if artifact is not None and kind == "standalone":
-        return build_drafter("selfspec", target, artifact)
-    if kind == "hybrid":
-        return build_drafter("suffix", target)
-    if kind == "standalone" and init == "selfspec":
-        return build_drafter("selfspec", target, draft_vocab_size=draft_vocab_size, **(selfspec or {}))
-    if kind == "standalone":
-        return build_drafter("standalone", target, draft_vocab_size=draft_vocab_size, init=init)
-    return build_drafter(kind, target)
-
-
-def learned_kind(cfg: LoopConfig) -> str:
-    """The artifact kind the trainer publishes for this loop."""
-    return "selfspec" if cfg.day0_init == "selfspec" or cfg.day0_artifact else "standalone"
-
-
-def make_selfspec_student(target, draft_vocab_size: int | None = None, exit_layer: int = 2,
-                          adapter_layers: int = 1, artifact: str | None = None):
-    """The trainer's selfspec student: serving's day-0 selfspec drafter (the target's first
-    ``exit_layer`` layers shared, adapter = a copy of the next layer), same draft vocabulary; or
-    the adapter of a pre-trained ``artifact``."""
-    from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
-    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
-    from trainer.students import SelfSpecStudent, selfspec_student_from_artifact
-
-    if artifact is not None:
-        return selfspec_student_from_artifact(artifact, target.model, target.fingerprint)
-
-    vocab = None
-    if draft_vocab_size is not None:
-        v = int(target.model.get_output_embeddings().weight.shape[0])
-        vocab = day0_draft_vocab(v, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config))
-    adapter = selfspec_adapter_from_target(target.model, exit_layer=exit_layer, adapter_layers=adapter_layers,
-                                           draft_vocab=vocab)
-    return SelfSpecStudent(assemble(adapter.float(), target.model), adapter.config)
-
-
-def make_student(target, draft_vocab_size: int | None = None, init: str = "target-layers"):
-    """The trainer's student: serving's day-0 standalone drafter (the target's embeddings, first two
-    layers, norm and lm_head), read at the same draft vocabulary serving uses; embeddings copied
-    from the target stay frozen, random ones train."""
-    from feedback.drafters.standalone_lm import standalone_from_target
-    from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
-    from trainer.students import StandaloneStudent
-
-    model = standalone_from_target(target.model, init=init).float()
-    vocab = None
-    if draft_vocab_size is not None:
-        v = int(model.get_output_embeddings().weight.shape[0])
-        vocab = day0_draft_vocab(v, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config))
-    return StandaloneStudent(model, head_vocab=vocab, train_embeddings=init != "target-layers")
-
-
-def measure_costs(target, student, k: int, context: int = 256) -> dict:
-    """On this machine, relative to one target decode step at ``context``: one draft token of
-    ``student`` (at its draft vocabulary, as a promoted version is served) and a verify forward of
-    2..k+1 tokens (``verify_costs``; ``verify_cost`` is the k+1 one), all timed on
-    the paths serving runs (TorchEngine's ModelRunner; the learned drafter serving builds, its
-    whole ``propose`` of one token) and on a thread set up as its step thread, so the gate's
-    simulation charges what serving pays and promotes only drafters that pay here."""
-    from kernels.threads import on_a_step_thread
-
-    return on_a_step_thread(lambda: _measure_costs(target, student, k, context))
-
-
-def _measure_costs(target, student, k: int, context: int) -> dict:
-    import copy
-
-    from serving.drafters.base import DraftRequestView
-    from serving.drafters.standalone import StandaloneDrafter
-    from serving.engine.model_runner import ModelRunner
-
-    ids = torch.randint(0, min(1000, int(target.model.config.vocab_size)), (1, context))
-    model = copy.deepcopy(student.model).to(target.model.get_output_embeddings().weight.dtype).eval()
-    with torch.inference_mode():
-        runner = ModelRunner(target.model, target.device)
-        cache = runner.new_cache(batch_size=1)
-        runner.forward(cache, ids, logits_to_keep=1)
-        cache.commit([context])
-        # Uncommitted forwards: each call overwrites the last one's keys and values. Costs are
-        # ratios to a step timed right before each sample (median_ratio), not ratios of medians.
-        def step():
-            runner.forward(cache, ids[:, :1])
-
-        step_ms = median_ms(step, iters=12, warmup=1)
-        verify_costs = [median_ratio(lambda n=n: runner.forward(cache, ids[:, : n + 1]), step)
-                        for n in range(1, k + 1)]  # 1..k drafts
-        # A promoted artifact records the student's draft vocabulary and serving reads the lm_head
-        # at it (feedback/registry/artifact.py): charge that, through the drafter serving builds,
-        # as the engine calls it each step: commit the token the last verify accepted, draft one.
-        # The whole propose(): its bookkeeping around the net is part of what a draft costs.
-        drafter = StandaloneDrafter(model, draft_vocab=student.head_vocab, target=target.model)
-        history = ids[0].tolist()
-        drafter.add_request(DraftRequestView("gate", history, context))
-        drafter.propose([DraftRequestView("gate", history, context)], 1)  # commits the history
-        accepted = iter(ids[0].tolist() * 2)
-
-        def draft_token():
-            token = next(accepted)
-            history.append(token)
-            drafter.on_verified("gate", [token], None)
-            drafter.propose([DraftRequestView("gate", history, context)], 1)
-
-        # In serving a target forward (270 MB of packed weights for SmolLM2) runs between two
-        # drafts and evicts the drafter's weights from the CPU caches: time each draft after one.
-        # Back to back, the drafter's weights partly stay in L3 and a draft looked 0.07 of a step
-        # where serving measured 0.12.
-        draft_cost = median_ratio(draft_token, step)
-    return {"target_step_ms": step_ms, "verify_cost": verify_costs[-1],
-            "verify_costs": verify_costs, "draft_cost": draft_cost}
 
 
 def loop_settings(cfg: LoopConfig, stack, tag: str):

@@ -1,4 +1,5 @@
-"""Small measuring helpers shared by the closed loop (infra/loop.py) and the benchmarks."""
+"""Small measuring helpers shared by the closed loop (infra/loop.py), the gate's cost measurement
+(infra/costs.py) and the benchmarks."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Each service runs in its own process group on a free loopback port. What was started is recorded
 in ``<run_dir>/stack.json`` (pid, process start time, ports), so ``specloop stack up`` in one shell
 and ``specloop stack down`` in another work, and stopping never signals a recycled pid.
-The pytest fixtures (tests/conftest.py) use the same class.
+The pytest fixtures (tests/conftest.py) use the same class. The process, port and health helpers
+are in infra/processes.py; ``specloop stack``'s commands in infra/stack_cli.py.
 """
 
 from __future__ import annotations
@@ -13,19 +14,28 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-import typer
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from infra.processes import (
+    _alive,
+    _check,
+    _group_members,
+    _http_ok,
+    _kill_group,
+    _redis_ping,
+    _start_time,
+    _tail,
+    _tcp_open,
+)
 
 SERVICES = ("broker", "redis", "mlflow", "s3")
 Storage = Literal["memory", "s3"]
@@ -277,155 +287,3 @@ class Stack:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(state, indent=2))
                 tmp.replace(path)
-
-
-# ---- process helpers ---------------------------------------------------------------------------
-
-def _proc_stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rindex(")") + 2:].split()  # fields from 3 (state) on; comm may hold spaces
-
-
-def _start_time(pid: int) -> int | None:
-    """Start time of a live (non-zombie) process, None if there is none with this pid."""
-    stat = _proc_stat(pid)
-    return int(stat[19]) if stat and stat[0] != "Z" else None  # field 22
-
-
-def _alive(pid: int, start_time: int) -> bool:
-    return _start_time(pid) == start_time
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            stat = _proc_stat(int(entry.name))
-            if stat and stat[0] != "Z" and int(stat[2]) == pgid:
-                members.append(int(entry.name))
-    return members
-
-
-def _kill_group(pgid: int, grace_s: float, child: subprocess.Popen | None) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if child is not None:
-                child.poll()  # reap our own child so it does not linger as a zombie
-            if not _group_members(pgid):
-                if child is not None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        child.wait(timeout=1.0)
-                return
-            time.sleep(0.05)
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-# ---- health checks -----------------------------------------------------------------------------
-
-def _tcp_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def _redis_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
-
-
-def _check(name: str, info: ServiceInfo) -> bool:
-    if name.startswith("serving"):
-        return _http_ok(f"{info.url}/health")
-    if name.startswith("trainer"):
-        return _alive(info.pid, info.start_time)  # no port: alive is healthy
-    if name == "redis":
-        return _redis_ping(info.port)
-    if name == "mlflow":
-        return _http_ok(f"{info.url}/health")
-    if name == "s3":
-        return _http_ok(info.url)
-    return _tcp_open(info.port)
-
-
-# ---- CLI (registered in infra/cli_commands.py) -------------------------------------------------
-
-RunDirOption = Annotated[Path | None, typer.Option(
-    help="State/log directory (default: $SPECLOOP_STACK_RUN_DIR or ~/.specloop/stack).")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-
-
-def cmd_up(
-    services: Annotated[str, typer.Option(help="Comma-separated: broker, redis, mlflow, s3.")]
-    = "broker,redis,mlflow",
-    storage: Annotated[str, typer.Option(help="Broker storage: memory or s3.")] = "memory",
-    run_dir: RunDirOption = None,
-    json_out: JsonOption = False,
-) -> None:
-    """Start the services on free loopback ports (those already running are kept)."""
-    names = tuple(s.strip() for s in services.split(",") if s.strip())
-    unknown = [n for n in names if n not in SERVICES]
-    if unknown or storage not in ("memory", "s3"):
-        raise typer.BadParameter(f"unknown service(s) {unknown} or storage {storage!r}")
-    stack = Stack(run_dir, StackSettings(storage=storage))
-    try:
-        info = stack.up(names)
-    except ServiceStartError as e:
-        typer.echo(f"stack up failed: {e}", err=True)
-        raise typer.Exit(1) from e
-    _print_info(info, json_out)
-
-
-def cmd_down(run_dir: RunDirOption = None) -> None:
-    """Stop every service recorded in the run directory."""
-    stopped = Stack(run_dir).down()
-    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
-
-
-def cmd_status(run_dir: RunDirOption = None, json_out: JsonOption = False) -> None:
-    """Health of each recorded service; exits 1 if any is down."""
-    stack = Stack(run_dir)
-    health = stack.status()
-    info = stack.info()
-    if json_out:
-        typer.echo(json.dumps({"healthy": health, **info.model_dump(exclude={"services"})}))
-    else:
-        for name, ok in health.items():
-            typer.echo(f"{name:7s} {'healthy' if ok else 'DOWN'}")
-        _print_info(info, False)
-    if not all(health.values()):
-        raise typer.Exit(1)
-
-
-def _print_info(info: StackInfo, json_out: bool) -> None:
-    if json_out:
-        typer.echo(info.model_dump_json(exclude={"services"}))
-        return
-    for key, value in info.env().items():
-        typer.echo(f"export {key}={value}")

@@ -35,7 +35,9 @@ import typer
 import yaml
 from pydantic import BaseModel
 
-from infra.stack import RunDirOption, Stack, StackInfo, _http_ok, free_port
+from infra.processes import _http_ok
+from infra.stack import Stack, StackInfo, free_port
+from infra.stack_cli import RunDirOption
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 SGLANG_ONLY = ("SPECLOOP_ENGINE", "SPECLOOP_DRAFTER_DIR", "SPECLOOP_DEVICE", "SGLANG_PLUGINS")

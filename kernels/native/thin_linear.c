@@ -22,7 +22,7 @@
 #define T_CHUNK 3        /* tokens per pass: 8 x 3 accumulators + 8 weight vectors in registers */
 #define ROW_BLOCK 32     /* rows of w kept hot in L2 while every chunk of tokens passes over them */
 /* Each pass also asks for the same columns of the next 8 rows (into L2), as packed_linear.c does
- * for its panels: measured with infra.loop.measure_costs on the 2-core Xeon, alternating, a
+ * for its panels: measured with infra.costs.measure_costs on the 2-core Xeon, alternating, a
  * selfspec draft token cost 0.155-0.174 of a target step before and 0.143-0.156 after, a
  * standalone one 0.121-0.138 and 0.114-0.127. */
 

@@ -3,7 +3,8 @@ drafts with it from the first request, the trainer starts from it and must beat 
 
 import torch
 
-from infra.loop import LoopConfig, day0_drafter, learned_kind, make_selfspec_student
+from infra.day0 import day0_drafter, learned_kind, make_selfspec_student
+from infra.loop import LoopConfig
 from serving.target import tiny_target
 from trainer.export import artifact_exporter
 from trainer.gate import GateConfig

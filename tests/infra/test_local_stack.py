@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.stack import Stack, _alive, _group_members
+from infra.processes import _alive, _group_members
+from infra.stack import Stack
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

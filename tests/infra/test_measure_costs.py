@@ -2,7 +2,8 @@
 
 import torch
 
-from infra.loop import make_student, measure_costs
+from infra.costs import measure_costs
+from infra.day0 import make_student
 from serving.target import tiny_target
 
 

@@ -3,7 +3,7 @@ trainer's exporter records it in the artifact and serving's loader reads the lm_
 
 import torch
 
-from infra.loop import make_student
+from infra.day0 import make_student
 from kernels.packed_linear import PackedLinear
 from serving.swap import ArtifactDrafterLoader
 from serving.target import tiny_target

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from infra.stack import _group_members
+from infra.processes import _group_members
 from infra.topology import Topology
 
 pytestmark = pytest.mark.integration

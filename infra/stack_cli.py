@@ -1,0 +1,67 @@
+"""``specloop stack up|down|status``: the command bodies over the local stack (infra/stack.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from infra.stack import SERVICES, ServiceStartError, Stack, StackInfo, StackSettings
+
+# ---- CLI (registered in infra/cli_commands.py) -------------------------------------------------
+
+RunDirOption = Annotated[Path | None, typer.Option(
+    help="State/log directory (default: $SPECLOOP_STACK_RUN_DIR or ~/.specloop/stack).")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def cmd_up(
+    services: Annotated[str, typer.Option(help="Comma-separated: broker, redis, mlflow, s3.")]
+    = "broker,redis,mlflow",
+    storage: Annotated[str, typer.Option(help="Broker storage: memory or s3.")] = "memory",
+    run_dir: RunDirOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Start the services on free loopback ports (those already running are kept)."""
+    names = tuple(s.strip() for s in services.split(",") if s.strip())
+    unknown = [n for n in names if n not in SERVICES]
+    if unknown or storage not in ("memory", "s3"):
+        raise typer.BadParameter(f"unknown service(s) {unknown} or storage {storage!r}")
+    stack = Stack(run_dir, StackSettings(storage=storage))
+    try:
+        info = stack.up(names)
+    except ServiceStartError as e:
+        typer.echo(f"stack up failed: {e}", err=True)
+        raise typer.Exit(1) from e
+    _print_info(info, json_out)
+
+
+def cmd_down(run_dir: RunDirOption = None) -> None:
+    """Stop every service recorded in the run directory."""
+    stopped = Stack(run_dir).down()
+    typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+
+
+def cmd_status(run_dir: RunDirOption = None, json_out: JsonOption = False) -> None:
+    """Health of each recorded service; exits 1 if any is down."""
+    stack = Stack(run_dir)
+    health = stack.status()
+    info = stack.info()
+    if json_out:
+        typer.echo(json.dumps({"healthy": health, **info.model_dump(exclude={"services"})}))
+    else:
+        for name, ok in health.items():
+            typer.echo(f"{name:7s} {'healthy' if ok else 'DOWN'}")
+        _print_info(info, False)
+    if not all(health.values()):
+        raise typer.Exit(1)
+
+
+def _print_info(info: StackInfo, json_out: bool) -> None:
+    if json_out:
+        typer.echo(info.model_dump_json(exclude={"services"}))
+        return
+    for key, value in info.env().items():
+        typer.echo(f"export {key}={value}")
