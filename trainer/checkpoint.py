@@ -15,6 +15,7 @@ reached, so a test can kill the save between any two of them.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from feedback.bus import codec
+from trainer.distill import Distiller
 from trainer.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
@@ -158,3 +160,31 @@ def load_latest(root: str | Path, make: Callable[[], tuple]) -> tuple[Path, obje
         except Exception:
             log.exception("checkpoint %s does not load; trying an older one", path)
     return None
+
+
+def restore(root: str | Path, distiller: Distiller, replay: ReplayBuffer
+            ) -> tuple[Path | None, Distiller, ReplayBuffer, dict]:
+    """``load_latest`` for a running trainer: the first attempt loads in place into ``distiller``
+    and ``replay`` (callers may hold the student); a fallback to an older checkpoint starts again
+    from clean copies of them. Returns ``(path, distiller, replay, meta)``; when none loads, path is
+    None and the distiller and replay are clean copies (a partial load undone)."""
+    student, clean, cfg = copy.deepcopy(distiller.student), copy.deepcopy(replay), distiller.cfg
+    attempts = []
+
+    def fresh() -> tuple[Distiller, ReplayBuffer]:
+        attempts.append(1)
+        if len(attempts) == 1:
+            return distiller, replay
+        return Distiller(copy.deepcopy(student), cfg), copy.deepcopy(clean)
+
+    found = load_latest(root, fresh)
+    if found is None:
+        log.error("no checkpoint under %s loads; starting fresh", root)
+        return None, Distiller(student, cfg), clean, {}
+    return found
+
+
+def champion_state(path: str | Path) -> dict | None:
+    """The champion's weights saved in checkpoint ``path`` (None if it had no champion)."""
+    champ = Path(path) / "champion.pt"
+    return torch.load(champ, weights_only=True) if champ.exists() else None

@@ -4,15 +4,16 @@ One round: poll traces -> replay -> (unless serving is saturated) train a round 
 stopping on held-out acceptance -> checkpoint -> commit offsets. Every few rounds the gate compares
 the current student with the champion; a passing candidate is exported, logged and registered in
 MLflow, becomes the ``champion`` alias, and is announced on the control plane.
+
+The loop's helpers: control-plane drifts and rollbacks (trainer/announcements.py), retention and
+deletion (trainer/retention.py), lineage params (trainer/lineage.py), checkpoints
+(trainer/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
-import queue
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from feedback.background.supervise import LOOPS
 from feedback.target.fingerprint import TargetFingerprint
-from trainer import checkpoint
+from trainer import checkpoint, retention
+from trainer.announcements import Announcements
 from trainer.distill import DistillConfig, Distiller
-from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge
+from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge, weights_digest
+from trainer.lineage import Lineage
 from trainer.replay import ReplayBuffer
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,8 @@ class TrainerLoop:
             self._champions[initial_champion] = self.champion
         self._refused: dict[str, str] = {}
         """Rolled-back version -> digest of its weights: never re-promoted unchanged."""
-        self._rollbacks: queue.SimpleQueue = queue.SimpleQueue()
-        self._drifts: queue.Queue = queue.Queue()
-        self._focus_until: dict[str, int] = {}
+        self.announcements = Announcements(self.cfg.tenant, self.cfg.drift_boost, self.cfg.drift_rounds)
+        """Drifts and rollbacks from the control plane, queued until the next round applies them."""
         self._gate_early = False
         self._paused = False
         self._subscription = rollbacks_from.subscribe(self.on_announcement) if rollbacks_from is not None else None
@@ -140,8 +140,8 @@ class TrainerLoop:
         self.stats = LoopStats()
         self.health = LOOPS.register("trainer-rounds")
         """This loop's status: errors, up/down (feedback/background/supervise.py)."""
-        self._lineage_restored: dict[int, tuple[int, int]] = {}
-        """Offsets consumed since the last registration, as checkpointed before a restart."""
+        self.lineage = Lineage(source, self.cfg.lineage)
+        """What each candidate is logged with in MLflow (its trace offsets survive a restart)."""
         self.checkpoint_fault: Callable[[str], None] | None = None
         """Tests only: called at each checkpoint step (see trainer/checkpoint.py)."""
         if self.cfg.checkpoint_dir and checkpoint.exists(self._ckpt_root):
@@ -214,44 +214,26 @@ class TrainerLoop:
             m["train_loss"] = sum(res.losses) / len(res.losses)
         self.ops.metrics(m, st.rounds)
 
-    # -- rollbacks ---------------------------------------------------------------------------
+    # -- announcements ----------------------------------------------------------------------
     def on_announcement(self, msg) -> None:
         """Control-plane announcements (any thread): rollbacks and drifts of this tenant."""
-        if getattr(msg, "tenant", self.cfg.tenant) != self.cfg.tenant:
-            return
-        if getattr(msg, "kind", None) == "drift":
-            self._drifts.put(msg)
-        else:
-            self.on_rollback(msg)
+        self.announcements.on_announcement(msg)
+
+    def on_rollback(self, msg) -> None:
+        """A serving replica rolled ``msg.from_version`` back to ``msg.to_version`` (a
+        RollbackAnnouncement; any thread). Applied at the start of the next round."""
+        self.announcements.on_rollback(msg)
 
     def apply_drifts(self) -> int:
         """React to serving's drift reports: sample the drifted domain's traces ``drift_boost``
         times more for ``drift_rounds`` trained rounds, and gate at the end of the next one (a
         drafter that fits the new traffic should not wait for the regular gate)."""
-        n = 0
-        while True:
-            try:
-                msg = self._drifts.get_nowait()
-            except queue.Empty:
-                break
-            n += 1
-            self._focus_until[msg.domain] = self.stats.rounds + self.cfg.drift_rounds
+        n = self.announcements.apply_drifts(self.stats.rounds, self.ops)
+        if n:
             self._gate_early = True
-            self.stats.drifts += 1
-            log.info("drift on %s (%.2f -> %.2f, %s): focusing training there", msg.domain,
-                     msg.before, msg.now, msg.replica_id)
-            if self.ops is not None:
-                self.ops.event("drift", self.stats.rounds, domain=msg.domain, before=msg.before,
-                               now=msg.now, replica=msg.replica_id)
-        self._focus_until = {d: r for d, r in self._focus_until.items() if r > self.stats.rounds}
-        self.replay.focus = {d: self.cfg.drift_boost for d in self._focus_until}
+            self.stats.drifts += n
+        self.replay.focus = self.announcements.focus()
         return n
-
-    def on_rollback(self, msg) -> None:
-        """A serving replica rolled ``msg.from_version`` back to ``msg.to_version`` (a
-        RollbackAnnouncement; any thread). Applied at the start of the next round."""
-        if getattr(msg, "kind", None) == "rollback" and getattr(msg, "tenant", self.cfg.tenant) == self.cfg.tenant:
-            self._rollbacks.put(msg)
 
     def apply_rollbacks(self) -> int:
         """Follow serving's rollbacks: the champion reverts to the version serving went back to
@@ -259,17 +241,13 @@ class TrainerLoop:
         nothing rather than against the rolled-back one), and the rolled-back weights are
         remembered so they are not promoted again unchanged."""
         n = 0
-        while True:
-            try:
-                msg = self._rollbacks.get_nowait()
-            except queue.Empty:
-                return n
+        for msg in self.announcements.take_rollbacks():
             n += 1
             bad = self._champions.get(msg.from_version)
             if bad is None and msg.from_version == self.champion_version:
                 bad = self.champion
             if bad is not None:
-                self._refused[msg.from_version] = _digest(bad)
+                self._refused[msg.from_version] = weights_digest(bad)
             back = self._champions.get(msg.to_version)
             self.champion = back
             self._champion_since = time.monotonic()
@@ -281,33 +259,22 @@ class TrainerLoop:
                                to_version=msg.to_version, reason=msg.reason,
                                champion=self.champion_version or "none")
                 self.ops.tag("champion_version", self.champion_version or "none")
+        return n
 
     # -- retention --------------------------------------------------------------------------
     def apply_retention(self) -> int:
         """Drop traces past the replay's ``max_age_s`` and those of tenants whose deletion was
         requested; when anything went, rewrite the checkpoint and delete the older ones (which
         still hold it). Returns the traces dropped."""
-        dropped = self.replay.expire()
-        done = []
-        if self.deletions is not None:
-            try:
-                for tenant in self.deletions.pending_deletions(self.cfg.tenant):
-                    dropped += self.replay.delete_tenant(tenant)
-                    done.append(tenant)
-            except Exception:  # control plane away: retried next round
-                log.warning("could not read deletion requests", exc_info=True)
-        if dropped:
-            log.info("retention: dropped %d traces (%s)", dropped, ", ".join(done) or "expired")
-            self.save(keep=1)
-        for tenant in done:  # only once the checkpoints no longer hold its traces
-            self.deletions.complete_deletion(tenant)
-        return dropped
+        return retention.apply_retention(self.replay, self.deletions, self.cfg.tenant, self._purge)
 
     def delete_tenant(self, tenant: str) -> int:
         """Drop ``tenant``'s traces from the replay and from every checkpoint now."""
-        dropped = self.replay.delete_tenant(tenant)
+        return retention.delete_tenant(self.replay, tenant, self._purge)
+
+    def _purge(self) -> None:
+        """Traces were dropped: a checkpoint without them, and none of the older ones."""
         self.save(keep=1)
-        return dropped
 
     def run(self, max_rounds: int | None = None, stop: Callable[[], bool] | None = None) -> LoopStats:
         """Rounds until ``stop()`` (or ``max_rounds``, failed ones included). A round that raises
@@ -343,11 +310,11 @@ class TrainerLoop:
             self.ops.metrics(d.as_metrics(), self.stats.rounds)
             self.ops.event("gate", self.stats.rounds, promote=d.promote, reason=d.reason)
         if d.promote:
-            digest = _digest(self.student)
+            digest = weights_digest(self.student)
             if digest in self._refused.values():
                 d.promote = False
                 d.reason = "unchanged since it was rolled back in serving: not re-promoted"
-            elif self.champion is not None and digest == _digest(self.champion):
+            elif self.champion is not None and digest == weights_digest(self.champion):
                 # a refresh of a champion that no round improved on (each round keeps its best
                 # weights on held-out, so a student that never got better is the champion itself):
                 # a swap to the same weights costs serving a swap and counts as a fresh drafter
@@ -368,17 +335,18 @@ class TrainerLoop:
             with tempfile.TemporaryDirectory() as tmp:
                 extra = {} if d.candidate is None else {"heldout_acceptance": d.candidate.expected_acceptance}
                 self.exporter(self.student, Path(tmp), self.fingerprint, extra)
-                params = {**self.cfg.lineage, **self._loss_params(), "parent_version": self.champion_version or "none",
-                          "target_fingerprint": self.fingerprint.key(), "tenant": self.cfg.tenant,
-                          "drafter_kind": self.student.kind, "train_steps": self.distiller.global_step,
-                          "trace_tokens_seen": self.replay.tokens_seen, **self._lineage_params()}
+                params = self.lineage.params(
+                    self.distiller.cfg, parent_version=self.champion_version or "none",
+                    target_fingerprint=self.fingerprint.key(), tenant=self.cfg.tenant,
+                    drafter_kind=self.student.kind, train_steps=self.distiller.global_step,
+                    trace_tokens_seen=self.replay.tokens_seen)
                 curves = {"train_loss": list(enumerate(self.stats.losses)),
                           "heldout_expected_acceptance": [(c["tokens_seen"], c["expected_acceptance"])
                                                           for c in self.stats.curve]}
                 rid = self.registry.log_candidate(self.fingerprint, tmp, params=params, metrics=d.as_metrics(),
                                                   curves=curves)
                 version = self.registry.register(self.cfg.tenant, rid).version
-            self._mark_lineage()  # registered: the next version's trace range starts after this one's
+            self.lineage.mark()  # registered: the next version's trace range starts after this one's
         self.champion = copy.deepcopy(self.student)
         self._champion_since = time.monotonic()
         self.champion_version = version or f"local-{self.stats.promotions + 1}"
@@ -390,85 +358,32 @@ class TrainerLoop:
             self.announcer.announce(self.cfg.tenant, self.champion_version)
         return version
 
-    def _loss_params(self) -> dict:
-        c = self.distiller.cfg
-        return {"loss": c.loss, "discard_weight": c.discard_weight, "reject_weight": c.reject_weight,
-                "ce_weight": c.ce_weight, "lr": c.lr, "weight_decay": c.weight_decay}
-
-    def _lineage_window(self) -> dict[int, tuple[int, int]] | None:
-        """Partition -> (first, last) offset of every trace consumed since the previous registration
-        (None for sources without offsets)."""
-        window = getattr(self.source, "lineage_window", None)
-        if window is None:
-            return None
-        from feedback.bus.kafka_source import merge_windows
-
-        return merge_windows(self._lineage_restored, window)
-
-    def _lineage_params(self) -> dict:
-        window = self._lineage_window()
-        if window is None:
-            return {}
-        from feedback.bus.kafka_source import format_window
-
-        topic = getattr(getattr(self.source, "settings", None), "topic", self.cfg.lineage.get("topic", "traces"))
-        return {"trace_offsets": format_window(topic, window),
-                "trace_offsets_json": json.dumps({str(p): list(r) for p, r in window.items()})}
-
-    def _mark_lineage(self) -> None:
-        self._lineage_restored = {}
-        mark = getattr(self.source, "mark_lineage", None)
-        if mark is not None:
-            mark()
-
     # -- checkpoints ------------------------------------------------------------------------
     def save(self, keep: int | None = None) -> None:
         """``keep``: checkpoints kept (default the configured depth; 1 after a purge)."""
         if not self.cfg.checkpoint_dir:
             return
-        extra = {"champion_version": self.champion_version, "lineage_window": self._lineage_window(), "stats": {
+        extra = {"champion_version": self.champion_version, "lineage_window": self.lineage.window(), "stats": {
             "rounds": self.stats.rounds, "train_steps": self.stats.train_steps, "promotions": self.stats.promotions}}
         champ = self.champion.model.state_dict() if self.champion is not None else None
         checkpoint.save(self._ckpt_root, self.distiller, self.replay, extra, champion_state=champ,
                         keep=keep or self.cfg.checkpoint_keep, fault=self.checkpoint_fault)
 
     def _restore(self) -> None:
-        student, replay, cfg = copy.deepcopy(self.student), copy.deepcopy(self.replay), self.distiller.cfg
-
-        attempts = []
-
-        def fresh() -> tuple[Distiller, ReplayBuffer]:
-            """The first attempt loads in place (callers may hold the student); a fallback to an
-            older checkpoint starts again from clean copies."""
-            attempts.append(1)
-            if len(attempts) == 1:
-                return self.distiller, self.replay
-            return Distiller(copy.deepcopy(student), cfg), copy.deepcopy(replay)
-
-        found = checkpoint.load_latest(self._ckpt_root, fresh)
-        if found is None:
-            log.error("no checkpoint under %s loads; starting fresh", self._ckpt_root)
-            self.distiller, self.replay = Distiller(student, cfg), replay  # undo a partial load
+        """Resume from the newest checkpoint that loads (none loads: start fresh)."""
+        path, self.distiller, self.replay, meta = checkpoint.restore(self._ckpt_root, self.distiller, self.replay)
+        if path is None:
             return
-        path, self.distiller, self.replay, meta = found
         self.champion_version = meta.get("champion_version")
-        self._lineage_restored = {int(p): tuple(r) for p, r in (meta.get("lineage_window") or {}).items()}
+        self.lineage.restore(meta.get("lineage_window"))
         for k, v in meta.get("stats", {}).items():
             setattr(self.stats, k, v)
-        champ = path / "champion.pt"
-        if champ.exists():
+        champ = checkpoint.champion_state(path)
+        if champ is not None:
             self.champion = copy.deepcopy(self.student)
-            self.champion.model.load_state_dict(torch.load(champ, weights_only=True))
+            self.champion.model.load_state_dict(champ)
         log.info("resumed from %s: step %d, %d traces", path, self.distiller.global_step, len(self.replay))
 
 
 _CHAMPIONS_KEPT = 4
 
-
-def _digest(student) -> str:
-    """Content hash of a student's weights (refusing a rolled-back version unchanged)."""
-    h = hashlib.sha256()
-    for name, t in sorted(student.model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

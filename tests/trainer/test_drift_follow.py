@@ -61,7 +61,7 @@ def test_drift_published_by_serving_reaches_the_trainer_over_redis(redis_server,
         publish = DriftPublisher(ControlPlane(settings), "acme", "replica-a")
         publish(DriftEvent("b", before=0.7, now=0.1))
         deadline = time.monotonic() + 5
-        while loop._drifts.empty() and time.monotonic() < deadline:
+        while loop.announcements.drifts.empty() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert loop.apply_drifts() == 1 and loop.replay.focus == {"b": 4.0}
         assert publish.published == 1

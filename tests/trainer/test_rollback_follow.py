@@ -8,8 +8,8 @@ from trainer_tracegen import FP, make_trace, tiny_lm
 
 from feedback.control.plane import ControlPlane, ControlSettings, RollbackAnnouncement
 from trainer.distill import DistillConfig
-from trainer.gate import GateConfig
-from trainer.loop import LoopConfig, TrainerLoop, _digest
+from trainer.gate import GateConfig, weights_digest
+from trainer.loop import LoopConfig, TrainerLoop
 from trainer.sources import ListTraceSource
 from trainer.students import StandaloneStudent
 
@@ -35,7 +35,7 @@ def test_rollback_reverts_champion_and_refuses_the_same_weights():
     loop.on_rollback(RollbackAnnouncement(tenant="other", from_version="9", to_version="8"))  # not ours
     assert loop.apply_rollbacks() == 1
     assert loop.champion is None and loop.champion_version is None  # day0 is not a version it holds
-    assert loop._refused == {first: _digest(loop.student)}
+    assert loop._refused == {first: weights_digest(loop.student)}
     d = loop.gate()  # the student is exactly what was rolled back
     assert not d.promote and "rolled back" in d.reason
     assert loop.stats.promotions == 1
@@ -64,7 +64,7 @@ def test_rollback_announced_on_redis_reaches_the_trainer(redis_server, redis_nam
     assert loop._subscription.wait_subscribed(5.0)
     control.announce_rollback(RollbackAnnouncement(tenant="acme", from_version="3", to_version="2"))
     deadline = time.monotonic() + 5
-    while loop._rollbacks.empty() and time.monotonic() < deadline:
+    while loop.announcements.rollbacks.empty() and time.monotonic() < deadline:
         time.sleep(0.05)
     try:
         assert loop.apply_rollbacks() == 1

@@ -1,0 +1,64 @@
+"""A candidate's lineage: the MLflow params the trainer logs with each candidate drafter.
+
+Beside the static params (topic, group, ...) and the distillation settings, a version records the
+exact trace range it was trained on: partition -> (first, last) offset of every trace consumed
+since the previous registration (sources without offsets record none). That window survives a
+restart through the checkpoint (``restore``).
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def loss_params(cfg) -> dict:
+    """The distillation loss settings of ``cfg`` (a DistillConfig)."""
+    return {"loss": cfg.loss, "discard_weight": cfg.discard_weight, "reject_weight": cfg.reject_weight,
+            "ce_weight": cfg.ce_weight, "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+
+
+class Lineage:
+    def __init__(self, source, static: dict):
+        """``source``: the trace source (its ``lineage_window`` and ``mark_lineage``, when it has
+        offsets); ``static``: params logged with every candidate (LoopConfig.lineage)."""
+        self.source = source
+        self.static = static
+        self.restored: dict[int, tuple[int, int]] = {}
+        """Offsets consumed since the last registration, as checkpointed before a restart."""
+
+    def window(self) -> dict[int, tuple[int, int]] | None:
+        """Partition -> (first, last) offset of every trace consumed since the previous registration
+        (None for sources without offsets)."""
+        window = getattr(self.source, "lineage_window", None)
+        if window is None:
+            return None
+        from feedback.bus.kafka_source import merge_windows
+
+        return merge_windows(self.restored, window)
+
+    def offset_params(self) -> dict:
+        """``trace_offsets`` (readable) and ``trace_offsets_json`` of ``window()``; none without offsets."""
+        window = self.window()
+        if window is None:
+            return {}
+        from feedback.bus.kafka_source import format_window
+
+        topic = getattr(getattr(self.source, "settings", None), "topic", self.static.get("topic", "traces"))
+        return {"trace_offsets": format_window(topic, window),
+                "trace_offsets_json": json.dumps({str(p): list(r) for p, r in window.items()})}
+
+    def params(self, distill_cfg, **figures) -> dict:
+        """Everything logged with a candidate: the static params, ``distill_cfg``'s loss settings, the
+        caller's ``figures`` (parent version, steps, ...) and the trace offsets."""
+        return {**self.static, **loss_params(distill_cfg), **figures, **self.offset_params()}
+
+    def mark(self) -> None:
+        """A version was registered: the next one's trace range starts after this one's."""
+        self.restored = {}
+        mark = getattr(self.source, "mark_lineage", None)
+        if mark is not None:
+            mark()
+
+    def restore(self, saved: dict | None) -> None:
+        """The window as checkpointed (JSON: partition keys are strings, ranges lists)."""
+        self.restored = {int(p): tuple(r) for p, r in (saved or {}).items()}
