@@ -190,12 +190,14 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
     import torch
 
     from feedback.registry.drafter_registry import DrafterRegistry
+    from serving.artifact_loader import ArtifactDrafterLoader
     from serving.drafters.factory import build_drafter
     from serving.engine.base import GenerationRequest, SamplingParams
     from serving.engine.config import EngineConfig
     from serving.engine.reference import target_greedy_reference
     from serving.engine.torch_engine import TorchEngine
-    from serving.swap import ArtifactDrafterLoader, LiveAcceptance, SwapConfig, Swapper
+    from serving.live_acceptance import LiveAcceptance
+    from serving.swap import SwapConfig, Swapper
     from serving.target import load_target
 
     logging.getLogger("mlflow").setLevel(logging.WARNING)

@@ -244,7 +244,7 @@ def build_draft_loader(settings: ServingSettings, engine, target: Target | None 
         from serving.sglang.drafts import SGLangDraftLoader
 
         return SGLangDraftLoader(engine)
-    from serving.swap import ArtifactDrafterLoader
+    from serving.artifact_loader import ArtifactDrafterLoader
 
     return ArtifactDrafterLoader(target or engine.target, settings.drafter)
 
@@ -257,7 +257,8 @@ def build_swapper(settings: ServingSettings, engine, *, target: Target | None = 
     building drafters."""
     if not (settings.redis_url or settings.mlflow_tracking_uri):
         return None
-    from serving.swap import LiveAcceptance, SwapConfig, Swapper
+    from serving.live_acceptance import LiveAcceptance
+    from serving.swap import SwapConfig, Swapper
 
     control = drafters = None
     if settings.redis_url:

@@ -17,6 +17,8 @@ back, announces the rollback on Redis, counts it and tags the version in MLflow.
 
 Redis or MLflow being down never stops serving: the engine keeps the drafter it has, failures are
 logged (once per outage) and retried at the next announcement or poll.
+
+Its errors are in serving/swap_errors.py; artifacts become drafters in serving/artifact_loader.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -38,37 +40,22 @@ from feedback.background.priority import BackgroundWorker
 from feedback.background.supervise import SupervisedThread
 from serving.live_acceptance import LiveAcceptance, RollbackJudge, VersionStats, collectors
 from serving.registry_records import RegistryRecords
+from serving.swap_errors import (
+    NothingToRollBack,
+    RefusedArtifact,
+    RegistryUnavailable,
+    SwapError,
+    UnknownVersion,
+)
+
+if TYPE_CHECKING:  # annotation only: the Swapper takes any loader (SGLang's too)
+    from serving.artifact_loader import ArtifactDrafterLoader
 
 # The MLflow client retries a dead server for minutes by default; the Swapper retries on its own.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 log = logging.getLogger(__name__)
-
-
-# ---- errors (the admin API maps them to HTTP statuses) ----------------------------------------
-
-
-class SwapError(Exception):
-    status = 409
-
-
-class UnknownVersion(SwapError):
-    status = 404
-
-
-class RefusedArtifact(SwapError):
-    """The artifact failed validation; it is never served."""
-
-    status = 422
-
-
-class RegistryUnavailable(SwapError):
-    status = 503
-
-
-class NothingToRollBack(SwapError):
-    status = 409
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -96,44 +83,6 @@ class SwapConfig:
     process (and its tensor work on itself alone): a load competes with the decode steps for the
     same cores (on 2 cores a SmolLM2 standalone load cost ~0.2 s of decoding)."""
     replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:8]}")
-
-
-# ---- building drafters from artifacts -----------------------------------------------------------
-
-
-class DrafterKindMismatch(ValueError):
-    """A promoted artifact is of another drafter kind than the one this server serves."""
-
-
-class ArtifactDrafterLoader:
-    """Builds a validated drafter from an artifact directory for a loaded target.
-
-    ``kind="hybrid"`` (or ``"suffix"``, the same serve path): a hybrid around the artifact's learned
-    model that keeps the running suffix drafter (and so its index): the running hybrid's, or the
-    running drafter itself when it is a suffix drafter (a suffix-only day 0 that turns hybrid at its
-    first promotion) -- what the trainer's gate simulates. Otherwise the artifact must be of
-    ``kind`` (DrafterKindMismatch, naming both, if not). ``options`` go to ``build_drafter``.
-
-    A loader's ``load(artifact_dir, current)`` must read what it needs into memory: the Swapper
-    deletes ``artifact_dir`` (its download) once ``load`` returns."""
-
-    def __init__(self, target, kind: str = "hybrid", options: dict | None = None):
-        self.target, self.kind, self.options = target, kind, dict(options or {})
-
-    def load(self, artifact_dir: Path, current=None):
-        from feedback.registry.artifact import read_meta
-        from serving.drafters.factory import build_drafter
-
-        meta = read_meta(artifact_dir)  # DrafterArtifactError when absent or malformed
-        if self.kind not in ("hybrid", "suffix") and meta.kind != self.kind:
-            raise DrafterKindMismatch(
-                f"artifact {meta.version!r} is a {meta.kind!r} drafter but this server serves "
-                f"{self.kind!r} drafters (SPECLOOP_DRAFTER={self.kind}); train and serve one kind: "
-                "the trainer follows SPECLOOP_DRAFTER too")
-        if self.kind in ("hybrid", "suffix"):  # what the trainer's gate judged: suffix + learned
-            suffix = current if getattr(current, "kind", None) == "suffix" else getattr(current, "suffix", None)
-            return build_drafter("hybrid", self.target, artifact_dir, suffix=suffix, **self.options)
-        return build_drafter(meta.kind, self.target, artifact_dir, **self.options)
 
 
 # ---- the swapper --------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def _swapper(raw: Request):
 
 
 async def _call(fn, *args, **kwargs):
-    from serving.swap import SwapError
+    from serving.swap_errors import SwapError
 
     try:
         return await asyncio.to_thread(fn, *args, **kwargs)

@@ -6,8 +6,8 @@ from an SGLang-layout directory (the day-0 draft the engine starts with, kept so
 reinstall it) or converted from a trainer artifact (``feedback.registry.artifact``: validated against the
 target fingerprint, checksums, shapes and finite weights before anything reaches the GPU).
 
-``SGLangDraftLoader`` has the interface of serving.swap.ArtifactDrafterLoader (``load(dir,
-current)``), so the shared Swapper drives SGLang swaps and rollbacks unchanged.
+``SGLangDraftLoader`` has the interface of serving.artifact_loader.ArtifactDrafterLoader
+(``load(dir, current)``), so the shared Swapper drives SGLang swaps and rollbacks unchanged.
 """
 
 from __future__ import annotations

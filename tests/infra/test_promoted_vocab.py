@@ -5,7 +5,7 @@ import torch
 
 from infra.day0 import make_student
 from kernels.packed_linear import PackedLinear
-from serving.swap import ArtifactDrafterLoader
+from serving.artifact_loader import ArtifactDrafterLoader
 from serving.target import tiny_target
 from trainer.export import artifact_exporter
 

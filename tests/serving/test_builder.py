@@ -97,8 +97,9 @@ def test_sglang_settings_build_an_sglang_engine_with_the_shared_observers(
 def test_the_http_layer_and_swapper_are_the_shared_ones(model_dir, tmp_path,
                                                         sglang_passes_its_check):
     from serving.api.app import create_app
+    from serving.live_acceptance import LiveAcceptance
     from serving.sglang.drafts import SGLangDraftLoader
-    from serving.swap import LiveAcceptance, Swapper
+    from serving.swap import Swapper
 
     registry = CollectorRegistry()
     settings = sglang_settings(model_dir, tmp_path, drafter="standalone",

@@ -8,11 +8,11 @@ import pytest
 
 from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
 from feedback.registry.artifact import save_drafter
+from serving.artifact_loader import DrafterKindMismatch
 from serving.builder import build_draft_loader, build_engine
 from serving.config import ServingSettings
 from serving.drafters.hybrid import HybridDrafter
 from serving.drafters.suffix import SuffixDrafter
-from serving.swap import DrafterKindMismatch
 from serving.target import tiny_target
 from trainer.config import TrainerSettings
 

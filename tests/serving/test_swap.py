@@ -20,20 +20,16 @@ from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_ta
 from feedback.registry.artifact import save_drafter
 from feedback.registry.drafter_registry import DrafterRegistry
 from feedback.target.fingerprint import TargetFingerprint
+from serving.artifact_loader import ArtifactDrafterLoader
 from serving.drafters.factory import build_drafter
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig
 from serving.engine.reference import target_greedy_reference
 from serving.engine.torch_engine import TorchEngine
+from serving.live_acceptance import LiveAcceptance
 from serving.observers import BaseObserver
-from serving.swap import (
-    ArtifactDrafterLoader,
-    LiveAcceptance,
-    RefusedArtifact,
-    SwapConfig,
-    Swapper,
-    UnknownVersion,
-)
+from serving.swap import SwapConfig, Swapper
+from serving.swap_errors import RefusedArtifact, UnknownVersion
 from serving.target import tiny_target
 
 V, LAYERS, TENANT = 128, 4, "swaptest"

@@ -107,10 +107,12 @@ def test_swapper_watcher_errors_are_counted_and_it_recovers(monkeypatch):
     from prometheus_client import CollectorRegistry
 
     from feedback.background.supervise import LOOPS
+    from serving.artifact_loader import ArtifactDrafterLoader
     from serving.drafters.suffix import SuffixDrafter
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
-    from serving.swap import ArtifactDrafterLoader, LiveAcceptance, SwapConfig, Swapper
+    from serving.live_acceptance import LiveAcceptance
+    from serving.swap import SwapConfig, Swapper
     from serving.target import tiny_target
 
     target = tiny_target(vocab_size=64)
