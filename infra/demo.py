@@ -200,11 +200,16 @@ def demo(
     run_dir: Path = typer.Option(None, help="Where the plot, summary and stack data go "
                                  "(default: ./specloop-demo/<timestamp>)."),
     threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),
+    learned: str = typer.Option("target-layers", help="Learned drafter the trainer adapts: target-layers "
+                                "(standalone LM copying the target's first layers) | selfspec (the target's own "
+                                "first layers + a trained adapter)."),
     day0_artifact: Path = typer.Option(None, help="Start the learned drafter from this selfspec artifact (e.g. "
                                        "pre-trained with `specloop train --corpus`): the hybrid drafts with it "
                                        "from the first request and the trainer refines it."),
 ) -> None:
     """Run the closed loop live: serve -> trace -> train -> register -> swap, on a domain shift."""
+    if learned not in ("target-layers", "selfspec"):
+        raise typer.BadParameter(f"{learned!r}: choose target-layers or selfspec", param_hint="--learned")
     import torch
     from rich.console import Console
 
@@ -225,7 +230,7 @@ def demo(
         console.print(f"stack up: kafka {info.bootstrap_servers}, {info.redis_url}, mlflow {info.mlflow_uri}")
         target = load_target()
         stream = encode(stream_items(None, chat, code), target.tokenizer)
-        cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k,
+        cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned,
                          day0_artifact=str(day0_artifact) if day0_artifact else None)
         summary = asyncio.run(run_demo(target, info, stream, cfg, run_dir, baseline, console))
     except KeyboardInterrupt:

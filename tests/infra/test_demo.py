@@ -219,3 +219,14 @@ def test_the_demo_baseline_spreads_over_the_stream_and_speedups_match_requests()
     base = {0: point(10, 2.0), 1: point(10, 1.0), 2: point(10, 1.0)}
     assert matched_speedup(loop, base, [0, 1]) == 2.0  # 20 tokens in 1.5 s vs 20 in 3 s
     assert matched_speedup(loop, base, [2]) is None  # a failed request is not compared
+
+
+def test_the_demo_refuses_an_unknown_learned_drafter_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from infra.cli import app
+
+    out = CliRunner().invoke(app, ["demo", "--learned", "eagle", "--run-dir", str(tmp_path / "run")])
+    assert out.exit_code == 2
+    assert "choose target-layers or selfspec" in out.output
+    assert not (tmp_path / "run").exists()  # refused before the run directory or the stack
