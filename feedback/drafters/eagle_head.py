@@ -26,12 +26,12 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from feedback.drafters.ops import KVCache, _cache_length, _rope_parameters, attend, linear, mlp
+from feedback.drafters.ops import KVCache, _cache_length, attend, linear, mlp
+from feedback.drafters.shapes import LlamaShapes
 from feedback.drafters.vocab import DEFAULT_DRAFT_VOCAB_SIZE, day0_draft_vocab, special_token_ids
 
 
@@ -63,22 +63,9 @@ def _rope_config(
     )
 
 
-class EagleHeadConfig(BaseModel):
+class EagleHeadConfig(LlamaShapes):
     """Shapes of an EagleHead (saved in the artifact's config.json)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    hidden_act: str = "silu"
-    rope_parameters: dict = Field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
-    )
-    max_position_embeddings: int = 8192
     target_hidden_size: int
     target_num_layers: int
     target_vocab_size: int
@@ -109,15 +96,7 @@ class EagleHeadConfig(BaseModel):
             )
         vocab = int(vocab_size or tc.vocab_size)
         return cls(
-            hidden_size=int(tc.hidden_size),
-            intermediate_size=int(tc.intermediate_size),
-            num_attention_heads=int(tc.num_attention_heads),
-            num_key_value_heads=int(tc.num_key_value_heads),
-            head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads),
-            rms_norm_eps=float(tc.rms_norm_eps),
-            hidden_act=str(tc.hidden_act),
-            rope_parameters=_rope_parameters(tc),
-            max_position_embeddings=int(tc.max_position_embeddings),
+            **LlamaShapes.of(tc),
             target_hidden_size=int(tc.hidden_size),
             target_num_layers=n_layers,
             target_vocab_size=vocab,

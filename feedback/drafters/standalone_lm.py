@@ -7,31 +7,17 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from feedback.drafters.ops import _rope_parameters
+from feedback.drafters.shapes import LlamaShapes
 
 
-class StandaloneConfig(BaseModel):
+class StandaloneConfig(LlamaShapes):
     """A small Llama causal LM on the target's vocabulary (saved in the artifact's config.json)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     vocab_size: int
-    hidden_size: int
-    intermediate_size: int
     num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    hidden_act: str = "silu"
-    rope_parameters: dict = Field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
-    )
-    max_position_embeddings: int = 8192
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -42,17 +28,9 @@ class StandaloneConfig(BaseModel):
     ):
         tc = target_config
         return cls(
+            **LlamaShapes.of(tc),
             vocab_size=int(vocab_size or tc.vocab_size),
-            hidden_size=int(tc.hidden_size),
-            intermediate_size=int(tc.intermediate_size),
             num_hidden_layers=int(num_layers),
-            num_attention_heads=int(tc.num_attention_heads),
-            num_key_value_heads=int(tc.num_key_value_heads),
-            head_dim=int(getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads),
-            rms_norm_eps=float(tc.rms_norm_eps),
-            hidden_act=str(tc.hidden_act),
-            rope_parameters=_rope_parameters(tc),
-            max_position_embeddings=int(tc.max_position_embeddings),
             tie_word_embeddings=bool(getattr(tc, "tie_word_embeddings", True)),
             bos_token_id=getattr(tc, "bos_token_id", None),
             eos_token_id=getattr(tc, "eos_token_id", None),
