@@ -193,4 +193,3 @@ class EagleStudent(Student):
                 a += 1  # the refused position's runner-up
             accept_at[p] = a
         return RecordEval(overlap=overlap, accept_at=accept_at)
-

@@ -270,7 +270,9 @@ class TrainerLoop:
 
     def delete_tenant(self, tenant: str) -> int:
         """Drop ``tenant``'s traces from the replay and from every checkpoint now."""
-        return retention.delete_tenant(self.replay, tenant, self._purge)
+        dropped = self.replay.delete_tenant(tenant)
+        self._purge()
+        return dropped
 
     def _purge(self) -> None:
         """Traces were dropped: a checkpoint without them, and none of the older ones."""

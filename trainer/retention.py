@@ -32,10 +32,3 @@ def apply_retention(replay: ReplayBuffer, deletions, tenant: str, purge: Callabl
     for t in done:  # only once the checkpoints no longer hold its traces
         deletions.complete_deletion(t)
     return dropped
-
-
-def delete_tenant(replay: ReplayBuffer, tenant: str, purge: Callable[[], None]) -> int:
-    """Drop ``tenant``'s traces from the replay, then ``purge()``. Returns the traces dropped."""
-    dropped = replay.delete_tenant(tenant)
-    purge()
-    return dropped

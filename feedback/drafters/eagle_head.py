@@ -106,20 +106,8 @@ class EagleHeadConfig(LlamaShapes):
 
     def llama_config(self) -> LlamaConfig:
         """A LlamaConfig with this head's shapes (for HF's MLP/RMSNorm/rotary modules)."""
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            hidden_act=self.hidden_act,
-            rope_parameters=dict(self.rope_parameters),
-            max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.target_vocab_size,
-            num_hidden_layers=1,
-            mlp_bias=False,
-        )
+        return LlamaConfig(**self.model_dump(include=set(LlamaShapes.model_fields)),
+                           vocab_size=self.target_vocab_size, num_hidden_layers=1, mlp_bias=False)
 
 
 class EagleAttention(nn.Module):
