@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import threading
@@ -43,30 +41,12 @@ import torch
 import typer
 
 from kernels import packed_linear
+from kernels.cpu import cpu_info
 from kernels.threads import serial_torch
 
 log = logging.getLogger(__name__)
 
 _QS = (2, 4, 8, 16, 32)
-_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "neon", "sve")
-
-
-def cpu_info() -> dict:
-    """The CPU model and the SIMD flags that decide which kernels run (machines of this kind have
-    come with AVX-512/bf16 and with AVX2 only)."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name") and model in ("", platform.machine(), "x86_64"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {"model": model, "flags": sorted(f for f in _FLAGS if f in flags), "cpus": os.cpu_count()}
-
-
 class BandwidthProbe:
     """Read bandwidth: the time to sum ``tensors`` (the weights a decode step reads, so that the
     bound is measured on the same pages the step streams), or a fresh 256 MB fp32 tensor. This

@@ -14,7 +14,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -22,16 +21,7 @@ import time
 
 import typer
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from kernels.cpu import cpu_model
 
 
 def _rss_mb(pid: int) -> float:
@@ -166,7 +156,7 @@ def run(tiny: bool, duration_s: float, factor: float, max_tokens: int, max_batch
         load = asyncio.run(_open_loop(base, rate, duration_s, body, max_tokens, proc.pid))
         other = sum(v for s, v in load["status"].items() if s not in (200, 429))
         return {
-            "bench": "load", "cpu": _cpu(), "cores": os.cpu_count(), "python": sys.version.split()[0],
+            "bench": "load", "cpu": cpu_model(), "cores": os.cpu_count(), "python": sys.version.split()[0],
             "model": "tiny random Llama (hidden 256, 4 layers)" if tiny else "SmolLM2-135M-Instruct",
             "max_batch_size": max_batch_size, "max_waiting": max_waiting, "k": k,
             "max_tokens": max_tokens, "capacity_rps": round(capacity, 2), "factor": factor,

@@ -19,6 +19,7 @@ from benchmarks.runner import median_ms
 from feedback.bus.sink import InProcessTraceSink
 from feedback.bus.trace import TraceRecord
 from feedback.bus.trace_file import load_traces, save_traces
+from kernels.cpu import cpu_info
 
 
 def generate_traces(
@@ -72,18 +73,6 @@ def generate_traces(
     if missing:
         raise RuntimeError(f"{len(missing)} requests left no trace (first: {missing[0]})")
     return [by_id[r] for r in ids]
-
-
-def cpu_model() -> str:
-    """CPU model and its vector extensions (speed ratios depend on them)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    ext = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({' '.join(ext) or 'no avx2'})"
 
 
 # ---- measured draft cost ----------------------------------------------------------------------
@@ -221,7 +210,8 @@ def run(args) -> dict:
     before = score(student, held, gate, suffix)
     suffix_only = score(None, held, gate, suffix)
     distiller = Distiller(student, DistillConfig(lr=args.lr, batch_traces=args.batch_traces, max_len=args.max_len,
-                                                 eval_every=args.eval_every, patience=10**6))
+                                                 eval_every=args.eval_every, patience=10**6,
+                                                 precision=args.precision))
     curve = [{"trace_tokens_seen": 0, "expected_acceptance": before.expected_acceptance,
               "sim_accept_len": before.sim_accept_len}]
     chunks = max(1, args.chunks)
@@ -244,13 +234,14 @@ def run(args) -> dict:
             "adapter_init": args.adapter_init, "draft_vocab": args.draft_vocab}
            if args.student == "selfspec" else {}),
         "init": str(args.init) if args.init else None, "prompts": args.prompts or "mtbench+humaneval",
-        "cpu": cpu_model(),
+        "cpu": cpu_info(),
         "train_prompts": len(train), "heldout_prompts": len(held), "max_new_tokens": args.max_new_tokens,
         "expected_acceptance_before": before.expected_acceptance, "expected_acceptance_after": after.expected_acceptance,
         "sim_accept_len_before": before.sim_accept_len, "sim_accept_len_after": after.sim_accept_len,
         "sim_speedup_before": before.sim_speedup, "sim_speedup_after": after.sim_speedup,
         "sim_speedup_suffix_only": suffix_only.sim_speedup,
         "trace_tokens_seen": replay.tokens_seen, "train_steps": int(steps),
+        "precision": "bf16" if distiller.bf16 else "fp32",
         "train_steps_per_s": steps / train_s if train_s else 0.0,
         **cost, "curve": curve,
         "trace_generation_s": gen_s, "total_s": time.perf_counter() - t_start,
@@ -280,6 +271,8 @@ def bench_train(
     eval_every: int = typer.Option(20, help="Held-out evaluation interval (steps)."),
     batch_traces: int = typer.Option(4, help="Traces per step."),
     lr: float = typer.Option(1e-3, help="AdamW learning rate."),
+    precision: str = typer.Option("auto", help="Training steps' forward: auto (bf16 autocast where the hardware "
+                                  "has bf16 dot products), bf16 or fp32."),
     depth: int = typer.Option(3, help="EAGLE training-time-test chain depth."),
     draft_vocab: int = typer.Option(8192, help="EAGLE/selfspec draft vocabulary (by traffic frequency)."),
     max_len: int = typer.Option(512, help="Left-truncate training sequences."),

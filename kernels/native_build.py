@@ -24,6 +24,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from kernels.cpu import flags_line
+
 log = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).parent / "native"
@@ -55,16 +57,6 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def build(name: str, cc: str) -> Path:
     """Compile ``native/<name>.c`` (once per source, headers, compiler and CPU); the shared
     object's path."""
@@ -72,7 +64,7 @@ def build(name: str, cc: str) -> Path:
     headers = [h.read_text() for h in sorted(NATIVE_DIR.glob("*.h"))]
     version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, version, " ".join(CFLAGS), _cpu_flags()]).encode()
+        "\0".join([source.read_text(), *headers, version, " ".join(CFLAGS), flags_line()]).encode()
     ).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():

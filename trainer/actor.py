@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **kw):
     """TrainerLoop from settings; ``source`` defaults to the Kafka source of feedback/. What
     ``specloop train``, the demo and ``bench online`` all run (inside the trainer's Ray worker)."""
-    from trainer.distill import DistillConfig
     from trainer.gate import GateConfig
     from trainer.loop import LoopConfig, TrainerLoop
     from trainer.replay import ReplayBuffer
@@ -61,9 +60,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
                         min_train_traces=s.min_train_traces, steps_per_round=s.steps_per_round,
                         rounds_per_gate=s.rounds_per_gate, checkpoint_dir=s.checkpoint_dir,
                         lineage={"topic": s.topic, "group_id": s.group_id, "source": s.source}),
-        distill=DistillConfig(loss=s.loss, discard_weight=s.discard_weight, reject_weight=s.reject_weight,
-                              ce_weight=s.ce_weight, lr=s.lr, weight_decay=s.weight_decay,
-                              batch_traces=s.batch_traces, max_len=s.max_len),
+        distill=s.distill_config(),
         gate=GateConfig(k=s.k, acceptance_margin=s.acceptance_margin, speedup_margin=s.speedup_margin,
                         draft_cost=s.draft_cost, hybrid=s.hybrid, refresh_after_s=s.refresh_after_s,
                         **({"verify_cost": s.verify_cost} if s.verify_cost is not None else {}),

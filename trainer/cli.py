@@ -143,7 +143,6 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
 
     from feedback.registry.artifact import save_drafter
     from feedback.target.location import model_fingerprint
-    from trainer.distill import DistillConfig
     from trainer.export import student_draft_vocab
     from trainer.offline import (
         OfflinePrompt,
@@ -186,10 +185,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     gen_s = time.perf_counter() - t0
     student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
                            settings.draft_vocab_size, settings.adapter_layers, init=init, fingerprint=fp)
-    cfg = DistillConfig(loss=settings.loss, discard_weight=settings.discard_weight, reject_weight=settings.reject_weight,
-                        ce_weight=settings.ce_weight, lr=settings.lr, weight_decay=settings.weight_decay,
-                        batch_traces=settings.batch_traces, max_len=settings.max_len)
-    fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=cfg)
+    fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=settings.distill_config())
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
     if config is None:
         from feedback.drafters.standalone_lm import StandaloneConfig

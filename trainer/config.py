@@ -59,6 +59,9 @@ class TrainerSettings(BaseSettings):
     weight_decay: float = Field(0.01, description="AdamW weight decay.")
     batch_traces: int = Field(8, description="Traces per training step.")
     max_len: int = Field(512, description="Left-truncate training sequences to this many tokens.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Training steps' forward: bf16 autocast, fp32, or auto (bf16 where the "
+        "hardware multiplies bf16 natively: CUDA, AVX512-BF16, AMX; fp32 elsewhere).")
 
     heldout_fraction: float = Field(0.15, description="Fraction of requests held out for the gate.")
     heldout_size: int = Field(64, description="Most recent held-out traces the gate judges on.")
@@ -96,6 +99,14 @@ class TrainerSettings(BaseSettings):
         False, validation_alias=ep.shared("dev_mode", ep.DEV_MODE, _OWN),
         description="Local dev mode: allows the published default secrets (e.g. the `mlflow` "
         "database password in tracking_uri) that are refused otherwise.")
+
+    def distill_config(self):
+        """The distiller's settings (trainer/distill.py ``DistillConfig``) from these."""
+        from trainer.distill import DistillConfig
+
+        return DistillConfig(loss=self.loss, discard_weight=self.discard_weight, reject_weight=self.reject_weight,
+                             ce_weight=self.ce_weight, lr=self.lr, weight_decay=self.weight_decay,
+                             batch_traces=self.batch_traces, max_len=self.max_len, precision=self.precision)
 
     @model_validator(mode="after")
     def _no_default_secrets(self) -> TrainerSettings:

@@ -2,11 +2,13 @@ import copy
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 from trainer_tracegen import make_trace, tiny_lm
 
-from trainer.distill import DistillConfig, Distiller
+from kernels.cpu import native_bf16
+from trainer.distill import DistillConfig, Distiller, autocast_bf16
 from trainer.gate import GateConfig, build_suffix_index, judge, loss_healthy, score
 from trainer.students import StandaloneStudent
 
@@ -120,3 +122,29 @@ def test_gate_simulates_each_domain_at_its_own_acceptance(trained_student, domai
     combined = (tokens_a + tokens_b) / (tokens_a / sa.sim_speedup + tokens_b / sb.sim_speedup)
     assert mixed.sim_speedup == pytest.approx(combined, rel=1e-9)
     assert sa.sim_speedup > 1.0  # the learned domain pays on its own
+
+
+def test_bf16_autocast_trains_and_keeps_fp32_weights(domain_a_replay):
+    """bf16 autocast rounds the step's matmul inputs only: the first loss moves a little off
+    fp32's, the weights and optimizer stay fp32, and training still raises held-out acceptance."""
+    recs = domain_a_replay.sample(4, np.random.default_rng(0))
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        d = Distiller(StandaloneStudent(tiny_lm(seed=1)), DistillConfig(lr=3e-3, precision=precision))
+        assert d.bf16 == (precision == "bf16")
+        losses[precision] = d.step(recs)["loss"]
+        assert all(p.dtype == torch.float32 for p in d.student.model.parameters())
+    assert losses["bf16"] != losses["fp32"] and abs(losses["bf16"] - losses["fp32"]) < 0.05 * losses["fp32"]
+
+    d = Distiller(StandaloneStudent(tiny_lm(seed=1)), DistillConfig(lr=3e-3, precision="bf16", eval_every=10))
+    before = d.evaluate(domain_a_replay.heldout, 3)["expected_acceptance"]
+    res = d.fit(domain_a_replay, 30, k=3)
+    assert res.best_acceptance > before + 0.05 and all(math.isfinite(x) for x in res.losses)
+
+
+def test_training_precision_is_bf16_only_where_native_or_asked():
+    cpu = torch.device("cpu")
+    assert autocast_bf16("bf16", cpu) and not autocast_bf16("fp32", cpu)
+    assert autocast_bf16("auto", cpu) == native_bf16()
+    with pytest.raises(ValueError, match="precision"):
+        autocast_bf16("fp16", cpu)
