@@ -88,6 +88,7 @@ def test_loop_promotes_registers_and_announces(tmp_path):
         assert torch.equal(got[k], v)
     params = reg.client.get_run(champ.run_id).data.params
     assert params["topic"] == "inproc" and params["parent_version"] == "none" and params["loss"] == "fkl"
+    assert params["train_precision"] == ("bf16" if loop.distiller.bf16 else "fp32")
     # same model again: not better than itself -> no second promotion
     loop.gate()
     assert loop.stats.promotions == 1
