@@ -43,7 +43,7 @@ def _pin(cpus: set[int]) -> None:
 
 
 def _train_forever(model_dir: str, kind: str, traces_path: str, cpus: list[int], threads: int,
-                   nice: int, steps, ready, stop) -> None:
+                   nice: int, precision: str, steps, ready, stop) -> None:
     """The trainer process: the trainer's student and Distiller, stepping until ``stop`` is set."""
     _pin(set(cpus))
     os.nice(nice)
@@ -55,7 +55,7 @@ def _train_forever(model_dir: str, kind: str, traces_path: str, cpus: list[int],
 
     torch.set_num_threads(threads)
     records = load_traces(traces_path)
-    cfg = DistillConfig()
+    cfg = DistillConfig(precision=precision)
     distiller = Distiller(make_student(model_dir, kind, cfg.max_len), cfg)
     batches = [records[i : i + cfg.batch_traces] for i in range(0, len(records), cfg.batch_traces)]
     distiller.step(batches[0])  # warm: first steps allocate
@@ -81,7 +81,7 @@ async def _serve_round(engine, prompts: list[list[int]], max_tokens: int, tag: s
 
 
 def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, drafter: str,
-        threads: int) -> dict:
+        threads: int, precision: str = "auto") -> dict:
     import torch
 
     from benchmarks.bench_train import generate_traces
@@ -92,7 +92,9 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
     from serving.target import load_target
+    from trainer.distill import autocast_bf16
 
+    bf16 = autocast_bf16(precision, torch.device("cpu"))  # a bad value is refused before anything starts
     ncpu = os.cpu_count() or 2
     serve_cpus = set(range(min(threads, ncpu - 1)))
     train_cpus = sorted(set(range(ncpu)) - serve_cpus)
@@ -110,7 +112,7 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
         steps, ready, stop = ctx.Value("l", 0), ctx.Event(), ctx.Event()
         trainer = ctx.Process(target=_train_forever, daemon=True, args=(
             str(model_dir), drafter, str(traces_path), train_cpus, len(train_cpus),
-            LoopConfig().trainer_nice, steps, ready, stop))
+            LoopConfig().trainer_nice, precision, steps, ready, stop))
         trainer.start()
         try:
             if not ready.wait(300):
@@ -125,7 +127,7 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
                 trainer.terminate()
                 trainer.join(10)
     result.update({"model": target.model_id, "prompts": len(prompts), "max_tokens": max_tokens,
-                   "drafter": drafter, "serving_cpus": sorted(serve_cpus), "trainer_cpus": train_cpus})
+                   "drafter": drafter, "precision": "bf16" if bf16 else "fp32", "serving_cpus": sorted(serve_cpus), "trainer_cpus": train_cpus})
     return result
 
 
@@ -175,7 +177,8 @@ def bench_interference(
     rounds: int = typer.Option(4, min=2, help="A/B rounds (ABBA order)."),
     drafter: str = typer.Option("standalone", help="The trainer's student: standalone | selfspec (the traces carry no target features, which eagle needs)."),
     threads: int = typer.Option(1, min=1, help="Serving's torch threads (its cores); the trainer gets the rest."),
+    precision: str = typer.Option("auto", help="The trainer's precision: auto (bf16 autocast where native), bf16 or fp32."),
 ) -> None:
     """Serving tok/s with a training drafter beside it vs without; print serving_slowdown."""
-    result = run(prompts, limit, max_tokens, rounds, drafter, threads)
+    result = run(prompts, limit, max_tokens, rounds, drafter, threads, precision)
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))

@@ -40,6 +40,7 @@ from feedback.goodput import (
     suffix_goodput,
 )
 from feedback.suffix.draft import SuffixConfig, SuffixProposer
+from trainer.eval_cache import evaluate_all
 
 
 @dataclass
@@ -246,8 +247,7 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
     pol = [0, 0.0]
     chains: list[np.ndarray | None] = [None] * len(heldout)
     if student is not None:
-        for i, rec in enumerate(heldout):
-            ev = student.evaluate(rec, cfg.k, cfg.branches)
+        for i, (rec, ev) in enumerate(zip(heldout, evaluate_all(student, heldout, cfg.k, cfg.branches))):
             ea_sum += float(ev.overlap.sum())
             rows += int(ev.overlap.shape[0])
             t, s, _ = simulate(rec.output_ids, rec.prompt_ids, ev.accept_at, cfg, None, length=cfg.k)
