@@ -153,12 +153,13 @@ def run(args) -> dict:
     from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from infra.prompts import interleave_categories, load_humaneval, load_mtbench, load_sharegpt
     from serving.target import load_target
-    from trainer.distill import DistillConfig, Distiller
+    from trainer.distill import DistillConfig, Distiller, autocast_bf16
     from trainer.eagle_student import EagleStudent, traffic_frequencies
     from trainer.gate import GateConfig, build_suffix_index, score
     from trainer.replay import ReplayBuffer
     from trainer.students import StandaloneStudent
 
+    autocast_bf16(args.precision, torch.device("cpu"))  # a bad value is refused before any work
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     target = load_target(args.model)

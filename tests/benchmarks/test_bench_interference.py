@@ -4,7 +4,9 @@ import asyncio
 import multiprocessing as mp
 import time
 
-from benchmarks.bench_interference import _rounds
+import pytest
+
+from benchmarks.bench_interference import _rounds, run
 
 
 def _count_forever(steps) -> None:
@@ -54,3 +56,8 @@ def test_the_trainer_steps_only_while_serving_beside_it():
     assert len(out["round_ratios"]) == 2 and out["rounds"] == 2
     assert out["trainer_steps_per_s"] > 10  # it ran beside serving...
     assert abs(out["serving_slowdown"]) < 0.5  # ...and the fake engine does not care
+
+
+def test_an_unknown_training_precision_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="precision must be auto, fp32 or bf16"):
+        run(None, 1, 1, 2, "standalone", 1, precision="fp16")
