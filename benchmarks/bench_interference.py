@@ -127,7 +127,8 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
                 trainer.terminate()
                 trainer.join(10)
     result.update({"model": target.model_id, "prompts": len(prompts), "max_tokens": max_tokens,
-                   "drafter": drafter, "precision": "bf16" if bf16 else "fp32", "serving_cpus": sorted(serve_cpus), "trainer_cpus": train_cpus})
+                   "drafter": drafter, "precision": "bf16" if bf16 else "fp32",
+                   "serving_cpus": sorted(serve_cpus), "trainer_cpus": train_cpus})
     return result
 
 
