@@ -181,5 +181,9 @@ def bench_interference(
     precision: str = typer.Option("auto", help="The trainer's precision: auto (bf16 autocast where native), bf16 or fp32."),
 ) -> None:
     """Serving tok/s with a training drafter beside it vs without; print serving_slowdown."""
+    from trainer.distill import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise typer.BadParameter(f"{precision!r}: choose one of {', '.join(PRECISIONS)}", param_hint="--precision")
     result = run(prompts, limit, max_tokens, rounds, drafter, threads, precision)
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))

@@ -285,6 +285,10 @@ def bench_train(
     import json
     from types import SimpleNamespace
 
+    from trainer.distill import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise typer.BadParameter(f"{precision!r}: choose one of {', '.join(PRECISIONS)}", param_hint="--precision")
     out = run(SimpleNamespace(**{k_: v for k_, v in locals().items() if k_ != "json_out"}))
     if json_out:
         print(json.dumps(out))

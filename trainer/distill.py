@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -29,13 +29,14 @@ from trainer.students import RowBatch
 
 LossKind = Literal["fkl", "rkl", "jsd", "tvd"]
 Precision = Literal["auto", "fp32", "bf16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 def autocast_bf16(precision: Precision, device: torch.device) -> bool:
     """Whether training steps on ``device`` run under bf16 autocast (``auto``: where bf16 matmuls
     are native and faster than fp32)."""
-    if precision not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"precision must be auto, fp32 or bf16, not {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
     if precision != "auto":
         return precision == "bf16"
     if device.type == "cuda":

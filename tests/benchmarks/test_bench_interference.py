@@ -59,5 +59,16 @@ def test_the_trainer_steps_only_while_serving_beside_it():
 
 
 def test_an_unknown_training_precision_is_refused_before_anything_starts():
-    with pytest.raises(ValueError, match="precision must be auto, fp32 or bf16"):
+    with pytest.raises(ValueError, match="precision must be one of auto, fp32, bf16"):
         run(None, 1, 1, 2, "standalone", 1, precision="fp16")
+
+
+def test_the_training_benches_refuse_an_unknown_precision_on_the_command_line():
+    from typer.testing import CliRunner
+
+    from infra.cli import app
+
+    for bench in ("train", "interference"):
+        out = CliRunner().invoke(app, ["bench", bench, "--precision", "fp16", "--json"])
+        assert out.exit_code == 2, (bench, out.output)
+        assert "choose one of auto, fp32, bf16" in out.output
