@@ -16,13 +16,11 @@ layers a selfspec drafter shares) never change and are not hashed.
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections import OrderedDict
 
-import torch
-
 from feedback.bus.trace import TraceRecord
+from trainer.digest import trainable_digest
 
 KEEP_DIGESTS = 3
 """Weight versions remembered per student: the current ones, and the best-on-held-out ones a fit
@@ -30,18 +28,6 @@ may restore."""
 
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """student -> OrderedDict[digest, dict[key, RecordEval]]."""
-
-
-def trainable_digest(student) -> str:
-    """Hash of the weights training changes (all of them for a student with none trainable)."""
-    params = [(n, p) for n, p in student.model.named_parameters() if p.requires_grad]
-    if not params:
-        params = list(student.model.state_dict().items())
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in params:
-        h.update(name.encode())
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
-    return h.hexdigest()
 
 
 def _key(record: TraceRecord, k: int, branches: int) -> tuple:

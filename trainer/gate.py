@@ -22,7 +22,6 @@ NaN/inf weights or a non-finite/diverged training loss are refused before any me
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -105,15 +104,6 @@ class GateDecision:
 
 def weights_finite(model: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
-
-
-def weights_digest(student) -> str:
-    """Content hash of a student's weights (the trainer refuses a rolled-back version unchanged)."""
-    h = hashlib.sha256()
-    for name, t in sorted(student.model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def loss_healthy(losses: list[float], divergence_factor: float = 10.0) -> bool:

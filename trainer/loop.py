@@ -25,8 +25,9 @@ from feedback.background.supervise import LOOPS
 from feedback.target.fingerprint import TargetFingerprint
 from trainer import checkpoint, retention
 from trainer.announcements import Announcements
+from trainer.digest import weights_digest
 from trainer.distill import DistillConfig, Distiller
-from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge, weights_digest
+from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge
 from trainer.lineage import Lineage
 from trainer.replay import ReplayBuffer
 

@@ -7,8 +7,9 @@ import pytest
 from trainer_tracegen import FP, make_trace, tiny_lm
 
 from feedback.control.plane import ControlPlane, ControlSettings, RollbackAnnouncement
+from trainer.digest import weights_digest
 from trainer.distill import DistillConfig
-from trainer.gate import GateConfig, weights_digest
+from trainer.gate import GateConfig
 from trainer.loop import LoopConfig, TrainerLoop
 from trainer.sources import ListTraceSource
 from trainer.students import StandaloneStudent
