@@ -242,7 +242,7 @@ def run(args) -> dict:
         "sim_speedup_before": before.sim_speedup, "sim_speedup_after": after.sim_speedup,
         "sim_speedup_suffix_only": suffix_only.sim_speedup,
         "trace_tokens_seen": replay.tokens_seen, "train_steps": int(steps),
-        "precision": "bf16" if distiller.bf16 else "fp32",
+        "precision": distiller.train_precision,
         "train_steps_per_s": steps / train_s if train_s else 0.0,
         **cost, "curve": curve,
         "trace_generation_s": gen_s, "total_s": time.perf_counter() - t_start,

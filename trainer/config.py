@@ -19,6 +19,9 @@ from feedback import endpoints as ep
 
 _OWN = "SPECLOOP_TRAINER_"
 
+Precision = Literal["auto", "fp32", "bf16"]
+"""Training steps' forward precision (trainer/distill.py ``autocast_bf16``)."""
+
 
 class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECLOOP_TRAINER_", validate_by_name=True)
@@ -59,7 +62,7 @@ class TrainerSettings(BaseSettings):
     weight_decay: float = Field(0.01, description="AdamW weight decay.")
     batch_traces: int = Field(8, description="Traces per training step.")
     max_len: int = Field(512, description="Left-truncate training sequences to this many tokens.")
-    precision: Literal["auto", "fp32", "bf16"] = Field(
+    precision: Precision = Field(
         "auto", description="Training steps' forward: bf16 autocast, fp32, or auto (bf16 where the "
         "hardware multiplies bf16 natively: CUDA, AVX512-BF16, AMX; fp32 elsewhere).")
 

@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import TraceRecord
+from trainer.config import Precision
 from trainer.examples import build_examples
 from trainer.gate import GateConfig, score
 from trainer.replay import ReplayBuffer
 from trainer.students import RowBatch
 
 LossKind = Literal["fkl", "rkl", "jsd", "tvd"]
-Precision = Literal["auto", "fp32", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
@@ -118,6 +118,11 @@ class Distiller:
         device = next(student.model.parameters()).device
         self.bf16 = autocast_bf16(self.cfg.precision, device)
         self._autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    @property
+    def train_precision(self) -> str:
+        """What the steps run in here: "bf16" (autocast) or "fp32" (``cfg.precision`` resolved)."""
+        return "bf16" if self.bf16 else "fp32"
 
     def step(self, records: list[TraceRecord]) -> dict[str, float]:
         cfg = self.cfg

@@ -342,7 +342,7 @@ class TrainerLoop:
                     self.distiller.cfg, parent_version=self.champion_version or "none",
                     target_fingerprint=self.fingerprint.key(), tenant=self.cfg.tenant,
                     drafter_kind=self.student.kind, train_steps=self.distiller.global_step,
-                    train_precision="bf16" if self.distiller.bf16 else "fp32",
+                    train_precision=self.distiller.train_precision,
                     trace_tokens_seen=self.replay.tokens_seen)
                 curves = {"train_loss": list(enumerate(self.stats.losses)),
                           "heldout_expected_acceptance": [(c["tokens_seen"], c["expected_acceptance"])

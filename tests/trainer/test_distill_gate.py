@@ -132,6 +132,7 @@ def test_bf16_autocast_trains_and_keeps_fp32_weights(domain_a_replay):
     for precision in ("fp32", "bf16"):
         d = Distiller(StandaloneStudent(tiny_lm(seed=1)), DistillConfig(lr=3e-3, precision=precision))
         assert d.bf16 == (precision == "bf16")
+        assert d.train_precision == precision
         losses[precision] = d.step(recs)["loss"]
         assert all(p.dtype == torch.float32 for p in d.student.model.parameters())
     assert losses["bf16"] != losses["fp32"] and abs(losses["bf16"] - losses["fp32"]) < 0.05 * losses["fp32"]
