@@ -38,8 +38,11 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
 
     target = tiny_target()
     items = [PromptItem(id=f"c{i}", prompt=f"code prompt {i}: repeat repeat repeat", domain="code")
-             for i in range(4)]
-    out = asyncio.run(bench_spec_async(items, drafter_kind="suffix", limit=2, warm=1, max_tokens=10, k=4,
+             for i in range(6)]
+    # 4 prompts of 16 tokens at batch 2: rows replace each other as they finish, so both engines
+    # run many steps with both rows (2 prompts of 10 tokens could, when the second request was
+    # admitted late, leave the speculative engine no full-batch step to time)
+    out = asyncio.run(bench_spec_async(items, drafter_kind="suffix", limit=4, warm=1, max_tokens=16, k=4,
                                        policy="adaptive", target=target, batches=(1, 2), batch_repeats=1))
     assert out["tree"] is True and out["lossless"] is True
     assert set(out["by_batch"]) == {"1", "2"}
