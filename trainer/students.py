@@ -19,7 +19,9 @@ import torch.nn.functional as F
 
 from feedback.bus.trace import TraceRecord
 from trainer.examples import SequenceExample, build_examples
-from trainer.packing import batch_tensors, pack_examples
+from trainer.frozen_prefix import FrozenPrefixCache, padded
+from trainer.packing import PackedSequence, batch_tensors, pack_examples
+from trainer.partial_forward import layer_at_rows, run_layers
 
 
 @dataclass
@@ -162,7 +164,15 @@ class StandaloneStudent(Student):
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] final hidden states -> [..., Vd] logits."""
         w = self.model.lm_head.weight  # [V, H]
-        return F.linear(hidden, w if self.head_vocab is None else w[self.head_vocab])
+        if self.head_vocab is None:
+            return F.linear(hidden, w)
+        if w.requires_grad:
+            return F.linear(hidden, w[self.head_vocab])
+        # a frozen head's draft rows are gathered once (18.9 MB at 8k of 49k rows, every call before)
+        key = (w.data_ptr(), w._version)
+        if getattr(self, "_head_rows_key", None) != key:
+            self._head_rows, self._head_rows_key = w[self.head_vocab], key  # [Vd, H]
+        return F.linear(hidden, self._head_rows)
 
     def row_batch(self, examples: list[SequenceExample]) -> RowBatch:
         """Logits at every row. Hugging Face causal LMs get the packed path (trainer/packing.py:
@@ -176,9 +186,15 @@ class StandaloneStudent(Student):
         ids, pos, mask = batch_tensors(seqs)  # [B, L], [B, L], [B, 1, L, L]
         b_idx = torch.cat([torch.full((len(r),), b) for b, s in enumerate(seqs) for r in s.rows])  # [N]
         t_idx = torch.from_numpy(np.concatenate([r for s in seqs for r in s.rows]))  # [N]
-        hidden = self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state
-        logits = self._head(hidden[b_idx, t_idx])  # [N, Vd]: the vocab projection only where read
+        hidden = self._hidden_at(seqs, ids, pos, mask, b_idx, t_idx)  # [N, H]
+        logits = self._head(hidden)  # [N, Vd]: the vocab projection only where read
         return self._row_tensors([ex for s in seqs for ex in s.examples], logits)
+
+    def _hidden_at(self, seqs: list[PackedSequence], ids: torch.Tensor, pos: torch.Tensor | None,
+                   mask: torch.Tensor | None, b_idx: torch.Tensor, t_idx: torch.Tensor) -> torch.Tensor:
+        """[N, H] final (normed) hidden states of ``seqs`` (batched as ``batch_tensors`` does;
+        ``pos`` and ``mask`` None: one plain causal sequence) at the rows ``(b_idx, t_idx)``."""
+        return self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[b_idx, t_idx]
 
     def _row_batch_unpacked(self, examples: list[SequenceExample]) -> RowBatch:
         L = max(len(e.tokens) for e in examples)
@@ -198,20 +214,27 @@ class StandaloneStudent(Student):
         ``branches`` > 1: of its tree with that many candidates a position, as serving drafts)."""
         main = build_examples(record, include_discard=False, max_len=self.max_len)[0]
         ids = torch.from_numpy(main.tokens)[None]  # [1, L]
-        if self._hf():
-            logits = self._head(self.model.model(input_ids=ids).last_hidden_state)[0].float()  # [L, Vd]
-        else:
-            logits = _logits(self.model(ids))[0].float()  # [L, Vd]
         cut = len(record.prompt_ids) + len(record.output_ids) - len(main.tokens)  # left-truncated
-        rows = logits[torch.from_numpy(main.ctx_len - 1)]  # [R, Vd]
-        q = rows.softmax(-1)
-        ids = self.to_draft_ids(torch.from_numpy(main.topk_ids))
-        overlap = topk_overlap(q, ids, torch.from_numpy(main.topk_logprobs)).numpy()
-        # greedy prediction for every output position p (logit index P + p - 1 - cut)
         out = np.asarray(record.output_ids, dtype=np.int64)
         P = len(record.prompt_ids)
         first = max(0, cut - P + 1)  # output positions whose context survived truncation
-        idx = torch.arange(first, len(out)) + P - 1 - cut
+        # logits are read from the last prompt token on (each row, each output position's greedy
+        # prediction): the vocabulary projection of the prompt's other positions would be thrown away
+        lo = first + P - 1 - cut
+        if len(main.ctx_len):
+            lo = min(lo, int(main.ctx_len.min()) - 1)
+        if self._hf():
+            t_idx = torch.arange(lo, len(main.tokens))
+            hidden = self._hidden_at(pack_examples([main]), ids, None, None, torch.zeros_like(t_idx), t_idx)
+            logits = self._head(hidden).float()  # [L - lo, Vd]
+        else:
+            logits = _logits(self.model(ids))[0, lo:].float()  # [L - lo, Vd]
+        rows = logits[torch.from_numpy(main.ctx_len - 1 - lo)]  # [R, Vd]
+        q = rows.softmax(-1)
+        ids = self.to_draft_ids(torch.from_numpy(main.topk_ids))
+        overlap = topk_overlap(q, ids, torch.from_numpy(main.topk_logprobs)).numpy()
+        # greedy prediction for every output position p (logit index P + p - 1 - cut, from lo)
+        idx = torch.arange(first, len(out)) + P - 1 - cut - lo
         best = top_candidates(logits[idx], branches)  # [n', m] predicting each output position
         pred = np.full((len(out), best.shape[-1]), -1, dtype=np.int64)
         pred[first:] = self.to_target_ids(best).numpy()
@@ -234,6 +257,24 @@ class SelfSpecStudent(StandaloneStudent):
         self.config = config
         for p in shared_parameters(model, config.exit_layer):
             p.requires_grad_(False)
+        self.prefix = FrozenPrefixCache()
+        """The shared layers' output per replayed sequence: steps and evaluations run the adapter only."""
+
+    def _hidden_at(self, seqs, ids, pos, mask, b_idx, t_idx):
+        """The adapter's layers over the kept output of the shared ones, the last layer at the rows only."""
+        inner, E = self.model.model, self.config.exit_layer
+        if pos is None:  # an evaluation's plain causal sequence: the same as its packed form
+            _, pos, mask = batch_tensors(seqs)
+
+        def frozen(missing: list[PackedSequence]) -> torch.Tensor:
+            m_ids, m_pos, m_mask = batch_tensors(missing)
+            return run_layers(inner, inner.embed_tokens(m_ids), m_pos, m_mask, inner.layers[:E])  # [M, L, H]
+
+        hidden = padded(self.prefix.outputs(seqs, frozen))  # [B, L, H]
+        *middle, last = inner.layers[E:]
+        if middle:
+            hidden = run_layers(inner, hidden, pos, mask, middle)
+        return inner.norm(layer_at_rows(inner, last, hidden, pos, mask, b_idx, t_idx))  # [N, H]
 
 
 def selfspec_student_from_artifact(directory, target_model: torch.nn.Module, fingerprint, max_len: int = 512
