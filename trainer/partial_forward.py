@@ -1,11 +1,11 @@
 """Parts of a Hugging Face Llama forward, for a student that computes only what it reads.
 
-A selfspec student (trainer/students.py) starts its forward after the shared target layers (their
-output is kept: trainer/frozen_prefix.py) and reads the last layer's output only at its rows: the
-positions whose logits a loss or a held-out score uses, ~45 % of a packed training sequence and
-~40 % of a held-out trace (the prompt's positions are context, never read). The last layer's
-queries, attention output and MLP are therefore computed at those positions only; its keys and
-values, which every position contributes, everywhere. The same weights and the same math as
+A student (trainer/students.py) reads its last layer's output only at its rows: the positions whose
+logits a loss or a held-out score uses, ~45 % of a packed training sequence and ~40 % of a held-out
+trace (the prompt's positions are context, never read). The last layer's queries, attention output
+and MLP are therefore computed at those positions only; its keys and values, which every position
+contributes, everywhere. A selfspec student also starts its forward after the shared target layers,
+whose output is kept (trainer/frozen_prefix.py). The same weights and the same math as
 ``LlamaDecoderLayer`` (tests compare against the full forward).
 """
 
@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import repeat_kv, rotate_half
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, repeat_kv, rotate_half
+
+
+def llama_layers(inner: torch.nn.Module) -> bool:
+    """Whether every decoder layer of ``inner`` is a ``LlamaDecoderLayer`` (what ``layer_at_rows``
+    mirrors; SmolLM2 and every drafter built from it are)."""
+    layers = getattr(inner, "layers", None)
+    return bool(layers) and all(isinstance(layer, LlamaDecoderLayer) for layer in layers)
 
 
 def run_layers(inner: torch.nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,

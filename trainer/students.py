@@ -21,7 +21,7 @@ from feedback.bus.trace import TraceRecord
 from trainer.examples import SequenceExample, build_examples
 from trainer.frozen_prefix import FrozenPrefixCache, padded
 from trainer.packing import PackedSequence, batch_tensors, pack_examples
-from trainer.partial_forward import layer_at_rows, run_layers
+from trainer.partial_forward import layer_at_rows, llama_layers, run_layers
 
 
 @dataclass
@@ -193,8 +193,24 @@ class StandaloneStudent(Student):
     def _hidden_at(self, seqs: list[PackedSequence], ids: torch.Tensor, pos: torch.Tensor | None,
                    mask: torch.Tensor | None, b_idx: torch.Tensor, t_idx: torch.Tensor) -> torch.Tensor:
         """[N, H] final (normed) hidden states of ``seqs`` (batched as ``batch_tensors`` does;
-        ``pos`` and ``mask`` None: one plain causal sequence) at the rows ``(b_idx, t_idx)``."""
-        return self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[b_idx, t_idx]
+        ``pos`` and ``mask`` None: one plain causal sequence) at the rows ``(b_idx, t_idx)``.
+
+        A Llama model's last layer runs at those rows only (trainer/partial_forward.py); another
+        architecture runs its own forward everywhere."""
+        inner = self.model.model
+        if not llama_layers(inner):
+            return inner(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[b_idx, t_idx]
+        if pos is None:  # an evaluation's plain causal sequence: the same as its packed form
+            _, pos, mask = batch_tensors(seqs)
+        hidden, first = self._layer_input(seqs, ids)
+        *middle, last = inner.layers[first:]
+        if middle:
+            hidden = run_layers(inner, hidden, pos, mask, middle)
+        return inner.norm(layer_at_rows(inner, last, hidden, pos, mask, b_idx, t_idx))  # [N, H]
+
+    def _layer_input(self, seqs: list[PackedSequence], ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The input [B, L, H] of the first layer a forward computes, and that layer's index."""
+        return self.model.model.embed_tokens(ids), 0
 
     def _row_batch_unpacked(self, examples: list[SequenceExample]) -> RowBatch:
         L = max(len(e.tokens) for e in examples)
@@ -260,21 +276,15 @@ class SelfSpecStudent(StandaloneStudent):
         self.prefix = FrozenPrefixCache()
         """The shared layers' output per replayed sequence: steps and evaluations run the adapter only."""
 
-    def _hidden_at(self, seqs, ids, pos, mask, b_idx, t_idx):
-        """The adapter's layers over the kept output of the shared ones, the last layer at the rows only."""
+    def _layer_input(self, seqs, ids):
+        """The shared layers' kept output: a forward computes the adapter's layers only."""
         inner, E = self.model.model, self.config.exit_layer
-        if pos is None:  # an evaluation's plain causal sequence: the same as its packed form
-            _, pos, mask = batch_tensors(seqs)
 
         def frozen(missing: list[PackedSequence]) -> torch.Tensor:
             m_ids, m_pos, m_mask = batch_tensors(missing)
             return run_layers(inner, inner.embed_tokens(m_ids), m_pos, m_mask, inner.layers[:E])  # [M, L, H]
 
-        hidden = padded(self.prefix.outputs(seqs, frozen))  # [B, L, H]
-        *middle, last = inner.layers[E:]
-        if middle:
-            hidden = run_layers(inner, hidden, pos, mask, middle)
-        return inner.norm(layer_at_rows(inner, last, hidden, pos, mask, b_idx, t_idx))  # [N, H]
+        return padded(self.prefix.outputs(seqs, frozen)), E  # [B, L, H]
 
 
 def selfspec_student_from_artifact(directory, target_model: torch.nn.Module, fingerprint, max_len: int = 512

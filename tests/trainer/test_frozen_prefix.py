@@ -32,9 +32,15 @@ def _selfspec(target, draft_vocab=None, adapter_layers: int = 1) -> SelfSpecStud
     return SelfSpecStudent(assemble(adapter.float(), target), adapter.config)
 
 
+class FullForward(StandaloneStudent):
+    """The model's own Hugging Face forward: every layer at every position, on every call."""
+
+    def _hidden_at(self, seqs, ids, pos, mask, b_idx, t_idx):
+        return self.model.model(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[b_idx, t_idx]
+
+
 def _full_forward(st: SelfSpecStudent) -> StandaloneStudent:
-    """The same model read by the base class: every layer run on every call."""
-    return StandaloneStudent(st.model, head_vocab=st.head_vocab, train_embeddings=False)
+    return FullForward(st.model, head_vocab=st.head_vocab, train_embeddings=False)
 
 
 def _records(n: int, seed0: int = 0):
