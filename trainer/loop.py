@@ -12,7 +12,6 @@ deletion (trainer/retention.py), lineage params (trainer/lineage.py), checkpoint
 
 from __future__ import annotations
 
-import copy
 import logging
 import tempfile
 import time
@@ -127,7 +126,7 @@ class TrainerLoop:
         self._champions: dict[str, object] = {}
         """Recent champions by version (bounded): where a rollback sends the champion back to."""
         if initial_champion is not None:
-            self.champion = copy.deepcopy(student)
+            self.champion = student.snapshot()
             self.champion_version = initial_champion
             self._champions[initial_champion] = self.champion
         self._refused: dict[str, str] = {}
@@ -351,7 +350,7 @@ class TrainerLoop:
                                                   curves=curves)
                 version = self.registry.register(self.cfg.tenant, rid).version
             self.lineage.mark()  # registered: the next version's trace range starts after this one's
-        self.champion = copy.deepcopy(self.student)
+        self.champion = self.student.snapshot()
         self._champion_since = time.monotonic()
         self.champion_version = version or f"local-{self.stats.promotions + 1}"
         self._champions[self.champion_version] = self.champion
@@ -384,8 +383,8 @@ class TrainerLoop:
             setattr(self.stats, k, v)
         champ = checkpoint.champion_state(path)
         if champ is not None:
-            self.champion = copy.deepcopy(self.student)
-            self.champion.model.load_state_dict(champ)
+            self.champion = self.student.snapshot()
+            self.champion.load_trainable(champ)
         log.info("resumed from %s: step %d, %d traces", path, self.distiller.global_step, len(self.replay))
 
 

@@ -11,6 +11,7 @@ nothing more is accepted), so one forward over prompt + output gives every posit
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,6 +104,19 @@ class Student:
         out = torch.full_like(ids, -1)
         out[inside] = table[ids[inside]]
         return out
+
+    def snapshot(self) -> Student:
+        """A copy for the gate's champions: its own trainable weights, and the frozen ones (the
+        target's tensors, or copies of them that nothing trains) shared with this student instead of
+        copied (~140 MB a copy for a SmolLM2 drafter, and the loop keeps several champions)."""
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        frozen += [t for t in (getattr(self, "_head_rows", None),) if t is not None]  # a frozen head's rows
+        return copy.deepcopy(self, {id(t): t for t in frozen})
+
+    def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the trainable entries of a state dict (a snapshot's frozen tensors are shared)."""
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        self.model.load_state_dict({k: v for k, v in state.items() if k in trainable}, strict=False)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.draft_to_target is None else self.draft_to_target[ids]

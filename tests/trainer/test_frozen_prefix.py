@@ -92,15 +92,26 @@ def test_training_with_the_cache_takes_the_full_forwards_steps():
         assert torch.equal(t, frozen_before[n]), n
 
 
-def test_copies_share_the_cache_and_the_budget_bounds_it():
+def test_champion_snapshots_share_frozen_tensors_and_the_cache_and_keep_their_own_adapter():
     st = _selfspec(_target())
-    champion = copy.deepcopy(st)
-    assert champion.prefix is st.prefix
+    champion = st.snapshot()  # what the loop keeps for each promotion
+    assert champion.prefix is st.prefix and copy.deepcopy(st).prefix is st.prefix
+    shared = dict(champion.model.named_parameters())
+    for n, p in st.model.named_parameters():
+        assert (shared[n] is p) == (not p.requires_grad), n
     rec = _records(1)[0]
     st.evaluate(rec, k=3)
     champion.evaluate(rec, k=3)  # the champion's frozen layers are the student's: a hit
     assert st.prefix.misses == 1 and st.prefix.hits == 1
+    kept = {n: p.detach().clone() for n, p in champion.model.named_parameters() if p.requires_grad}
+    Distiller(st, DistillConfig(lr=1e-2, precision="fp32")).step(_records(2, seed0=30))
+    moved = [n for n, p in st.model.named_parameters() if p.requires_grad and not torch.equal(p, kept[n])]
+    assert moved and all(torch.equal(p, kept[n]) for n, p in champion.model.named_parameters() if n in kept)
+    champion.load_trainable(dict(st.model.state_dict()))  # a checkpoint's champion, restored
+    assert all(torch.equal(p, q) for p, q in zip(champion.model.parameters(), st.model.parameters()))
 
+
+def test_the_cache_keeps_recent_sequences_within_its_budget():
     cache = FrozenPrefixCache(max_bytes=3 * 10 * 32 * 4)  # three 10-token sequences of width 32 (fp32)
     seqs = pack_examples([build_examples(r, include_discard=False)[0] for r in _records(4, seed0=20)])
     calls = []
