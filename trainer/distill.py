@@ -201,14 +201,14 @@ class Distiller:
 
     def state_dict(self) -> dict:
         return {
-            "model": self.student.model.state_dict(),
+            "model": self.student.trainable_state(),  # the frozen target layers are not saved
             "optimizer": self.optimizer.state_dict(),
             "global_step": self.global_step,
             "rng": self.rng.bit_generator.state,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.student.model.load_state_dict(state["model"])
+        self.student.load_trainable(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
         self.rng.bit_generator.state = state["rng"]

@@ -368,7 +368,7 @@ class TrainerLoop:
             return
         extra = {"champion_version": self.champion_version, "lineage_window": self.lineage.window(), "stats": {
             "rounds": self.stats.rounds, "train_steps": self.stats.train_steps, "promotions": self.stats.promotions}}
-        champ = self.champion.model.state_dict() if self.champion is not None else None
+        champ = self.champion.trainable_state() if self.champion is not None else None
         checkpoint.save(self._ckpt_root, self.distiller, self.replay, extra, champion_state=champ,
                         keep=keep or self.cfg.checkpoint_keep, fault=self.checkpoint_fault)
 

@@ -113,9 +113,18 @@ class Student:
         frozen += [t for t in (getattr(self, "_head_rows", None),) if t is not None]  # a frozen head's rows
         return copy.deepcopy(self, {id(t): t for t in frozen})
 
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The parameters training changes: what a checkpoint must keep. The frozen ones come back
+        with the student itself (the target's tensors, or copies of them made from the target)."""
+        return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+
     def load_trainable(self, state: dict[str, torch.Tensor]) -> None:
-        """Load the trainable entries of a state dict (a snapshot's frozen tensors are shared)."""
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        """Load the trainable entries of a state dict (a full one or ``trainable_state``'s); a state
+        without one of them is refused, nothing loaded."""
+        trainable = set(self.trainable_state())
+        missing = sorted(trainable - set(state))
+        if missing:
+            raise ValueError(f"state lacks {len(missing)} trained tensors, e.g. {missing[:3]}")
         self.model.load_state_dict({k: v for k, v in state.items() if k in trainable}, strict=False)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:

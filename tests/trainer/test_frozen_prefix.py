@@ -128,3 +128,22 @@ def test_the_cache_keeps_recent_sequences_within_its_budget():
     assert calls == [4] and all(torch.equal(x, y) for x, y in zip(again, first[1:]))
     cache.outputs(seqs[:1], compute)
     assert calls == [4, 1]
+
+
+def test_checkpoints_keep_the_trained_tensors_only_and_restore_them(tmp_path):
+    from trainer import checkpoint
+    from trainer.replay import ReplayBuffer
+
+    st = _selfspec(_target(2))
+    d = Distiller(st, DistillConfig(lr=1e-2, precision="fp32"))
+    d.step(_records(3, seed0=40))
+    path = checkpoint.save(tmp_path, d, ReplayBuffer(heldout_fraction=0.0), {},
+                           champion_state=st.snapshot().trainable_state())
+    trained = {n for n, p in st.model.named_parameters() if p.requires_grad}
+    assert set(torch.load(path / "distiller.pt", weights_only=True)["model"]) == trained  # no target tensor
+    assert set(checkpoint.champion_state(path)) == trained
+    fresh = _selfspec(_target(2))  # a restarted trainer: the same target, a day-0 adapter
+    checkpoint.load(path, Distiller(fresh, DistillConfig(precision="fp32")), ReplayBuffer(heldout_fraction=0.0))
+    assert all(torch.equal(p, q) for p, q in zip(fresh.model.parameters(), st.model.parameters()))
+    with pytest.raises(ValueError, match="trained tensors"):
+        fresh.load_trainable({})  # a state without the adapter is refused, not half-loaded
