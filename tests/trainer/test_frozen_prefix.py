@@ -1,6 +1,6 @@
 """A selfspec student runs its frozen (target) layers once per replayed sequence: the logits, the
 held-out scores and the training steps are those of the full forward (its last layer computed at the
-read rows only), and copies share the cache."""
+read rows only); champion snapshots and checkpoints copy and keep the trained tensors only."""
 
 import copy
 
@@ -64,10 +64,12 @@ def test_rows_and_scores_equal_the_full_forward_and_the_frozen_layers_run_once(d
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-4)
     assert torch.equal(got.topk_ids, want.topk_ids)
     assert again.logits.shape == got.logits.shape
-    for rec in _records(2, seed0=50):  # held-out: overlaps and accepted lengths as the full forward's
-        a, b = st.evaluate(rec, k=3, branches=2), ref.evaluate(rec, k=3, branches=2)
-        np.testing.assert_allclose(a.overlap, b.overlap, atol=1e-5)
-        assert np.array_equal(a.accept_at, b.accept_at)
+    for max_len in (512, 20):  # 20: left-truncated into the output (prompt 10 + output 24 tokens)
+        st.max_len = ref.max_len = max_len
+        for rec in _records(2, seed0=50):  # held-out: overlaps and accepted lengths as the full forward's
+            a, b = st.evaluate(rec, k=3, branches=2), ref.evaluate(rec, k=3, branches=2)
+            np.testing.assert_allclose(a.overlap, b.overlap, atol=1e-5)
+            assert np.array_equal(a.accept_at, b.accept_at) and len(a.accept_at) == 24
 
 
 def test_training_with_the_cache_takes_the_full_forwards_steps():
