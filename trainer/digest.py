@@ -27,5 +27,5 @@ def weights_digest(student) -> str:
 
 def trainable_digest(student) -> str:
     """blake2b over the parameters that train (all of the state for a student with none)."""
-    params = [(n, p) for n, p in student.model.named_parameters() if p.requires_grad]
-    return _digest(params or student.model.state_dict().items(), hashlib.blake2b(digest_size=16))
+    params = student.trainable_state()
+    return _digest((params or student.model.state_dict()).items(), hashlib.blake2b(digest_size=16))

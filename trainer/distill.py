@@ -189,7 +189,7 @@ class Distiller:
                         res.stopped_early = True
                         break
         if heldout:
-            self.student.model.load_state_dict(best_state, strict=False)
+            self.student.load_trainable(best_state)
         res.best_acceptance = best
         res.seconds = time.perf_counter() - t0
         return res
@@ -197,7 +197,7 @@ class Distiller:
     def _trainable_state(self) -> dict[str, torch.Tensor]:
         """Copies of the parameters training changes (a drafter sharing the target's frozen layers
         would otherwise copy them at every held-out improvement)."""
-        return {n: p.detach().clone() for n, p in self.student.model.named_parameters() if p.requires_grad}
+        return {n: t.clone() for n, t in self.student.trainable_state().items()}
 
     def state_dict(self) -> dict:
         return {
