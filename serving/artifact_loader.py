@@ -37,5 +37,7 @@ class ArtifactDrafterLoader:
                 "the trainer follows SPECLOOP_DRAFTER too")
         if self.kind in ("hybrid", "suffix"):  # what the trainer's gate judged: suffix + learned
             suffix = current if getattr(current, "kind", None) == "suffix" else getattr(current, "suffix", None)
-            return build_drafter("hybrid", self.target, artifact_dir, suffix=suffix, **self.options)
+            predecessor = current if getattr(current, "kind", None) == "hybrid" else None
+            return build_drafter("hybrid", self.target, artifact_dir, suffix=suffix, predecessor=predecessor,
+                                 **self.options)
         return build_drafter(meta.kind, self.target, artifact_dir, **self.options)

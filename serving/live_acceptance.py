@@ -11,6 +11,12 @@ demo rolled a learned version back on its first 32 steps against a floor its pre
 on other requests. The judge compares window means in units of consecutive steps (blocks, so
 that the steps of one request are not counted as independent evidence) and decides only when the
 difference is beyond ``z`` standard errors, or when the watch has run ``max_steps``.
+
+The judge reads the steps that verified drafts only, at their drafting rows (``recent``): a step
+the goodput policy decided as plain decoding says nothing about a drafter's acceptance. Counted
+as 1.0 tokens, they let the policy's state judge the drafter: a successor the policy had turned
+off read exactly 1.000 over 32 steps, a zero-variance window the judge took for certainty, and
+three promotions of a 200-request stream were rolled back so.
 """
 
 from __future__ import annotations
@@ -89,16 +95,19 @@ class VersionStats:
     unflushed: tuple[int, int, int] = (0, 0, 0)
     """drafted, accepted, rows not yet reported to the control plane."""
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS), repr=False)
-    """The last RECENT_STEPS steps' tokens per row (live only; snapshots leave it empty)."""
+    """The last RECENT_STEPS drafting steps' accept lengths (live only; snapshots leave it empty)."""
     last: float | None = None
     """The latest step's tokens per row."""
+    last_drafted: float | None = None
+    """The latest step's accept length over its rows that drafted (None: it drafted nothing)."""
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def snapshot(self) -> VersionStats:
-        return VersionStats(self.ema, self.steps, self.drafted, self.accepted, self.rows, last=self.last)
+        return VersionStats(self.ema, self.steps, self.drafted, self.accepted, self.rows, last=self.last,
+                            last_drafted=self.last_drafted)
 
 
 class LiveAcceptance(BaseObserver):
@@ -120,12 +129,16 @@ class LiveAcceptance(BaseObserver):
         drafted = int(batch.num_drafted.sum())
         accepted = int(batch.num_accepted.sum())
         value = (accepted + rows) / rows
+        drafting = int((batch.num_drafted > 0).sum())
+        judged = 1.0 + accepted / drafting if drafting else None  # rows that drafted: what the judge reads
         version = batch.drafter_version
         with self._lock:
             s = self._stats.setdefault(version, VersionStats())
             s.ema = value if s.ema is None else s.ema + self.alpha * (value - s.ema)
             s.last = value
-            s.recent.append(value)
+            s.last_drafted = judged
+            if judged is not None:
+                s.recent.append(judged)
             s.steps += 1
             s.drafted += drafted
             s.accepted += accepted
@@ -144,7 +157,7 @@ class LiveAcceptance(BaseObserver):
             return s.snapshot() if s else VersionStats()
 
     def recent(self, version: str) -> list[float]:
-        """The version's last RECENT_STEPS per-step values, oldest first."""
+        """The version's last RECENT_STEPS drafting steps' accept lengths, oldest first."""
         with self._lock:
             s = self._stats.get(version)
             return list(s.recent) if s else []
@@ -167,7 +180,7 @@ class LiveAcceptance(BaseObserver):
 class Verdict:
     rollback: bool
     live: float
-    """Mean tokens per row and step of the watched version."""
+    """Mean accept length of the watched version's drafting steps (at their drafting rows)."""
     baseline: float
     """The predecessor's mean over its last steps before the swap."""
     floor: float
@@ -175,6 +188,7 @@ class Verdict:
     stderr: float
     """Standard error of live - floor, from block means."""
     steps: int
+    """Drafting steps judged."""
     conclusive: bool
     """False when the watch ran out (max_steps) before the difference was beyond z errors."""
 
@@ -182,7 +196,7 @@ class Verdict:
         side = "below" if self.rollback else "not below"
         how = "" if self.conclusive else ", inconclusive at the end of the watch"
         return (f"live accept length {self.live:.3f} {side} floor {self.floor:.3f} "
-                f"(+-{self.stderr:.3f}) after {self.steps} steps{how}")
+                f"(+-{self.stderr:.3f}) after {self.steps} drafting steps{how}")
 
 
 def block_means(values: Sequence[float], block: int) -> list[float]:
@@ -207,9 +221,11 @@ def _mean_and_var_of_mean(values: Sequence[float], block: int) -> tuple[float, f
 class RollbackJudge:
     """Decides whether a watched version fell below ``floor_ratio`` x its predecessor.
 
-    ``verdict`` returns None while undecided: before ``min_steps``, and after it while the
-    watched mean is within ``z`` standard errors of the floor (errors from block means of
-    ``block_steps`` steps, at least 4 blocks per side). At ``max_steps`` it decides on the means."""
+    ``verdict`` returns None while undecided: before ``min_steps`` drafting steps, and after it
+    while the watched mean is within ``z`` standard errors of the floor (errors from block means of
+    ``block_steps`` steps, at least 4 blocks per side). At ``max_steps`` steps of the version in
+    all (``steps``; drafting or not) it decides on the means, and keeps a version that drafted
+    nothing while watched (it cost nothing; there is nothing to judge)."""
 
     floor_ratio: float = 0.8
     min_steps: int = 64
@@ -217,10 +233,15 @@ class RollbackJudge:
     z: float = 2.0
     block_steps: int = 8
 
-    def verdict(self, baseline: Sequence[float], live: Sequence[float]) -> Verdict | None:
+    def verdict(self, baseline: Sequence[float], live: Sequence[float], steps: int | None = None) -> Verdict | None:
+        """``baseline``, ``live``: accept lengths of drafting steps; ``steps``: the watched
+        version's steps in all (default: ``len(live)``)."""
         n = len(live)
-        if n < self.min_steps:
+        steps = n if steps is None else max(steps, n)
+        if n < self.min_steps and steps < self.max_steps:
             return None
+        if n == 0:  # the watch ran out without a draft
+            return Verdict(False, 1.0, 0.0, 0.0, 0.0, 0, False)
         live_mean, live_var = _mean_and_var_of_mean(live, self.block_steps)
         if len(baseline) < 2:  # nothing to compare with: keep
             return Verdict(False, live_mean, 0.0, 0.0, 0.0, n, True)
@@ -231,6 +252,6 @@ class RollbackJudge:
             return Verdict(True, live_mean, base_mean, floor, stderr, n, True)
         if live_mean - self.z * stderr >= floor:
             return Verdict(False, live_mean, base_mean, floor, stderr, n, True)
-        if n >= self.max_steps:
+        if steps >= self.max_steps:
             return Verdict(live_mean < floor, live_mean, base_mean, floor, stderr, n, False)
         return None

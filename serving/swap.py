@@ -10,9 +10,9 @@ given) tracks each version's live acceptance.
 Live acceptance = mean tokens emitted per verify step and row (accepted drafts + 1), per drafter
 version (serving/live_acceptance.py); its EMA is the ``/metrics`` gauge and the MLflow
 ``live_acceptance`` metric. After a swap the new version is watched: from ``watch_steps`` verify
-steps on, ``RollbackJudge`` compares its steps' mean with ``floor_ratio`` x the previous version's
-last steps, and decides once the difference is beyond ``rollback_z`` standard errors (or at
-``max_watch_steps``). On a rollback the Swapper swaps the previous drafter back, moves the alias
+steps that drafted on, ``RollbackJudge`` compares their mean accept length with ``floor_ratio`` x
+that of the previous version's last drafting steps, and decides once the difference is beyond
+``rollback_z`` standard errors (or at ``max_watch_steps``). On a rollback the Swapper swaps the previous drafter back, moves the alias
 back, announces the rollback on Redis, counts it and tags the version in MLflow.
 
 Redis or MLflow being down never stops serving: the engine keeps the drafter it has, failures are
@@ -65,12 +65,13 @@ log = logging.getLogger(__name__)
 class SwapConfig:
     tenant: str = "default"
     watch_steps: int = 64
-    """Verify steps of a new version watched before it can be kept (or rolled back)."""
+    """Drafting verify steps of a new version watched before it can be kept (or rolled back)."""
     floor_ratio: float = 0.8
-    """Roll back when the new version's mean tokens per step < floor_ratio x the previous one's."""
+    """Roll back when the new version's mean accept length over its drafting steps < floor_ratio x
+    the previous one's."""
     max_watch_steps: int | None = None
-    """The watch decides on the means here even if the difference is within the noise
-    (default: 8 x watch_steps)."""
+    """Steps of the new version (drafting or not) after which the watch decides on the means even
+    if the difference is within the noise (default: 8 x watch_steps)."""
     rollback_z: float = 2.0
     """Standard errors the difference must exceed before the watch decides earlier."""
     poll_interval_s: float = 30.0
@@ -92,8 +93,11 @@ class SwapConfig:
 class _Watch:
     version: str
     baseline: list[float]
-    """The previous version's last steps (tokens per row), at the swap."""
+    """The previous version's last drafting steps' accept lengths, at the swap."""
     live: list[float] = field(default_factory=list)
+    """Its drafting steps' accept lengths since the swap."""
+    steps: int = 0
+    """Its steps since the swap, drafting or not."""
     done: bool = False
 
 
@@ -347,10 +351,12 @@ class Swapper:
     def _on_live_step(self, version: str, stats: VersionStats) -> None:
         """Engine thread: decide at the end of the watch; the rollback itself runs on the worker."""
         w = self._watch
-        if w is None or w.done or version != w.version or stats.last is None:
+        if w is None or w.done or version != w.version:
             return
-        w.live.append(stats.last)
-        verdict = self._judge.verdict(w.baseline, w.live)
+        w.steps += 1
+        if stats.last_drafted is not None:
+            w.live.append(stats.last_drafted)
+        verdict = self._judge.verdict(w.baseline, w.live, w.steps)
         if verdict is None:
             return
         w.done = True

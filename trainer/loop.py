@@ -40,7 +40,9 @@ class Announcer(Protocol):
 Exporter = Callable[[object, Path, TargetFingerprint, dict], None]
 """(student, out_dir, fingerprint, extra) -> writes a drafter artifact directory
 (feedback/registry/artifact.py); ``extra`` is what the artifact records beside the weights (the gate's
-``heldout_acceptance``, which serving starts the new drafter's acceptance estimate from)."""
+``heldout_acceptance``, which serving starts the new drafter's acceptance estimate from, and the
+champion's ``champion_heldout_acceptance`` on the same traces, the ratio a successor's estimate
+scales its predecessor's live one by)."""
 
 
 @dataclass
@@ -336,6 +338,8 @@ class TrainerLoop:
         if self.registry is not None and self.exporter is not None:
             with tempfile.TemporaryDirectory() as tmp:
                 extra = {} if d.candidate is None else {"heldout_acceptance": d.candidate.expected_acceptance}
+                if d.candidate is not None and d.champion is not None:  # the same held-out traces
+                    extra["champion_heldout_acceptance"] = d.champion.expected_acceptance
                 self.exporter(self.student, Path(tmp), self.fingerprint, extra)
                 params = self.lineage.params(
                     self.distiller.cfg, parent_version=self.champion_version or "none",

@@ -26,7 +26,9 @@ def build_drafter(
       ("next" | "last"), ``draft_vocab_size`` (16384 lowest ids + specials; None: full vocabulary).
     - hybrid: ``learned`` ("eagle" | "standalone" | "selfspec"; default: the artifact's kind, else eagle),
       ``learned_options`` (dict, as above), ``suffix`` (an existing suffix drafter to keep its
-      index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict).
+      index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict),
+      ``predecessor`` (the hybrid it replaces at a swap: a promoted learned half's acceptance
+      estimate starts from the predecessor's live one).
 
     Every learned kind (eagle, standalone, selfspec) also takes ``branches``: candidates per drafted
     position (1: chains; default ``LearnedDrafter.branches``; serving/drafters/draft_tree.py).
@@ -70,10 +72,19 @@ def _load(target: Target, artifact_dir, kind: str):
 
 def _measured(drafter, meta):
     """``drafter`` with the held-out acceptance its artifact records (the trainer's gate, or
-    ``specloop train``), where serving's acceptance estimate for it starts."""
-    value = meta.extra.get("heldout_acceptance")
-    if isinstance(value, (int, float)) and 0.0 <= value <= 1.0:
-        drafter.prior_acceptance = float(value)
+    ``specloop train``), where serving's acceptance estimate for it starts, and its ratio to the
+    predecessor's on the same traces (the gate's champion), from which a successor starts instead
+    where its predecessor's live estimate is known."""
+    from feedback.goodput import held_out_ratio
+
+    def fraction(key):
+        value = meta.extra.get(key)
+        return float(value) if isinstance(value, (int, float)) and 0.0 <= value <= 1.0 else None
+
+    value = fraction("heldout_acceptance")
+    if value is not None:
+        drafter.prior_acceptance = value
+        drafter.prior_relative = held_out_ratio(value, fraction("champion_heldout_acceptance"))
     return drafter
 
 
@@ -181,6 +192,7 @@ def _hybrid(
     suffix=None,
     suffix_options: dict | None = None,
     policy=None,
+    predecessor=None,
 ):
     from feedback.registry.artifact import read_meta
     from serving.drafters.hybrid import HybridDrafter, HybridPolicy
@@ -195,4 +207,4 @@ def _hybrid(
     suffix_drafter = suffix if suffix is not None else _suffix(dict(suffix_options or {}))
     if isinstance(policy, dict):
         policy = HybridPolicy(**policy)
-    return HybridDrafter(suffix_drafter, learned_drafter, policy)
+    return HybridDrafter(suffix_drafter, learned_drafter, policy, predecessor=predecessor)

@@ -110,18 +110,27 @@ def expected_accepted(confidence: torch.Tensor, lengths: torch.Tensor,
 class HybridDrafter:
     kind = "hybrid"
 
-    def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None):
+    def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None,
+                 predecessor: HybridDrafter | None = None):
+        """``predecessor``: the hybrid this one replaces at a swap (its suffix index is usually
+        ``suffix`` too); a promoted learned half's estimate starts from the predecessor's live
+        one (``AcceptanceEstimate.successor``) where both are known."""
         self.suffix = suffix
         self.learned = learned
         self.policy = policy or HybridPolicy()
         self.version = learned.version
+        self.prior_relative = 1.0 if predecessor is not None else None
+        """For serving's policy, whose estimate covers the hybrid's drafts as a whole (mostly the
+        suffix index's, which a swap of the learned half keeps): a successor goes on from it."""
         self.feature_layers = tuple(learned.feature_layers)
         self.costs = CostModel(
             target_step_ms=self.policy.target_step_ms,
             draft_ms_per_token=self.policy.draft_ms_per_step,
         )
         measured = getattr(learned, "prior_acceptance", None)  # what its artifact was promoted with
-        self.acceptance = AcceptanceEstimate(
+        before = getattr(predecessor, "acceptance", None)
+        inherited = before.successor(getattr(learned, "prior_relative", None)) if before is not None else None
+        self.acceptance = inherited or AcceptanceEstimate(
             value=self.policy.prior_acceptance if measured is None else measured,
             ema=self.policy.acceptance_ema, prior_weight=self.policy.prior_steps,
         )

@@ -70,6 +70,10 @@ class LearnedDrafter:
     prior_acceptance: float | None = None
     """The held-out acceptance the artifact was promoted with (None: unmeasured, e.g. a day-0
     copy): where serving's acceptance estimate for this drafter starts."""
+    prior_relative: float | None = None
+    """The artifact's held-out acceptance over its predecessor's (the trainer's gate scored both on
+    the same traces): a successor's estimate starts at its predecessor's live one times this
+    (``AcceptanceEstimate.successor``). None: not recorded."""
     flush_threshold = 32
     """Rows with more pending inputs than this are extended alone first (no padding waste)."""
     max_catch_up: int | None = 64

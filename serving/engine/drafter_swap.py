@@ -63,8 +63,8 @@ class DrafterSwaps:
     def _init_swaps(self, drafter: Drafter | None) -> None:
         self._drafter: Drafter | None = drafter
         prior = getattr(drafter, "prior_acceptance", None)
-        if prior is not None and hasattr(self.policy, "on_drafter_change"):
-            self.policy.on_drafter_change(prior)  # start from what its artifact measured
+        if prior is not None and hasattr(self.policy, "on_drafter_change"):  # what its artifact measured
+            self.policy.on_drafter_change(prior, version=getattr(drafter, "version", None))
         self.runner.feature_layers = self._layers_for(drafter)
         self._pending_swap: _PendingSwap | None = None
         self._swap_lock = threading.Lock()  # _pending_swap, _swap_seq
@@ -262,8 +262,10 @@ class DrafterSwaps:
                     log.exception("new drafter failed to drop %s", rid)
         self._drafter = new
         if self.policy is not None and hasattr(self.policy, "on_drafter_change"):
-            # acceptance evidence was about the old drafter
-            self.policy.on_drafter_change(getattr(new, "prior_acceptance", None))
+            # acceptance evidence was about the old drafter (a successor starts from it, scaled)
+            self.policy.on_drafter_change(getattr(new, "prior_acceptance", None),
+                                          version=getattr(new, "version", None),
+                                          relative=getattr(new, "prior_relative", None))
         self.runner.feature_layers = self._layers_for(new)
         wants = new is not None and bool(new.feature_layers)
         caught_up = 0

@@ -74,6 +74,10 @@ _REALIZED_PROBE_ALPHA = 0.25
 _REALIZED_MIN_STEPS = 8
 """Drafting steps at a batch size before their realized rate is trusted."""
 
+_LIVE_EVIDENCE_STEPS = 8
+"""Drafting steps behind an acceptance estimate before a swap hands it on (to a successor, or to
+the version's return after a rollback) rather than starting from the artifact's figure."""
+
 _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
 
@@ -156,6 +160,10 @@ class GoodputPolicy:
         self._since_plain: dict[int, int] = {}  # batch size -> choices since the last n = 0
         self._probe_new = False
         """Probe at the next k = 0 decision: a new drafter (``on_drafter_change``)."""
+        self._version: str | None = None
+        """The installed drafter's version, as ``on_drafter_change`` was told."""
+        self._left: dict[str, AcceptanceEstimate] = {}
+        """version -> its estimate when it was swapped out (the last 8): where a rollback resumes."""
         self._costly_probe = False
         self._probe_ms: float | None = None
         """EMA of what a costly drafter's probe cost over a plain step (its draft, catch-up
@@ -249,19 +257,33 @@ class GoodputPolicy:
         extra = self.verify_ms(batch, batch) / self.verify_ms(0, batch) - 1.0
         return max(self.probe_every, math.ceil(extra / self.probe_budget))
 
-    def on_drafter_change(self, prior_acceptance: float | None = None) -> None:
+    def on_drafter_change(self, prior_acceptance: float | None = None, *, version: str | None = None,
+                          relative: float | None = None) -> None:
         """A new drafter is installed: what was learned of the old one's acceptance no longer
-        holds. Start from ``prior_acceptance`` (the held-out acceptance its artifact records; else
-        the default prior, 0.5) and probe at the next step that would not draft. (Draft costs are
-        kept: they are re-measured at every draft.) A day-0 selfspec drafter's drafts were cut to
-        nothing by the width step at the 0.5 prior, which no cut draft moves, so it went on
-        drafting one token at ~0.25 of a step on its back-off schedule; its artifact said 0.31."""
-        self.acceptance = (
-            AcceptanceEstimate(prior_weight=1.0)
-            if prior_acceptance is None
-            else AcceptanceEstimate(value=float(prior_acceptance), prior_weight=1.0)
-        )
-        self.calibration = 1.0
+        holds as it was. The estimate starts, in this order, where ``version`` left it when it
+        was live before (a rollback), at the outgoing drafter's live estimate times ``relative``
+        (a promoted successor: ``AcceptanceEstimate.successor``), or at ``prior_acceptance`` (the
+        held-out acceptance its artifact records; else the default prior, 0.5); a probe comes at
+        the next step that would not draft. (Draft costs are kept: they are re-measured at every
+        draft.) A day-0 selfspec drafter's drafts were cut to nothing by the width step at the
+        0.5 prior, which no cut draft moves, so it went on drafting one token at ~0.25 of a step
+        on its back-off schedule; its artifact said 0.31."""
+        if self._version is not None and self.acceptance.steps >= _LIVE_EVIDENCE_STEPS:
+            self._left[self._version] = self.acceptance
+            while len(self._left) > 8:
+                self._left.pop(next(iter(self._left)))
+        inherited = self._left.pop(version, None) if version is not None else None
+        inherited = inherited or self.acceptance.successor(relative, _LIVE_EVIDENCE_STEPS)
+        if inherited is not None:
+            self.acceptance = inherited  # the calibration of its confidences carries over too
+        else:
+            self.acceptance = (
+                AcceptanceEstimate(prior_weight=1.0)
+                if prior_acceptance is None
+                else AcceptanceEstimate(value=float(prior_acceptance), prior_weight=1.0)
+            )
+            self.calibration = 1.0
+        self._version = version
         self.zero_widths = 0
         self._backoff = 0
         self.off_streak = 0

@@ -176,6 +176,51 @@ def test_a_new_drafter_starts_from_the_acceptance_its_artifact_measured():
     assert p.acceptance.value == pytest.approx(0.5)
 
 
+def _feed_rate(policy, rate, steps=60, draft_ms=2.0):
+    """One-token drafts accepted at ``rate`` (deterministically spread), so the estimate sits there."""
+    for i in range(steps):
+        ok = int((i + 1) * rate) - int(i * rate)
+        policy.observe(1, np.array([1]), np.array([ok]), draft_ms, 11.5)
+
+
+def test_a_promoted_successor_starts_where_its_predecessor_was_live():
+    """The trainer's held-out set mixes the domains served so far: after a shift a successor's
+    recorded figure (0.2) reads far below what its predecessor accepts live on the new domain
+    (0.4). Started there, the policy turned an equally good successor off for hundreds of steps and
+    the rollback watch judged that. It starts at the predecessor's live estimate times the ratio
+    the gate measured between the two on the same traces."""
+    p = GoodputPolicy(4, costs=CostModel(target_step_ms=11.5, draft_ms_per_token=2.0, verify_slope=0.05))
+    p.on_drafter_change(0.3, version="v1")
+    _feed_rate(p, 0.4)
+    live = p.acceptance.value
+    assert 0.3 < live < 0.5
+    p.on_drafter_change(0.2, version="v2", relative=1.1)
+    assert p.acceptance.value == pytest.approx(min(0.95, live * 1.1))
+    assert p.choose_k(_state()) > 0  # it keeps drafting as its predecessor did
+    # without the ratio (an artifact that does not record its champion's figure): its own figure
+    p.on_drafter_change(0.2, version="v3")
+    assert p.acceptance.value == pytest.approx(0.2)
+
+
+def test_a_successor_of_a_drafter_with_little_live_evidence_starts_from_its_own_figure():
+    p = GoodputPolicy(4)
+    p.on_drafter_change(0.3, version="v1")
+    _feed_rate(p, 0.9, steps=3)  # three drafts say little
+    p.on_drafter_change(0.25, version="v2", relative=1.5)
+    assert p.acceptance.value == pytest.approx(0.25)
+
+
+def test_a_rollback_resumes_the_estimate_the_version_left_with():
+    p = GoodputPolicy(4)
+    p.on_drafter_change(0.3, version="v1")
+    _feed_rate(p, 0.45)
+    left = p.acceptance.value
+    p.on_drafter_change(0.4, version="v2", relative=1.02)
+    _feed_rate(p, 0.0, steps=20)  # the successor accepts nothing live
+    p.on_drafter_change(0.3, version="v1", relative=0.9)  # rolled back to v1 (its own old ratio)
+    assert p.acceptance.value == pytest.approx(left)
+
+
 def test_drafts_the_width_step_cut_still_teach_the_draft_cost():
     """A costly drafter whose drafts were all cut to nothing (no acceptance evidence) must not be
     judged at the prior's 0.05 ms a token forever: what each draft cost is measured anyway."""

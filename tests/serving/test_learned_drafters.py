@@ -612,6 +612,45 @@ def test_a_drafter_starts_from_the_acceptance_its_artifact_measured(target, tmp_
     assert engine.policy.acceptance.value == pytest.approx(0.27)
 
 
+def test_a_promoted_successor_starts_from_its_predecessors_live_acceptance(target, tmp_path):
+    """After a shift the trainer's mixed-domain held-out figure (here 0.2) reads far below what the
+    live drafter accepts on the new domain; a successor starts at its predecessor's live estimate
+    times the gate's ratio of the two (0.2 / 0.16 on the same traces), in serving's policy and in
+    the hybrid the artifact loader builds around the running suffix index."""
+    from serving.artifact_loader import ArtifactDrafterLoader
+    from serving.engine.config import EngineConfig
+    from serving.engine.goodput_policy import GoodputPolicy
+    from serving.engine.torch_engine import TorchEngine
+
+    model = standalone_from_target(target.model, num_layers=1)
+    config = StandaloneConfig.for_target(target.model.config, 1, V)
+    save_drafter(model, config, target.fingerprint, tmp_path / "m", version="v1",
+                 extra={"heldout_acceptance": 0.27})
+    save_drafter(model, config, target.fingerprint, tmp_path / "s", version="v2",
+                 extra={"heldout_acceptance": 0.2, "champion_heldout_acceptance": 0.16})
+    successor = build_drafter("standalone", target, tmp_path / "s")
+    assert successor.prior_acceptance == pytest.approx(0.2) and successor.prior_relative == pytest.approx(1.25)
+
+    def live(estimate, steps=30):  # two of five one-token drafts accepted
+        for i in range(steps):
+            estimate.observe(np.array([1]), np.array([int(i % 5 < 2)]))
+        return estimate.value
+
+    engine = TorchEngine(target, build_drafter("standalone", target, tmp_path / "m"), EngineConfig(k=K),
+                         policy=GoodputPolicy(K))
+    was = live(engine.policy.acceptance)
+    engine.swap_drafter(successor)
+    assert engine.policy.acceptance.value == pytest.approx(was * 1.25)
+
+    loader = ArtifactDrafterLoader(target, "hybrid")
+    running = loader.load(tmp_path / "m")
+    was = live(running.acceptance)
+    promoted = loader.load(tmp_path / "s", current=running)
+    assert promoted.suffix is running.suffix
+    assert promoted.acceptance.value == pytest.approx(was * 1.25)
+    assert loader.load(tmp_path / "s").acceptance.value == pytest.approx(0.2)  # no predecessor
+
+
 def test_unused_rows_in_hybrid_proposal_are_zero_padded(target, sharp_head):
     suffix = StandInSuffix({"a": ([7], 0.99)})
     eng = Engine(target, HybridDrafter(suffix, EagleDrafter(sharp_head), HybridPolicy(**CHEAP)))

@@ -71,3 +71,42 @@ def test_at_the_end_of_the_watch_the_means_decide():
 def test_without_a_baseline_the_version_is_kept():
     v = RollbackJudge(min_steps=4).verdict([], [1.0] * 4)
     assert v is not None and not v.rollback
+
+
+def test_steps_that_drafted_nothing_do_not_judge_a_version():
+    """A step the goodput policy decided as plain decoding says nothing about the drafter: a
+    successor the policy sat out read exactly 1.0 over 32 steps, a zero-variance window the judge
+    took for certainty, and was rolled back. Only drafting steps are judged; a watch that runs out
+    without one keeps the version (it cost nothing)."""
+    rng = random.Random(5)
+    judge = RollbackJudge(floor_ratio=0.8, min_steps=32, max_steps=256)
+    baseline = _requests(rng, [1.5, 1.6, 1.4, 1.5, 1.7])
+    assert judge.verdict(baseline, [], steps=32) is None
+    assert judge.verdict(baseline, [1.0, 2.0, 1.0], steps=100) is None  # three probes: keep watching
+    v = judge.verdict(baseline, [], steps=256)
+    assert v is not None and not v.rollback and not v.conclusive
+    # drafts that all fail are judged as before, on the drafting steps
+    v = judge.verdict(baseline, [1.0] * 32, steps=200)
+    assert v is not None and v.rollback and v.conclusive and v.steps == 32
+
+
+def test_live_acceptance_keeps_the_drafting_rows_accept_length_for_the_judge():
+    from types import SimpleNamespace
+
+    import numpy as np
+    from prometheus_client import CollectorRegistry
+
+    from serving.live_acceptance import LiveAcceptance
+
+    live = LiveAcceptance(registry=CollectorRegistry())
+
+    def step(drafted, accepted):
+        live.on_step(SimpleNamespace(request_ids=[f"r{i}" for i in range(len(drafted))], drafter_version="v",
+                                     num_drafted=np.array(drafted), num_accepted=np.array(accepted)))
+
+    step([0, 0], [0, 0])  # plain decoding: the gauge sees it, the judge does not
+    step([2, 0], [2, 0])  # one row drafted and kept both tokens: 3.0 at that row
+    step([1, 1], [0, 1])
+    stats = live.get("v")
+    assert stats.steps == 3 and stats.last == pytest.approx(1.5) and stats.last_drafted == pytest.approx(1.5)
+    assert live.recent("v") == [pytest.approx(3.0), pytest.approx(1.5)]

@@ -545,8 +545,9 @@ def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
     class Always4(FixedK):
         changes = 0
 
-        def on_drafter_change(self, prior_acceptance=None):  # the engine tells the policy its evidence went stale
-            self.changes += 1
+        def on_drafter_change(self, prior_acceptance=None, *, version=None, relative=None):
+            self.changes += 1  # the engine tells the policy its evidence went stale
+            self.version = version
 
     policy = Always4(4)
     engine = TorchEngine(ids_target, old, EngineConfig(k=4, max_batch_size=4), policy=policy)
@@ -569,7 +570,7 @@ def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
     chunks, done = asyncio.run(main())
     assert _tokens(chunks) == refs[tuple(prompt)]
     assert _tokens(done) == refs[tuple(PROMPTS[0])]
-    assert engine.drafter is new and policy.changes == 1
+    assert engine.drafter is new and policy.changes == 1 and policy.version == "v2"
     assert old.removed["s"] is None and "s" in new.added  # moved, not finished, on the old one
     history = new.added["s"][0]
     assert (

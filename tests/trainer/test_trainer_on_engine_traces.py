@@ -117,6 +117,8 @@ def test_trainer_raises_heldout_acceptance_gate_promotes_and_version_reloads(eng
     assert meta.kind == kind
     # ...recording the gate's held-out acceptance, which serving starts its estimate from
     assert before.expected_acceptance < meta.extra["heldout_acceptance"] <= 1.0
+    # ...and the champion's on the same traces, whose ratio a successor's live estimate starts from
+    assert 0.0 <= meta.extra["champion_heldout_acceptance"] <= meta.extra["heldout_acceptance"]
     promoted = loop.champion.model.state_dict()
     loaded = model.state_dict()
     assert loaded.keys() == promoted.keys()
