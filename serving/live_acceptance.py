@@ -193,6 +193,8 @@ class Verdict:
     """False when the watch ran out (max_steps) before the difference was beyond z errors."""
 
     def describe(self) -> str:
+        if math.isinf(self.stderr):
+            return f"live accept length {self.live:.3f} over {self.steps} drafting steps: too few to judge, kept"
         side = "below" if self.rollback else "not below"
         how = "" if self.conclusive else ", inconclusive at the end of the watch"
         return (f"live accept length {self.live:.3f} {side} floor {self.floor:.3f} "
@@ -223,9 +225,12 @@ class RollbackJudge:
 
     ``verdict`` returns None while undecided: before ``min_steps`` drafting steps, and after it
     while the watched mean is within ``z`` standard errors of the floor (errors from block means of
-    ``block_steps`` steps, at least 4 blocks per side). At ``max_steps`` steps of the version in
-    all (``steps``; drafting or not) it decides on the means, and keeps a version that drafted
-    nothing while watched (it cost nothing; there is nothing to judge)."""
+    ``block_steps`` steps, at least 4 blocks per side; the watched side's at least the
+    predecessor's, so that a few identical values are not taken for certainty). At ``max_steps``
+    steps of the version in all (``steps``; drafting or not) it decides on the means if it saw
+    ``min_steps`` drafting steps, and otherwise keeps the version: the policy drafted it too rarely
+    to judge (three failed probes read 1.000 and rolled a promotion back), and a drafter that
+    rarely drafts costs next to nothing."""
 
     floor_ratio: float = 0.8
     min_steps: int = 64
@@ -238,14 +243,18 @@ class RollbackJudge:
         version's steps in all (default: ``len(live)``)."""
         n = len(live)
         steps = n if steps is None else max(steps, n)
-        if n < self.min_steps and steps < self.max_steps:
-            return None
-        if n == 0:  # the watch ran out without a draft
-            return Verdict(False, 1.0, 0.0, 0.0, 0.0, 0, False)
+        if n < self.min_steps:
+            if steps < self.max_steps:
+                return None
+            mean = sum(live) / n if n else 1.0  # the watch ran out with too few drafts to judge: keep
+            return Verdict(False, mean, 0.0, 0.0, math.inf, n, False)
         live_mean, live_var = _mean_and_var_of_mean(live, self.block_steps)
         if len(baseline) < 2:  # nothing to compare with: keep
             return Verdict(False, live_mean, 0.0, 0.0, 0.0, n, True)
         base_mean, base_var = _mean_and_var_of_mean(baseline, self.block_steps)
+        live_blocks = len(block_means(live, max(1, min(self.block_steps, n // 4))))
+        base_blocks = len(block_means(baseline, max(1, min(self.block_steps, len(baseline) // 4))))
+        live_var = max(live_var, base_var * base_blocks / live_blocks)  # a block varies as the predecessor's did
         floor = self.floor_ratio * base_mean
         stderr = math.sqrt(live_var + self.floor_ratio ** 2 * base_var)
         if live_mean + self.z * stderr < floor:
