@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -47,17 +46,17 @@ from serving.engine.base import (
     RequestError,
     VerifyBatch,
 )
-from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.config import EngineConfig
 from serving.engine.drafter_swap import DrafterSwaps
 from serving.engine.drafting import DraftPlan, plan_from_proposal
+from serving.engine.membership import RowMembership
 from serving.engine.model_runner import ModelRunner
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
 from serving.engine.tree import linear_view, trim_plan
 from serving.engine.verify_step import build_report, logit_rows, verify_rows
 from serving.observers import notify
-from serving.output import apply_stops, eos_token_ids
+from serving.output import eos_token_ids
 from serving.target import Target
 
 log = logging.getLogger(__name__)
@@ -65,9 +64,10 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class TorchEngine(DrafterSwaps):
-    """The embedded engine. Its rooms: this file schedules requests into rows and runs the step
-    loop; serving/engine/model_runner.py calls the target (forward, caches, features);
+class TorchEngine(DrafterSwaps, RowMembership):
+    """The embedded engine. Its rooms: this file runs the step loop; serving/engine/membership.py
+    checks requests and moves them into and out of the batch's rows;
+    serving/engine/model_runner.py calls the target (forward, caches, features);
     serving/engine/verify_step.py accepts drafts and builds the observers' report;
     serving/engine/drafter_swap.py installs new drafters under a running batch."""
 
@@ -198,32 +198,6 @@ class TorchEngine(DrafterSwaps):
                 self._abort_ids.add(request_id)
                 self._cv.notify_all()
 
-    def _validate(self, request: GenerationRequest) -> None:
-        def bad(msg: str):
-            raise RequestError(msg, invalid=True)
-
-        if not isinstance(request.request_id, str) or not request.request_id:
-            bad("request_id must be a non-empty string")
-        ids = request.prompt_ids
-        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
-            bad("the prompt is empty")
-        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
-            bad(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(ids) >= self.max_context:
-            bad(
-                f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
-                "(prompt + at least one output token)"
-            )
-        p = request.params
-        if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            bad("temperature must be a finite number >= 0")
-        if not (0 < p.top_p <= 1):
-            bad("top_p must be in (0, 1]")
-        if p.top_k < 0 or p.max_tokens < 1:
-            bad("top_k must be >= 0 and max_tokens >= 1")
-        if not all(_is_int(t) for t in p.stop_token_ids):
-            bad("stop_token_ids must be integers")
-
     def _run(self, kernel_width: int | None) -> None:
         if kernel_width is not None:
             serial_torch(kernel_width)
@@ -272,62 +246,7 @@ class TorchEngine(DrafterSwaps):
             self._forget(sub.request.request_id)
             sub.client.send(RequestError("the engine stopped"))
 
-    def _forget(self, request_id: str) -> None:
-        with self._cv:
-            self._in_flight.discard(request_id)
-
-    # ---- membership --------------------------------------------------------------------------
-
-    def _apply_aborts(self, ids: set[str]) -> None:
-        if not ids:
-            return
-        for sub in [s for s in self._waiting if s.request.request_id in ids]:
-            self._waiting.remove(sub)
-            self._forget(sub.request.request_id)
-            sub.client.send(
-                GenerationChunk(
-                    request_id=sub.request.request_id,
-                    token_ids=[],
-                    text="",
-                    finished=True,
-                    finish_reason="abort",
-                    prompt_tokens=len(sub.request.prompt_ids),
-                )
-            )
-        gone = [r for r in self._rows if r.request_id in ids]
-        for row in gone:
-            self._finish(row, "abort", [], "")
-        if gone:
-            self._drop_rows({id(r) for r in gone})
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._rows) < self.config.max_batch_size:
-            sub = self._waiting.popleft()
-            try:
-                row = Row(sub, self.tokenizer, self.eos_ids, self.max_context)
-                cache, feats = self._prefill(row.token_ids)
-                self._cache.append(cache)
-            except Exception as e:
-                log.exception("admission failed for %s", sub.request.request_id)
-                self._forget(sub.request.request_id)
-                sub.client.send(RequestError(f"prefill failed: {e}"))
-                continue
-            self._rows.append(row)
-            if self._drafter is not None and self._drafter.feature_layers:
-                row.features, row.features_layers = [feats], self.runner.feature_layers
-            self._add_to_drafter(row, feats)
-            self._notify_start(row, feats)
-
-    def _drop_rows(self, ids: set[int]) -> None:
-        gone = {i for i, r in enumerate(self._rows) if id(r) in ids}
-        order = self._cache.drop_rows(gone)  # survivors, reordered: rows follow the cache
-        self._rows = [self._rows[i] for i in order]
-
-    def _prefill(self, prompt_ids: list[int]) -> tuple[RaggedKVCache, torch.Tensor | None]:
-        """Admission's prefill (model_runner.ModelRunner.prefill); a seam tests and bench swap time."""
-        return self.runner.prefill(prompt_ids)
-
-    # ---- one step ----------------------------------------------------------------------------
+    # ---- one step ---    # ---- one step ----------------------------------------------------------------------------
 
     def _new_cache(self):
         """An empty batch cache with room for ``max_batch_size`` rows (rows join without a copy)."""
@@ -480,69 +399,11 @@ class TorchEngine(DrafterSwaps):
         else:
             self.policy.observe(k, plan.lengths.numpy(), np.asarray(num_accepted), report.draft_ms, step_ms)
 
-    def _commit(self, row: Row, emitted: list[int], feats: torch.Tensor | None) -> bool:
-        """Apply one step's tokens to a row: stop tokens, stop strings, length. True if finished."""
-        pushed = apply_stops(row.text, row.stop_ids, emitted)  # shared with SGLangEngine
-        emitted, reason = pushed.tokens, ("stop" if pushed.stopped else None)
-        row.token_ids.extend(emitted)
-        if reason is None and row.room <= 0:
-            reason = "length"
-        kept = None if feats is None else feats[: len(emitted)]  # [n, F]
-        if row.draft_ok and self._drafter is not None:
-            try:
-                self._drafter.on_verified(
-                    row.request_id, emitted, kept if self._drafter.feature_layers else None
-                )
-            except Exception:
-                log.exception("drafter.on_verified failed for %s", row.request_id)
-        if reason is None:
-            if row.features_layers and kept is not None:
-                row.features.append(kept)
-            if not row.client.send(row.chunk(emitted, pushed.text, None)):
-                self._request_abort(row.request_id)  # the caller's event loop is gone
-            return False
-        text = pushed.text + row.text.flush()
-        self._finish(row, reason, emitted, text)
-        return True
-
-    def _finish(self, row: Row, reason: str, tokens: list[int], text: str) -> None:
-        self._forget(row.request_id)
-        row.client.send(row.chunk(tokens, text, reason))
-        if self._drafter is not None and row.draft_ok:
-            try:
-                # an opted-out request ("train": false) leaves nothing that outlives it: its output
-                # must not reach the tenant's shared suffix index (nor any learning drafter)
-                keep = reason != "abort" and row.request.train
-                self._drafter.remove_request(row.request_id, row.output_ids if keep else None)
-            except Exception:
-                log.exception("drafter.remove_request failed for %s", row.request_id)
-        self._notify("on_request_finish", row.request, row.output_ids, reason, row.stats)
-
-    def _fail(self, row: Row, error: RequestError) -> None:
-        self._forget(row.request_id)
-        row.client.send(error)
-        if self._drafter is not None and row.draft_ok:
-            try:
-                self._drafter.remove_request(row.request_id, None)
-            except Exception:
-                log.exception("drafter.remove_request failed for %s", row.request_id)
-        self._notify("on_request_finish", row.request, row.output_ids, "error", row.stats)
-
     # ---- observers ---------------------------------------------------------------------------
 
     def _notify(self, method: str, *args) -> None:
         notify(self.observers, method, *args)
 
-    def _notify_start(self, row: Row, feats: torch.Tensor | None) -> None:
-        if feats is None:
-            self._notify("on_request_start", row.request)
-            return
-        bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [P-1, F]
-        self._notify("on_request_start", row.request, bits)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _eos_ids(target: Target) -> frozenset[int]:
