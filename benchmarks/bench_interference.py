@@ -36,6 +36,8 @@ from pathlib import Path
 
 import typer
 
+from benchmarks.runner import check_precision
+
 
 def _pin(cpus: set[int]) -> None:
     if cpus and hasattr(os, "sched_setaffinity"):
@@ -178,12 +180,9 @@ def bench_interference(
     rounds: int = typer.Option(4, min=2, help="A/B rounds (ABBA order)."),
     drafter: str = typer.Option("standalone", help="The trainer's student: standalone | selfspec (the traces carry no target features, which eagle needs)."),
     threads: int = typer.Option(1, min=1, help="Serving's torch threads (its cores); the trainer gets the rest."),
-    precision: str = typer.Option("auto", help="The trainer's precision: auto (bf16 autocast where native), bf16 or fp32."),
+    precision: str = typer.Option("auto", callback=check_precision,
+                                  help="The trainer's precision: auto (bf16 autocast where native), bf16 or fp32."),
 ) -> None:
     """Serving tok/s with a training drafter beside it vs without; print serving_slowdown."""
-    from trainer.distill import PRECISIONS
-
-    if precision not in PRECISIONS:
-        raise typer.BadParameter(f"{precision!r}: choose one of {', '.join(PRECISIONS)}", param_hint="--precision")
     result = run(prompts, limit, max_tokens, rounds, drafter, threads, precision)
     typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))

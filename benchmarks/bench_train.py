@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from benchmarks.runner import median_ms
+from benchmarks.runner import check_precision, median_ms
 from feedback.bus.sink import InProcessTraceSink
 from feedback.bus.trace import TraceRecord
 from feedback.bus.trace_file import load_traces, save_traces
@@ -272,7 +272,8 @@ def bench_train(
     eval_every: int = typer.Option(20, help="Held-out evaluation interval (steps)."),
     batch_traces: int = typer.Option(4, help="Traces per step."),
     lr: float = typer.Option(1e-3, help="AdamW learning rate."),
-    precision: str = typer.Option("auto", help="Training steps' forward: auto (bf16 autocast where the hardware "
+    precision: str = typer.Option("auto", callback=check_precision,
+                                  help="Training steps' forward: auto (bf16 autocast where the hardware "
                                   "has bf16 dot products), bf16 or fp32."),
     depth: int = typer.Option(3, help="EAGLE training-time-test chain depth."),
     draft_vocab: int = typer.Option(8192, help="EAGLE/selfspec draft vocabulary (by traffic frequency)."),
@@ -285,10 +286,6 @@ def bench_train(
     import json
     from types import SimpleNamespace
 
-    from trainer.distill import PRECISIONS
-
-    if precision not in PRECISIONS:
-        raise typer.BadParameter(f"{precision!r}: choose one of {', '.join(PRECISIONS)}", param_hint="--precision")
     out = run(SimpleNamespace(**{k_: v for k_, v in locals().items() if k_ != "json_out"}))
     if json_out:
         print(json.dumps(out))

@@ -18,6 +18,17 @@ from serving.engine.base import GenerationRequest, SamplingParams, VerifyBatch
 from serving.observers import BaseObserver
 
 
+def check_precision(value: str) -> str:
+    """Typer callback of the benchmarks' ``--precision`` (the trainer's): refused before any work."""
+    import typer
+
+    from trainer.distill import PRECISIONS
+
+    if value not in PRECISIONS:
+        raise typer.BadParameter(f"{value!r}: choose one of {', '.join(PRECISIONS)}")
+    return value
+
+
 class StepTimer(BaseObserver):
     """Collects per-step timings and draft counts."""
 
