@@ -185,12 +185,11 @@ class AcceptanceEstimate:
         ``relative``, or fewer than ``min_steps`` observations behind this estimate.
 
         Why not the successor's own held-out figure: the held-out set mixes the domains served
-        so far, so after a shift it reads far below what the live drafter accepts on the new
-        domain (0.2 against ~0.4 on code), and a policy started there turned the successor off
-        at once. An identical drafter then ran 1.000 tokens a step for the next 300 steps, and
-        the rollback watch, comparing that with its predecessor's 1.3-1.6, rolled back three
-        promotions of a 200-request stream (ARCHITECTURE.md, "A successor starts where its
-        predecessor was")."""
+        so far, so after a shift it lags what the live drafter accepts on the new domain, and a
+        policy started there turned the successor off at once: an identical drafter recorded at
+        0.2, where ~0.4 was accepted live, ran 1.006 tokens a step for the next 354 steps, and
+        the rollback watch rolled such successors back (three promotions of a 200-request
+        stream; ARCHITECTURE.md, "A successor starts where its predecessor was live")."""
         if relative is None or self.steps < min_steps or not np.isfinite(relative) or relative <= 0:
             return None
         value = float(np.clip(self.value * relative, 0.0, 0.95))
