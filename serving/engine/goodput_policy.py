@@ -42,7 +42,6 @@ are spaced to cost at most ``probe_budget`` (``probe_interval`` for a costly dra
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter
 
@@ -50,7 +49,7 @@ import numpy as np
 
 from feedback.goodput import AcceptanceEstimate, CostModel, best_k
 from serving.engine.policy import BatchState
-from serving.engine.tree import path_confidence
+from serving.engine.tree import best_nodes_first, node_totals, path_confidence
 from serving.engine.verify_costs import VerifyCosts
 
 _WIDTH_MARGIN = 0.04
@@ -80,35 +79,6 @@ the version's return after a rollback) rather than starting from the artifact's 
 
 _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
-
-
-def node_totals(available: int) -> list[int]:
-    """The node totals a step may verify, up to ``available``: every count to 8, then four per
-    power of two (10, 12, 14, 16, 20, ...), so that each is measured often enough (VerifyCosts
-    keeps a median per total)."""
-    out, n = [], 0
-    while n <= available:
-        out.append(n)
-        n += 1 if n < 8 else 1 << (n.bit_length() - 3)
-    return out
-
-
-def best_nodes_first(cum: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's drafted nodes in the order a budget takes them: each row's nodes in its own
-    order (a prefix of them is a subtree), the rows merged by the acceptance probability of their
-    next node. Returns each taken node's row and probability ([N], [N])."""
-    heap = [(-float(cum[b, 0]), b) for b in range(len(lengths)) if lengths[b] > 0]
-    heapq.heapify(heap)
-    taken = np.zeros(len(lengths), dtype=np.int64)
-    rows, gains = [], []
-    while heap:
-        g, b = heapq.heappop(heap)
-        rows.append(b)
-        gains.append(-g)
-        taken[b] += 1
-        if taken[b] < lengths[b]:
-            heapq.heappush(heap, (-float(cum[b, taken[b]]), b))
-    return np.asarray(rows, dtype=np.int64), np.asarray(gains, dtype=np.float64)
 
 
 class GoodputPolicy:

@@ -1,5 +1,7 @@
-"""Token-tree helpers of the engine: cutting a draft plan to a node budget, and the chain view of a
-verified tree that observers and traces see.
+"""Token-tree helpers of the engine: the node totals a step may verify and the order a node budget
+takes a batch's nodes in (``node_totals``, ``best_nodes_first``, for GoodputPolicy's width step),
+cutting a draft plan to a node budget, and the chain view of a verified tree that observers and
+traces see.
 
 The chain view of row b is its accepted path plus the first rejected child of the path's last node
 (the branch the target was verified on and refused): exactly what a chain step with those drafts
@@ -9,6 +11,8 @@ traced.
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 import torch
@@ -91,3 +95,32 @@ def linear_view(
         confidence=None if plan.confidence is None else along(plan.confidence, 0.0),
     )
     return view, torch.from_numpy(nodes), tried
+
+
+def node_totals(available: int) -> list[int]:
+    """The node totals a step may verify, up to ``available``: every count to 8, then four per
+    power of two (10, 12, 14, 16, 20, ...), so that each is measured often enough (VerifyCosts
+    keeps a median per total)."""
+    out, n = [], 0
+    while n <= available:
+        out.append(n)
+        n += 1 if n < 8 else 1 << (n.bit_length() - 3)
+    return out
+
+
+def best_nodes_first(cum: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's drafted nodes in the order a budget takes them: each row's nodes in its own
+    order (a prefix of them is a subtree), the rows merged by the acceptance probability of their
+    next node. Returns each taken node's row and probability ([N], [N])."""
+    heap = [(-float(cum[b, 0]), b) for b in range(len(lengths)) if lengths[b] > 0]
+    heapq.heapify(heap)
+    taken = np.zeros(len(lengths), dtype=np.int64)
+    rows, gains = [], []
+    while heap:
+        g, b = heapq.heappop(heap)
+        rows.append(b)
+        gains.append(-g)
+        taken[b] += 1
+        if taken[b] < lengths[b]:
+            heapq.heappush(heap, (-float(cum[b, taken[b]]), b))
+    return np.asarray(rows, dtype=np.int64), np.asarray(gains, dtype=np.float64)

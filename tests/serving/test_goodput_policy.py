@@ -273,7 +273,7 @@ def test_a_cheap_drafters_probes_are_spaced_by_what_their_verify_costs_at_the_ba
 
 
 def test_node_totals_are_every_count_to_8_then_four_per_power_of_two():
-    from serving.engine.goodput_policy import best_nodes_first, node_totals
+    from serving.engine.tree import best_nodes_first, node_totals
 
     assert node_totals(0) == [0]
     assert node_totals(20) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20]

@@ -218,7 +218,7 @@ def test_width_follows_measured_costs_and_batch():
 def test_nodes_go_to_the_rows_whose_drafts_are_likely_accepted():
     """At batch 8 a verify costs by the drafted tokens in all (padding is skipped): the budget
     goes to the three rows with confident drafts, and the five others verify nothing."""
-    from serving.engine.goodput_policy import node_totals
+    from serving.engine.tree import node_totals
 
     policy = GoodputPolicy(8, remeasure_every=10_000)
     for n in node_totals(64):  # 40 ms plain, +1.2 ms per drafted token
@@ -237,7 +237,7 @@ def test_a_width_must_also_pay_for_the_draft_at_its_batch_size():
     expected tokens (12 %) as long as the draft is free; once drafting at batch 8 is measured at
     2 ms a step (10 % of one), the same drafts are cut to nothing, while batch 1, whose drafts
     were measured cheap, keeps its width."""
-    from serving.engine.goodput_policy import node_totals
+    from serving.engine.tree import node_totals
 
     policy = GoodputPolicy(8, remeasure_every=10_000)
     for n in node_totals(8):
@@ -260,7 +260,7 @@ def test_widths_stop_where_drafting_steps_delivered_less_than_plain_ones():
     one row in eight is, and the calibrated model keeps predicting a gain at batch 8. The drafting
     steps there delivered 9 tokens in 28 ms against a plain step's 8 in 20: once eight of them are
     seen, batch 8 verifies nothing (but probes), while batch 1 keeps drafting."""
-    from serving.engine.goodput_policy import node_totals
+    from serving.engine.tree import node_totals
 
     policy = GoodputPolicy(4, remeasure_every=10_000)
     for n in node_totals(8):
@@ -284,8 +284,8 @@ def test_widths_stop_where_drafting_steps_delivered_less_than_plain_ones():
 def test_after_drafting_stopped_at_a_batch_size_probes_bring_a_better_drafter_back():
     """Batch 4: drafts that are never accepted stop (the outcome rule, then probes only); once
     they are always accepted, the probes' outcomes turn drafting back on."""
-    from serving.engine.goodput_policy import node_totals
     from serving.engine.policy import BatchState
+    from serving.engine.tree import node_totals
 
     policy = GoodputPolicy(4, probe_every=8, remeasure_every=10_000)
     for n in node_totals(16):
@@ -314,8 +314,8 @@ def test_plain_steps_the_policy_knows_of_before_the_draft_ask_no_draft():
     """Where a step will be plain whatever the draft holds (drafting at this batch size delivered
     less than plain steps; or the plain step's cost is due to be measured again), choose_k says
     so before the draft (k = 0) instead of the width step throwing a paid-for draft away."""
-    from serving.engine.goodput_policy import node_totals
     from serving.engine.policy import BatchState
+    from serving.engine.tree import node_totals
 
     policy = GoodputPolicy(4, probe_every=10_000, remeasure_every=6)
     for n in node_totals(16):
