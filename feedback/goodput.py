@@ -145,6 +145,11 @@ def hybrid_choice(suffix_len: int, g_suffix: float, g_learned: float, g_none: fl
     return "suffix" if suffix_len > 0 and g_suffix > g_none else "none"
 
 
+LIVE_EVIDENCE_STEPS = 8
+"""Observations behind a live acceptance estimate before a drafter swap hands it on (to a promoted
+successor, or to a version's return after a rollback) rather than starting from an artifact's figure."""
+
+
 @dataclass
 class AcceptanceEstimate:
     """EMA of the per-token acceptance probability, learned from verify outcomes.
@@ -177,7 +182,7 @@ class AcceptanceEstimate:
         self.steps += 1
         self.value = (1 - weight) * self.value + weight * step_rate
 
-    def successor(self, relative: float | None, min_steps: int = 8) -> AcceptanceEstimate | None:
+    def successor(self, relative: float | None, min_steps: int = LIVE_EVIDENCE_STEPS) -> AcceptanceEstimate | None:
         """Where a promoted successor's estimate starts: this (its predecessor's live) estimate,
         scaled by ``relative`` = the successor's held-out acceptance over its predecessor's, both
         scored by the trainer's gate on the same held-out traces at the promotion, and worth as

@@ -210,13 +210,15 @@ def block_means(values: Sequence[float], block: int) -> list[float]:
     return [sum(values[i * block:(i + 1) * block]) / block for i in range(n)]
 
 
-def _mean_and_var_of_mean(values: Sequence[float], block: int) -> tuple[float, float]:
+def _block_stats(values: Sequence[float], block: int) -> tuple[float, float, int]:
+    """(mean, variance of the mean, blocks) from block means of at most ``block`` values, at least
+    4 blocks where there are 4 values."""
     means = block_means(values, max(1, min(block, len(values) // 4)))
     m = sum(means) / len(means)
     if len(means) < 2:
-        return m, math.inf
+        return m, math.inf, len(means)
     var = sum((x - m) ** 2 for x in means) / (len(means) - 1)
-    return m, var / len(means)
+    return m, var / len(means), len(means)
 
 
 @dataclass(frozen=True)
@@ -248,12 +250,10 @@ class RollbackJudge:
                 return None
             mean = sum(live) / n if n else 1.0  # the watch ran out with too few drafts to judge: keep
             return Verdict(False, mean, 0.0, 0.0, math.inf, n, False)
-        live_mean, live_var = _mean_and_var_of_mean(live, self.block_steps)
+        live_mean, live_var, live_blocks = _block_stats(live, self.block_steps)
         if len(baseline) < 2:  # nothing to compare with: keep
             return Verdict(False, live_mean, 0.0, 0.0, 0.0, n, True)
-        base_mean, base_var = _mean_and_var_of_mean(baseline, self.block_steps)
-        live_blocks = len(block_means(live, max(1, min(self.block_steps, n // 4))))
-        base_blocks = len(block_means(baseline, max(1, min(self.block_steps, len(baseline) // 4))))
+        base_mean, base_var, base_blocks = _block_stats(baseline, self.block_steps)
         live_var = max(live_var, base_var * base_blocks / live_blocks)  # a block varies as the predecessor's did
         floor = self.floor_ratio * base_mean
         stderr = math.sqrt(live_var + self.floor_ratio ** 2 * base_var)

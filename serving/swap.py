@@ -12,8 +12,9 @@ version (serving/live_acceptance.py); its EMA is the ``/metrics`` gauge and the 
 ``live_acceptance`` metric. After a swap the new version is watched: from ``watch_steps`` verify
 steps that drafted on, ``RollbackJudge`` compares their mean accept length with ``floor_ratio`` x
 that of the previous version's last drafting steps, and decides once the difference is beyond
-``rollback_z`` standard errors (or at ``max_watch_steps``). On a rollback the Swapper swaps the previous drafter back, moves the alias
-back, announces the rollback on Redis, counts it and tags the version in MLflow.
+``rollback_z`` standard errors (or at ``max_watch_steps``). On a rollback the Swapper swaps the
+previous drafter back, moves the alias back, announces the rollback on Redis, counts it and tags
+the version in MLflow.
 
 Redis or MLflow being down never stops serving: the engine keeps the drafter it has, failures are
 logged (once per outage) and retried at the next announcement or poll.

@@ -47,7 +47,7 @@ from collections import Counter
 
 import numpy as np
 
-from feedback.goodput import AcceptanceEstimate, CostModel, best_k
+from feedback.goodput import LIVE_EVIDENCE_STEPS, AcceptanceEstimate, CostModel, best_k
 from serving.engine.policy import BatchState
 from serving.engine.tree import best_nodes_first, node_totals, path_confidence
 from serving.engine.verify_costs import VerifyCosts
@@ -73,9 +73,8 @@ _REALIZED_PROBE_ALPHA = 0.25
 _REALIZED_MIN_STEPS = 8
 """Drafting steps at a batch size before their realized rate is trusted."""
 
-_LIVE_EVIDENCE_STEPS = 8
-"""Drafting steps behind an acceptance estimate before a swap hands it on (to a successor, or to
-the version's return after a rollback) rather than starting from the artifact's figure."""
+_VERSIONS_KEPT = 8
+"""Swapped-out versions whose live acceptance estimate is kept for a rollback to resume from."""
 
 _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
@@ -133,7 +132,8 @@ class GoodputPolicy:
         self._version: str | None = None
         """The installed drafter's version, as ``on_drafter_change`` was told."""
         self._left: dict[str, AcceptanceEstimate] = {}
-        """version -> its estimate when it was swapped out (the last 8): where a rollback resumes."""
+        """version -> its estimate when it was swapped out (the last ``_VERSIONS_KEPT``): where a
+        rollback resumes."""
         self._costly_probe = False
         self._probe_ms: float | None = None
         """EMA of what a costly drafter's probe cost over a plain step (its draft, catch-up
@@ -238,12 +238,12 @@ class GoodputPolicy:
         draft.) A day-0 selfspec drafter's drafts were cut to nothing by the width step at the
         0.5 prior, which no cut draft moves, so it went on drafting one token at ~0.25 of a step
         on its back-off schedule; its artifact said 0.31."""
-        if self._version is not None and self.acceptance.steps >= _LIVE_EVIDENCE_STEPS:
+        if self._version is not None and self.acceptance.steps >= LIVE_EVIDENCE_STEPS:
             self._left[self._version] = self.acceptance
-            while len(self._left) > 8:
+            while len(self._left) > _VERSIONS_KEPT:
                 self._left.pop(next(iter(self._left)))
         inherited = self._left.pop(version, None) if version is not None else None
-        inherited = inherited or self.acceptance.successor(relative, _LIVE_EVIDENCE_STEPS)
+        inherited = inherited or self.acceptance.successor(relative)
         if inherited is not None:
             self.acceptance = inherited  # the calibration of its confidences carries over too
         else:
