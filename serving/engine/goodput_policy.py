@@ -49,6 +49,7 @@ import numpy as np
 
 from feedback.goodput import LIVE_EVIDENCE_STEPS, AcceptanceEstimate, CostModel, best_k
 from serving.engine.policy import BatchState
+from serving.engine.realized_rates import RealizedRates
 from serving.engine.tree import best_nodes_first, node_totals, path_confidence
 from serving.engine.verify_costs import VerifyCosts
 
@@ -64,14 +65,6 @@ _PROBE_BUDGET = 0.01
 over a whole stream for every drafter kind, and a learned kind also pays for its trainer beside
 serving on the memory bus (`bench interference`: 0.9-2.5 %); at 2 % the probes alone took two
 thirds of the bar. A new drafter is still probed at once (``on_drafter_change``)."""
-
-_REALIZED_ALPHA = 0.05
-"""EMA weight of one step in the realized rates (tokens per millisecond) that ``choose_widths``
-checks its predictions against; a probe, the only drafting step while drafting is off, weighs
-``_REALIZED_PROBE_ALPHA`` (a drafter that got better comes back within a few probes)."""
-_REALIZED_PROBE_ALPHA = 0.25
-_REALIZED_MIN_STEPS = 8
-"""Drafting steps at a batch size before their realized rate is trusted."""
 
 _VERSIONS_KEPT = 8
 """Swapped-out versions whose live acceptance estimate is kept for a rollback to resume from."""
@@ -150,9 +143,8 @@ class GoodputPolicy:
         predicted to pay), "outcomes" (``drafting_loses``), "backoff" (a costly drafter sitting
         out steps after its drafts were cut, in ``choose_k``: ``_backoff_after``). A probe, which
         verifies a draft whatever was predicted, is no cut."""
-        self._realized: dict[int, tuple[float, int]] = {}
-        """batch size -> (EMA of tokens per millisecond, steps seen): what the steps that
-        verified drafts delivered."""
+        self.realized = RealizedRates()
+        """What the steps that verified drafts delivered, per batch size (``drafting_loses``)."""
 
     def choose_k(self, state: BatchState) -> int:
         k_max = min(self.k_max, state.k_max)
@@ -260,26 +252,9 @@ class GoodputPolicy:
         self._probe_new = True
 
     def verify_ms(self, nodes: int, batch: int) -> float:
-        """Verify milliseconds of ``nodes`` drafted tokens in all at this batch size: measured;
-        else at least the most nodes measured below it, and at least the prior's per-token growth
-        over the tokens they add (a verify of n drafts for B rows is a forward of B + n real
-        tokens: pricing 8 rows x 4 nodes like 4 nodes let the first 8-row drafts look like 1.09
-        plain steps; they cost 2.7), and at least on the line between the measured totals around
-        it. Where nothing is measured at this batch size, the prior."""
-        seen = self.verify.measured(batch)
-        if nodes in seen:
-            return seen[nodes]
-        grown = 1.0 + self.costs.verify_slope * nodes
-        if not seen:
-            return self.costs.verify_ms(0) * batch * grown
-        plain = seen.get(0, min(seen.values()))
-        below = [n for n in seen if n < nodes]
-        above = [n for n in seen if n > nodes]
-        bounds = [plain * grown] + [seen[n] for n in below]
-        if below and above:  # on the line between the measured totals around it
-            lo, hi = max(below), min(above)
-            bounds.append(seen[lo] + (seen[hi] - seen[lo]) * (nodes - lo) / (hi - lo))
-        return max(bounds)
+        """Verify milliseconds of ``nodes`` drafted tokens in all at this batch size: measured, else
+        priced from what is (``VerifyCosts.price``), else the prior."""
+        return self.verify.price(batch, nodes, self.costs.verify_ms(0), self.costs.verify_slope)
 
     def choose_widths(self, parents, confidence, lengths, batch: int) -> np.ndarray:
         """Per row, how many of its drafted nodes to verify this step ([B] ints; see the module
@@ -343,28 +318,13 @@ class GoodputPolicy:
 
     def drafting_loses(self, batch: int) -> bool:
         """Whether, at this batch size, the steps that verified drafts delivered fewer tokens per
-        millisecond (their draft included; an EMA over at least ``_REALIZED_MIN_STEPS`` of them)
-        than a plain step does (batch tokens in its measured median). Widths are chosen from
-        calibrated confidences over measured costs, and at batch 8 with cheap verifies (AMX) they
-        kept predicting gains that ran at 0.93-0.95 of plain decoding; this checks the outcome,
-        whatever the model missed. Probes keep the drafting rate measured. Not at batch 1: there
-        the rate follows one request at a time, and after chat requests it held drafting off into
-        the first code request of a day-0 suffix index (`bench spec --warm 12`, day-0 code 1.57x
-        and 1.34x with it, 1.87x without)."""
+        millisecond (their draft included) than a plain step does (realized_rates.py). Probes keep
+        the drafting rate measured. Not at batch 1: there the rate follows one request at a time,
+        and after chat requests it held drafting off into the first code request of a day-0 suffix
+        index (`bench spec --warm 12`, day-0 code 1.57x and 1.34x with it, 1.87x without)."""
         if batch < 2:  # one request's steps: its own confidences decide (see the docstring)
             return False
-        spec = self._realized.get(batch)
-        plain = self.verify.measured(batch).get(0)
-        if spec is None or plain is None or spec[1] < _REALIZED_MIN_STEPS:
-            return False
-        return spec[0] < batch / plain
-
-    def _realize(self, batch: int, tokens: float, ms: float) -> None:
-        if ms <= 0:
-            return
-        alpha = _REALIZED_PROBE_ALPHA if self._probed else _REALIZED_ALPHA
-        rate, n = self._realized.get(batch, (tokens / ms, 0))
-        self._realized[batch] = ((1 - alpha) * rate + alpha * tokens / ms, n + 1)
+        return self.realized.below(batch, self.verify.measured(batch).get(0))
 
     def observe(
         self, k, num_drafted, num_accepted, draft_ms, verify_ms, width=None, batch=None,
@@ -384,8 +344,8 @@ class GoodputPolicy:
                 self._since_plain[int(batch)] = 0
             self.verify.observe(int(batch), nodes, float(verify_ms))
             if nodes > 0 and self._predicted is not None:  # a width this policy chose
-                self._realize(int(batch), len(accepted) + float(accepted.sum()),
-                              float(draft_ms) + float(verify_ms))
+                self.realized.observe(int(batch), len(accepted) + float(accepted.sum()),
+                                      float(draft_ms) + float(verify_ms), probe=self._probed)
         predicted, self._predicted = self._predicted, None
         if predicted is not None and predicted > 0.05 * len(accepted):
             ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration

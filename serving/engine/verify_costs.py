@@ -70,3 +70,26 @@ class VerifyCosts:
                 w: ms for w in widths if (ms := self.get(batch, w)) is not None
             }
         return self._measured_memo[batch]
+
+    def price(self, batch: int, nodes: int, step_ms: float, slope: float) -> float:
+        """Verify milliseconds of ``nodes`` drafted tokens in all at ``batch`` rows: measured;
+        else at least the most nodes measured below it, and at least ``slope`` (the prior's
+        per-token growth) over the tokens they add (a verify of n drafts for B rows is a forward
+        of B + n real tokens: pricing 8 rows x 4 nodes like 4 nodes let the first 8-row drafts
+        look like 1.09 plain steps; they cost 2.7), and at least on the line between the measured
+        totals around it. Where nothing is measured at this batch size, ``batch`` one-token steps
+        of ``step_ms`` at that growth."""
+        seen = self.measured(batch)
+        if nodes in seen:
+            return seen[nodes]
+        grown = 1.0 + slope * nodes
+        if not seen:
+            return step_ms * batch * grown
+        plain = seen.get(0, min(seen.values()))
+        below = [n for n in seen if n < nodes]
+        above = [n for n in seen if n > nodes]
+        bounds = [plain * grown] + [seen[n] for n in below]
+        if below and above:  # on the line between the measured totals around it
+            lo, hi = max(below), min(above)
+            bounds.append(seen[lo] + (seen[hi] - seen[lo]) * (nodes - lo) / (hi - lo))
+        return max(bounds)

@@ -332,15 +332,15 @@ def test_plain_steps_the_policy_knows_of_before_the_draft_ask_no_draft():
     assert ks.count(0) >= 2 and policy.cuts["remeasure"] == ks.count(0)
     runs = "".join("d" if k else "." for k in ks).split(".")
     assert max(len(r) for r in runs) <= 6  # never more than 6 drafting steps without a plain one
-    policy._realized[4] = (0.5 * 4 / 20.0, 100)  # drafting steps delivered half a plain step's rate
+    policy.realized.set(4, 0.5 * 4 / 20.0, 100)  # drafting steps delivered half a plain step's rate
     assert policy.drafting_loses(4)
     assert policy.choose_k(state) == 0  # no draft asked for (probes aside)
 
 
 def test_width_calibration_learns_from_outcomes(monkeypatch):
-    from serving.engine import goodput_policy
+    from serving.engine import realized_rates
 
-    monkeypatch.setattr(goodput_policy, "_REALIZED_MIN_STEPS", 10**9)  # the calibration alone
+    monkeypatch.setattr(realized_rates, "MIN_STEPS", 10**9)  # the calibration alone
     policy = GoodputPolicy(4, remeasure_every=10_000)
     for w in range(5):
         policy.observe(w, np.zeros(1), np.zeros(1), 0.0, 60.0 if w == 0 else 80.0, width=w, batch=1)
