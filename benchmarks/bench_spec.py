@@ -337,7 +337,7 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
             "tokens_per_row_step": round(spec_tokens / max(sum(timer.rows), 1), 4),
             "nodes_per_row_step": round(t["nodes_per_row_step"], 3),
             "plain_step_fraction": round(sum(w == 0 for w in widths) / len(widths), 3) if widths else None,
-            "calibration": round(policy.calibration, 3),
+            "calibration": round(policy.calibration.value, 3),
             # diagnostic: the plain step in each engine, the same work, so a gap between them is
             # the machine's drift between the two engines' rounds, not speculation
             "plain_step_ms": {"target_only": _round(plain_base), "speculative": _round(plain_spec)},

@@ -167,9 +167,17 @@ class AcceptanceEstimate:
     drafter that is judged at 0.5 while it accepts nothing drafts, and costs, all that time)."""
     steps: int = 0
 
+    idle_decay: float = 1.0
+    """Per step that drafted nothing, the evidence behind ``value`` is worth this much less (1.0:
+    only observations count). A drafter that is off is observed on probes alone, tens of steps
+    apart, while what it drafts for (the requests, the domain) moves on: an observation after a
+    gap then weighs more than one EMA step (GoodputPolicy: ``_IDLE_DECAY``)."""
+    _idle: int = 0
+
     def observe(self, num_drafted: np.ndarray, num_accepted: np.ndarray) -> None:
         drafted = num_drafted > 0
         if not drafted.any():
+            self._idle += 1  # a step without evidence: what is known ages (``idle_decay``)
             return
         successes = float(num_accepted[drafted].sum())
         failures = float((num_accepted[drafted] < num_drafted[drafted]).sum())
@@ -179,6 +187,10 @@ class AcceptanceEstimate:
         weight = self.ema
         if self.prior_weight is not None:
             weight = max(weight, 1.0 / (self.prior_weight + self.steps + 1))
+        if self._idle and self.idle_decay < 1.0:  # the evidence behind value (1/weight - 1), aged
+            held = (1.0 / weight - 1.0) * self.idle_decay ** self._idle
+            weight = 1.0 / (held + 1.0)
+        self._idle = 0
         self.steps += 1
         self.value = (1 - weight) * self.value + weight * step_rate
 
@@ -198,7 +210,8 @@ class AcceptanceEstimate:
         if relative is None or self.steps < min_steps or not np.isfinite(relative) or relative <= 0:
             return None
         value = float(np.clip(self.value * relative, 0.0, 0.95))
-        return AcceptanceEstimate(value=value, ema=self.ema, prior_weight=1.0 / self.ema)
+        return AcceptanceEstimate(value=value, ema=self.ema, prior_weight=1.0 / self.ema,
+                                  idle_decay=self.idle_decay)
 
 
 def held_out_ratio(candidate: float | None, champion: float | None) -> float | None:

@@ -23,7 +23,9 @@ the next step that would not draft.
 Width (token trees, and chains with per-token confidences): after the draft, ``choose_widths``
 cuts each row's proposal to a prefix of its nodes. It takes the batch's nodes most likely to be
 accepted first, across rows (``best_nodes_first``: P = the product of the drafter's confidences
-along the node's path, times c, an online calibration of accepted / predicted), and verifies the
+along the node's path, times c, an online calibration of accepted / predicted; a costly drafter's
+best node in a row, a draft already paid for on its measured acceptance, counts at least that
+acceptance, except a hybrid's, whose estimate mixes in the suffix index's), and verifies the
 node total n with the highest expected tokens per verify millisecond,
 ``(B + sum of the first n nodes' P) / verify_ms(n | batch)``. A verify forwards only the real
 tokens (B + n; padding is skipped), so what it costs is a matter of n, not of how the nodes split
@@ -48,6 +50,7 @@ from collections import Counter
 import numpy as np
 
 from feedback.goodput import LIVE_EVIDENCE_STEPS, AcceptanceEstimate, CostModel, best_k
+from serving.engine.calibration import ConfidenceCalibration
 from serving.engine.policy import BatchState
 from serving.engine.realized_rates import RealizedRates
 from serving.engine.tree import best_nodes_first, node_totals, path_confidence
@@ -65,6 +68,23 @@ _PROBE_BUDGET = 0.01
 over a whole stream for every drafter kind, and a learned kind also pays for its trainer beside
 serving on the memory bus (`bench interference`: 0.9-2.5 %); at 2 % the probes alone took two
 thirds of the bar. A new drafter is still probed at once (``on_drafter_change``)."""
+
+_ACCEPTANCE_EMA = 0.02
+"""EMA weight of one drafting step in the acceptance estimate (~100 outcomes). At 0.05 (~40), a
+one-token draft's estimate swung by +-0.08 around a true 0.4, and with break-even at ~0.3 on a
+2-core CPU the dips turned a drafter that paid off again and again (a simulation at 0.4 a token,
+tests/serving/test_goodput_policy.py: 1, 39, 39 and 100 % of steps drafting over four seeds; at
+0.02 with ``_IDLE_DECAY``, 78-100 %). The cost: after a shift to drafts that do not pay, ~80 more
+steps drafting."""
+
+_IDLE_DECAY = 0.98
+"""Per step that drafted nothing, what the acceptance estimate knows is worth this much less
+(``AcceptanceEstimate.idle_decay``): ~35 steps halve it. While a drafter is off it is observed on
+probes alone, ~100 steps apart on a 2-core CPU (each catches up tens of tokens), and as one EMA step
+each they brought it back only after many probes, while what it drafts for (the requests, the
+domain) moved on: a selfspec drafter accepting 0.4 a token, break-even ~0.3, drafted in 126-260 of
+~650 steps of HumanEval 40-55 where drafting every step ran 5-9 % faster. A probe after a gap of G
+steps weighs 1 / (1 + 49 x 0.98^G): ~0.3 after 100 steps."""
 
 _VERSIONS_KEPT = 8
 """Swapped-out versions whose live acceptance estimate is kept for a rollback to resume from."""
@@ -95,7 +115,8 @@ class GoodputPolicy:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.probe_budget = probe_budget
-        self.acceptance = acceptance or AcceptanceEstimate(prior_weight=1.0)
+        self.acceptance = acceptance or AcceptanceEstimate(
+            prior_weight=1.0, ema=_ACCEPTANCE_EMA, idle_decay=_IDLE_DECAY)
         self.costs = costs or CostModel()
         self.off_streak = 0
         """Consecutive steps decided as k = 0 (a probe resets it)."""
@@ -103,8 +124,8 @@ class GoodputPolicy:
         self.chosen: list[int] = []
         """Recent choices (bounded), for benchmarks and debugging."""
         self._k0_measured = False
-        self.calibration = 1.0
-        """EMA of accepted / predicted (confidence-based) tokens: scales the drafter's confidences."""
+        self.calibration = ConfidenceCalibration()
+        """Accepted / predicted (confidence-based) tokens: scales the drafter's confidences."""
         self.widths: list[int] = []
         """Recent node totals chosen by ``choose_widths`` (bounded)."""
         self.verify = VerifyCosts()
@@ -114,6 +135,9 @@ class GoodputPolicy:
         """Consecutive drafts that ``choose_widths`` cut to nothing."""
         self._cheap = True
         """The last ``choose_k`` found the draft cheap (the suffix index) rather than costly."""
+        self._floor_paid = False
+        """The last draft was a costly drafter's own (no hybrid's): each row's best node counts at
+        least its acceptance estimate in ``choose_widths``."""
         self._backoff = 0
         """Plain steps a costly drafter sits out after its draft was cut to nothing (doubling
         with each cut in a row: ``_backoff_after``)."""
@@ -156,6 +180,9 @@ class GoodputPolicy:
         # costly one asks for what its acceptance pays for at the batch-agnostic costs.
         k = k_max if cheap else best_k(self.acceptance.value, k_max, self.costs, state.branches)
         self._cheap = cheap
+        # The estimate is the drafter's own acceptance unless a hybrid mixes the suffix index's
+        # drafts into it: then it says nothing of a learned draft's best node (``choose_widths``).
+        self._floor_paid = not cheap and state.drafter_kind != "hybrid"
         batch = state.batch_size
         if k > 0 and self._backoff > 0 and not self._probe_new:
             # a costly draft was cut to nothing: the next one waits (see ``_backoff_after``)
@@ -240,11 +267,12 @@ class GoodputPolicy:
             self.acceptance = inherited  # the calibration of its confidences carries over too
         else:
             self.acceptance = (
-                AcceptanceEstimate(prior_weight=1.0)
+                AcceptanceEstimate(prior_weight=1.0, ema=_ACCEPTANCE_EMA, idle_decay=_IDLE_DECAY)
                 if prior_acceptance is None
-                else AcceptanceEstimate(value=float(prior_acceptance), prior_weight=1.0)
+                else AcceptanceEstimate(value=float(prior_acceptance), prior_weight=1.0,
+                                        ema=_ACCEPTANCE_EMA, idle_decay=_IDLE_DECAY)
             )
-            self.calibration = 1.0
+            self.calibration = ConfidenceCalibration()
         self._version = version
         self.zero_widths = 0
         self._backoff = 0
@@ -263,9 +291,23 @@ class GoodputPolicy:
         conf = confidence.numpy() if hasattr(confidence, "numpy") else np.asarray(confidence)
         par = parents.numpy() if hasattr(parents, "numpy") else np.asarray(parents)
         lens = np.minimum(np.asarray(lengths), conf.shape[1])
-        cum = path_confidence(par, conf) * self.calibration  # [B, K]
-        rows, gains = best_nodes_first(cum, lens)  # [N], [N]
+        cum = path_confidence(par, conf) * self.calibration.value  # [B, K]
+        worth = cum
+        if self._floor_paid:
+            # A costly draft is paid, and ``choose_k`` paid for it on this drafter's measured
+            # acceptance: each row's best node is worth at least that. Its calibrated confidence
+            # alone cut a selfspec drafter's drafts that were then accepted 0.33 of the time
+            # (HumanEval 40-55: 123 of 452 drafts cut, 288 ms of drafts thrown away), and the
+            # estimate, which saw only the drafts it kept, overstated the drafts it would pay for.
+            worth = cum.copy()
+            worth[:, 0] = np.where(lens > 0, np.maximum(cum[:, 0], self.acceptance.value), cum[:, 0])
+        rows, gains = best_nodes_first(worth, lens)  # [N], [N]
         expected = batch + np.concatenate([[0.0], np.cumsum(gains)])  # [N+1] by node total
+        stated = gains  # what the calibrated confidences say of each node: what calibration learns
+        if worth is not cum:
+            stated = gains.copy()
+            first = np.unique(rows, return_index=True)[1]  # each row's best node, floored above
+            stated[first] = cum[rows[first], 0]
         totals = node_totals(len(rows))
         # A non-empty width also pays for the draft: this step's is spent, but widths that do not
         # cover it are cut to nothing, and after ``probe_every`` of those the drafter is asked
@@ -298,7 +340,7 @@ class GoodputPolicy:
         if nodes == 0 and len(totals) > 1:  # the drafter drafted; nothing of it is verified
             self.cuts[cut] += 1
         self._since_plain[batch] = 0 if nodes == 0 else since + 1
-        self._predicted = float(expected[nodes] - batch)
+        self._predicted = float(np.sum(stated[:nodes]))
         self.widths.append(nodes)
         if len(self.widths) > 4096:
             del self.widths[:2048]
@@ -347,9 +389,8 @@ class GoodputPolicy:
                 self.realized.observe(int(batch), len(accepted) + float(accepted.sum()),
                                       float(draft_ms) + float(verify_ms), probe=self._probed)
         predicted, self._predicted = self._predicted, None
-        if predicted is not None and predicted > 0.05 * len(accepted):
-            ratio = min(3.0, float(accepted.sum()) / predicted) * self.calibration
-            self.calibration = float(np.clip(0.95 * self.calibration + 0.05 * ratio, 0.05, 2.0))
+        if predicted is not None:
+            self.calibration.observe(float(accepted.sum()), predicted)
         if width is None:
             width = int(drafted.max()) if drafted.size else 0
         width = int(width)

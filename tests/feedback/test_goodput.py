@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from feedback.goodput import (
     AcceptanceEstimate,
@@ -76,3 +77,26 @@ def test_a_weak_prior_gives_way_to_the_first_observations():
     for _ in range(200):
         weak.observe(np.array([2]), np.array([2]))
     assert weak.value > 0.95  # and it becomes the EMA once the evidence is long
+
+
+def test_an_observation_after_idle_steps_weighs_as_the_aged_evidence_allows():
+    """Steps that drafted nothing age what the estimate knows (``idle_decay``): after G of them the
+    next observation weighs 1 / (1 + (1/ema - 1) x decay^G) instead of ema."""
+    drafted, nothing, none = np.array([1]), np.array([0]), np.array([0])
+
+    def settled(decay):
+        est = AcceptanceEstimate(value=0.4, idle_decay=decay)  # an EMA: weight 0.05 a step
+        for _ in range(100):
+            est.observe(none, none)  # 100 plain steps
+        est.observe(drafted, nothing)  # one failed probe
+        return est.value
+
+    held = 19 * 0.99**100
+    assert settled(1.0) == pytest.approx(0.4 * 0.95)  # without aging: one EMA step
+    assert settled(0.99) == pytest.approx(0.4 * held / (held + 1))  # ~0.12 of a weight
+    est = AcceptanceEstimate(value=0.4, idle_decay=0.99)
+    est.observe(none, none)
+    est.observe(drafted, nothing)
+    est.observe(drafted, nothing)  # no idle step before it: an EMA step again
+    after_one_idle = 0.4 * (19 * 0.99) / (19 * 0.99 + 1)
+    assert est.value == pytest.approx(after_one_idle * 0.95)

@@ -208,7 +208,7 @@ def test_width_follows_measured_costs_and_batch():
     for w in range(9):
         policy.observe(w, np.full(1, w), np.full(1, w), 0.0, 60.0 if w == 0 else 100.0, width=w, batch=1)
         policy.observe(w, np.full(8, w), np.full(8, w), 0.0, 80.0 * (1 + 0.5 * w), width=w, batch=8)
-    policy.calibration = 1.0
+    policy.calibration.value = 1.0
     assert policy.choose_widths(*_chain(1, 8, 0.9), batch=1).max() == 8  # long confident drafts pay
     assert policy.choose_widths(*_chain(1, 8, 0.3), batch=1).max() == 0  # ~0.43 tokens: not for 1.67x
     assert policy.choose_widths(*_chain(8, 8, 0.9), batch=8).max() < 8  # shrinks with batch size
@@ -244,13 +244,13 @@ def test_a_width_must_also_pay_for_the_draft_at_its_batch_size():
         policy.observe(0, np.zeros(8), np.zeros(8), 0.0, 20.0 + 0.125 * n, width=min(n, 1), batch=8,
                        nodes=n)
         policy.observe(0, np.zeros(1), np.zeros(1), 0.0, 10.0 + 0.1 * n, width=n, batch=1)
-    policy.calibration = 1.0
+    policy.calibration.value = 1.0
     parents, conf, lengths = _chain(8, 1, 0.12)
     assert policy.choose_widths(parents, conf, lengths, batch=8).sum() == 8
     for _ in range(40):
         policy.observe(1, np.ones(8), np.zeros(8), 2.0, 21.0, width=1, batch=8, nodes=8)
         policy.observe(1, np.ones(1), np.ones(1), 0.05, 10.1, width=1, batch=1, nodes=1)
-    policy.calibration = 1.0
+    policy.calibration.value = 1.0
     assert policy.choose_widths(parents, conf, lengths, batch=8).sum() == 0
     assert policy.choose_widths(*_chain(1, 8, 0.9), batch=1).max() == 8
 
@@ -348,7 +348,7 @@ def test_width_calibration_learns_from_outcomes(monkeypatch):
         w = policy.choose_widths(*_chain(1, 4, 0.9), batch=1).max()
         ms = 60.0 if w == 0 else 80.0
         policy.observe(4, np.array([min(w, 1)]), np.zeros(1), 0.0, ms, width=w, batch=1)
-    assert policy.calibration < 0.2
+    assert policy.calibration.value < 0.2
     assert policy.choose_widths(*_chain(1, 4, 0.9), batch=1).max() == 0
 
 
@@ -549,7 +549,7 @@ def test_a_drafter_whose_drafts_the_batch_cannot_afford_is_only_probed():
     # the batch-agnostic cost model (what best_k reads) says drafts are not cheap but pay
     policy.costs = CostModel(target_step_ms=30.0, draft_ms_per_token=1.0, verify_slope=0.02)
     policy.acceptance.observe(np.full(8, 4), np.full(8, 3))  # drafts used to be accepted
-    policy.calibration = 1.0
+    policy.calibration.value = 1.0
     state = BatchState(8, 4, np.full(8, 100))
     assert policy.choose_k(state) > 0
     policy.off_streak = 0

@@ -1,0 +1,33 @@
+"""ConfidenceCalibration: how far a drafter's confidences are to be believed.
+
+The width step prices each drafted node at the product of the drafter's confidences along its
+path times ``value``, the ratio of accepted to predicted tokens over recent steps. It is a ratio of
+two EMAs, not an EMA of per-step ratios: a one-token draft's ratio is 0 or ~2.5 at every step, and
+an EMA of those swung between 0.26 and 0.87 within 16 HumanEval requests (a selfspec drafter,
+whose drafts were then cut or kept on the swings).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_EMA = 0.05
+_PRIOR_TOKENS = 0.2
+"""Both EMAs start here (~4 predicted tokens of evidence at ``_EMA``): a calibration of 1.0 until
+steps say otherwise."""
+
+
+class ConfidenceCalibration:
+    def __init__(self) -> None:
+        self.value = 1.0
+        """Accepted / predicted tokens: what the drafter's confidences are multiplied by."""
+        self._accepted = self._predicted = _PRIOR_TOKENS
+
+    def observe(self, accepted: float, predicted: float) -> None:
+        """One verify step: ``accepted`` tokens where the calibrated confidences of the verified
+        nodes summed to ``predicted``."""
+        if predicted <= 0:
+            return
+        self._accepted = (1 - _EMA) * self._accepted + _EMA * float(accepted)
+        self._predicted = (1 - _EMA) * self._predicted + _EMA * float(predicted) / self.value
+        self.value = float(np.clip(self._accepted / self._predicted, 0.05, 2.0))
