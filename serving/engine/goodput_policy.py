@@ -70,21 +70,16 @@ serving on the memory bus (`bench interference`: 0.9-2.5 %); at 2 % the probes a
 thirds of the bar. A new drafter is still probed at once (``on_drafter_change``)."""
 
 _ACCEPTANCE_EMA = 0.02
-"""EMA weight of one drafting step in the acceptance estimate (~100 outcomes). At 0.05 (~40), a
+"""EMA weight of one drafting step in the acceptance estimate (~100 outcomes). At 0.05 (~40) a
 one-token draft's estimate swung by +-0.08 around a true 0.4, and with break-even at ~0.3 on a
-2-core CPU the dips turned a drafter that paid off again and again (a simulation at 0.4 a token,
-tests/serving/test_goodput_policy.py: 1, 39, 39 and 100 % of steps drafting over four seeds; at
-0.02 with ``_IDLE_DECAY``, 78-100 %). The cost: after a shift to drafts that do not pay, ~80 more
-steps drafting."""
+2-core CPU its dips turned a drafter that paid off (ARCHITECTURE.md, "A learned drafter near
+break-even"). The cost: after a shift to drafts that do not pay, ~80 more steps drafting."""
 
 _IDLE_DECAY = 0.98
 """Per step that drafted nothing, what the acceptance estimate knows is worth this much less
-(``AcceptanceEstimate.idle_decay``): ~35 steps halve it. While a drafter is off it is observed on
-probes alone, ~100 steps apart on a 2-core CPU (each catches up tens of tokens), and as one EMA step
-each they brought it back only after many probes, while what it drafts for (the requests, the
-domain) moved on: a selfspec drafter accepting 0.4 a token, break-even ~0.3, drafted in 126-260 of
-~650 steps of HumanEval 40-55 where drafting every step ran 5-9 % faster. A probe after a gap of G
-steps weighs 1 / (1 + 49 x 0.98^G): ~0.3 after 100 steps."""
+(``AcceptanceEstimate.idle_decay``): a drafter that is off is observed on probes alone, ~100 steps
+apart here, while the requests move on, and as one EMA step each they brought it back only after
+many probes. A probe after a gap of G steps weighs 1 / (1 + 49 x 0.98^G): ~0.3 after 100."""
 
 _VERSIONS_KEPT = 8
 """Swapped-out versions whose live acceptance estimate is kept for a rollback to resume from."""
