@@ -172,7 +172,8 @@ class AcceptanceEstimate:
     only observations count). A drafter that is off is observed on probes alone, tens of steps
     apart, while what it drafts for (the requests, the domain) moves on: an observation after a
     gap then weighs more than one EMA step (GoodputPolicy: ``_IDLE_DECAY``)."""
-    _idle: int = 0
+    _idle: int = field(default=0, init=False, repr=False)
+    """Steps without drafts since the last observation."""
 
     def observe(self, num_drafted: np.ndarray, num_accepted: np.ndarray) -> None:
         drafted = num_drafted > 0
