@@ -88,6 +88,13 @@ _CHEAP_DRAFT = 0.01
 """A draft of the full budget costing under this fraction of a target step is always asked for."""
 
 
+def _fresh_estimate(prior: float | None = None) -> AcceptanceEstimate:
+    """The policy's estimate of a drafter without live evidence: at ``prior`` (else the default
+    0.5), worth one step of evidence."""
+    start = {} if prior is None else {"value": float(prior)}
+    return AcceptanceEstimate(prior_weight=1.0, ema=_ACCEPTANCE_EMA, idle_decay=_IDLE_DECAY, **start)
+
+
 class GoodputPolicy:
     def __init__(
         self,
@@ -110,8 +117,7 @@ class GoodputPolicy:
         if not 0 < probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
         self.probe_budget = probe_budget
-        self.acceptance = acceptance or AcceptanceEstimate(
-            prior_weight=1.0, ema=_ACCEPTANCE_EMA, idle_decay=_IDLE_DECAY)
+        self.acceptance = acceptance or _fresh_estimate()
         self.costs = costs or CostModel()
         self.off_streak = 0
         """Consecutive steps decided as k = 0 (a probe resets it)."""
@@ -261,12 +267,7 @@ class GoodputPolicy:
         if inherited is not None:
             self.acceptance = inherited  # the calibration of its confidences carries over too
         else:
-            self.acceptance = (
-                AcceptanceEstimate(prior_weight=1.0, ema=_ACCEPTANCE_EMA, idle_decay=_IDLE_DECAY)
-                if prior_acceptance is None
-                else AcceptanceEstimate(value=float(prior_acceptance), prior_weight=1.0,
-                                        ema=_ACCEPTANCE_EMA, idle_decay=_IDLE_DECAY)
-            )
+            self.acceptance = _fresh_estimate(prior_acceptance)
             self.calibration = ConfidenceCalibration()
         self._version = version
         self.zero_widths = 0

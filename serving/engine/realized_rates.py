@@ -29,10 +29,6 @@ class RealizedRates:
         rate, n = self._rates.get(batch, (tokens / ms, 0))
         self._rates[batch] = ((1 - alpha) * rate + alpha * tokens / ms, n + 1)
 
-    def set(self, batch: int, rate: float, steps: int) -> None:
-        """Replace what is known at ``batch`` (tests and benchmarks)."""
-        self._rates[batch] = (rate, steps)
-
     def below(self, batch: int, plain_ms: float | None) -> bool:
         """Whether drafting steps at ``batch`` rows delivered fewer tokens per millisecond than a
         plain step of ``plain_ms`` does (``batch`` tokens), over at least ``MIN_STEPS`` of them."""

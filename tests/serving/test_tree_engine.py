@@ -332,7 +332,8 @@ def test_plain_steps_the_policy_knows_of_before_the_draft_ask_no_draft():
     assert ks.count(0) >= 2 and policy.cuts["remeasure"] == ks.count(0)
     runs = "".join("d" if k else "." for k in ks).split(".")
     assert max(len(r) for r in runs) <= 6  # never more than 6 drafting steps without a plain one
-    policy.realized.set(4, 0.5 * 4 / 20.0, 100)  # drafting steps delivered half a plain step's rate
+    for _ in range(200):  # drafting steps then delivered half a plain step's rate (2 tokens in 20 ms)
+        policy.realized.observe(4, 0.5 * 4, 20.0)
     assert policy.drafting_loses(4)
     assert policy.choose_k(state) == 0  # no draft asked for (probes aside)
 
