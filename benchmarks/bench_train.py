@@ -10,13 +10,11 @@ hybrid policy with the suffix drafter, charged with the student's draft cost mea
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import typer
 
 from benchmarks.runner import check_precision, median_ms
-from feedback.bus.sink import InProcessTraceSink
 from feedback.bus.trace import TraceRecord
 from feedback.bus.trace_file import load_traces, save_traces
 from kernels.cpu import cpu_info
@@ -36,43 +34,16 @@ def generate_traces(
     max_batch_size: int = 8,
     seed: int = 0,
 ) -> list[TraceRecord]:
-    """Serve ``prompts`` (token ids) on ``target`` (serving.target.Target); one trace per prompt,
-    in prompt order. ``feature_layers``: HF hidden_states indices captured into the traces."""
+    """Serve ``prompts`` (token ids) on ``target`` (serving.target.Target) with the suffix drafter,
+    ``max_new_tokens`` each (past EOS); one trace per prompt, in prompt order.
+    ``feature_layers``: HF hidden_states indices captured into the traces."""
+    from infra.offline_generation import serve_traces
     from serving.drafters.factory import build_drafter
-    from serving.engine.base import GenerationRequest, SamplingParams
-    from serving.engine.config import EngineConfig
-    from serving.engine.torch_engine import TorchEngine
-    from serving.observers import TraceRecorder
 
-    sink = InProcessTraceSink()
-    features = bool(feature_layers)
-    recorder = TraceRecorder(sink, target.fingerprint, record_features=features)
-    config = EngineConfig(max_batch_size=max_batch_size, k=k, capture_features=features,
-                          feature_layers=tuple(feature_layers or (-1,)))
-    engine = TorchEngine(target, build_drafter("suffix", target), config=config, observers=[recorder])
-    ids = [f"{id_prefix}-{i}" for i in range(len(prompts))]
-
-    async def one(rid: str, prompt: list[int], i: int):
-        params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i,
-                                ignore_eos=True)
-        req = GenerationRequest(request_id=rid, prompt_ids=list(prompt), params=params, tenant=tenant,
-                                domain=domain)
-        async for _ in engine.generate(req):
-            pass
-
-    async def main():
-        await engine.start()
-        try:
-            await asyncio.gather(*[one(r, p, i) for i, (r, p) in enumerate(zip(ids, prompts))])
-        finally:
-            await engine.stop()
-
-    asyncio.run(main())
-    by_id = {r.request_id: r for r in sink.drain()}
-    missing = [r for r in ids if r not in by_id]
-    if missing:
-        raise RuntimeError(f"{len(missing)} requests left no trace (first: {missing[0]})")
-    return [by_id[r] for r in ids]
+    return serve_traces(target, prompts, domains=[domain] * len(prompts), drafter=build_drafter("suffix", target),
+                        k=k, max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=True,
+                        feature_layers=feature_layers, tenant=tenant, id_prefix=id_prefix,
+                        max_batch_size=max_batch_size, seed=seed)
 
 
 # ---- measured draft cost ----------------------------------------------------------------------

@@ -39,6 +39,9 @@ def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -
     from trainer import cli as trainer_cli  # light: heavy imports happen inside the command
 
     trainer_cli.use_settings(_root.trainer_settings)
+    from infra.offline_generation import engine_generator  # light: heavy imports inside
+
+    trainer_cli.use_generator(engine_generator)
     app.command("train")(trainer_cli.train)
 
     from infra import demo as _demo  # light: heavy imports happen inside the command

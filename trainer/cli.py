@@ -29,6 +29,24 @@ def _settings(**overrides):
     return _loader(overrides)
 
 
+def _hf_generator(model, tokenizer, fingerprint):
+    from trainer.offline import hf_generator
+
+    return hf_generator(model, tokenizer, fingerprint)
+
+
+_generator = _hf_generator
+
+
+def use_generator(factory) -> None:
+    """How ``specloop train --offline/--requests`` has the target answer its prompts:
+    ``factory(hf_model, tokenizer, fingerprint) -> ResponseGenerator`` (trainer/offline.py). The
+    trainer's own is Hugging Face's ``generate``; the ``specloop`` CLI installs serving's engine
+    (infra/offline_generation.py)."""
+    global _generator
+    _generator = factory
+
+
 def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
                  draft_vocab_size: int | None = 8192, adapter_layers: int = 1, *, init: Path | None = None,
                  fingerprint=None):
@@ -169,8 +187,8 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
         from trainer.package_prompts import package_requests
 
         items += [OfflinePrompt(chat_ids(tok, r.messages), r.domain) for r in package_requests(requests)]
-    records = cached_generated_traces(target, tok, fp, items, corpus_cache, max_new_tokens=max_new_tokens,
-                                      tenant=settings.tenant)
+    records = cached_generated_traces(_generator(target, tok, fp), fp, items, corpus_cache,
+                                      max_new_tokens=max_new_tokens, tenant=settings.tenant) if items else []
     if corpus > 0:
         from rich.console import Console
         from rich.progress import Progress

@@ -5,14 +5,16 @@ prompts, turns each into a trace (one verify step per output token, no drafts: t
 at every output position, exactly what served traces carry on their accepted path), and distils
 a drafter from them with the online trainer's code (ReplayBuffer, Distiller with held-out early
 stopping, artifact export), then saves it (and registers it in MLflow when a tracking URI is
-given). The trainer does not import serving, so generation here is Hugging Face's ``generate``
-plus one teacher-forced forward for the top-k (greedy: identical tokens).
+given). The trainer does not import serving, so its own generator is Hugging Face's ``generate`` plus
+one teacher-forced forward for the top-k (greedy: identical tokens); the ``specloop`` CLI installs
+serving's engine instead (infra/offline_generation.py), several times faster.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +138,21 @@ def generate_traces(model, tokenizer, fingerprint: TargetFingerprint, prompts: l
     return out
 
 
+ResponseGenerator = Callable[..., list[TraceRecord]]
+"""``generate(prompts: list[OfflinePrompt], *, max_new_tokens, topk, tenant)``: one trace of the
+target's greedy response per prompt, in order (``hf_generator`` or infra's ``engine_generator``)."""
+
+
+def hf_generator(model, tokenizer, fingerprint: TargetFingerprint) -> ResponseGenerator:
+    """``generate_traces`` on a Hugging Face ``model``: the trainer's own generator."""
+
+    def generate(prompts: list[OfflinePrompt], *, max_new_tokens: int, topk: int, tenant: str):
+        return generate_traces(model, tokenizer, fingerprint, prompts, max_new_tokens=max_new_tokens,
+                               topk=topk, tenant=tenant)
+
+    return generate
+
+
 def train_offline(student, records: list[TraceRecord], fingerprint: TargetFingerprint, *,
                   heldout_fraction: float = 0.15, max_steps: int = 400, k: int = 4, distill=None,
                   seed: int = 0) -> dict:
@@ -183,13 +200,12 @@ def cached_corpus_traces(model, fingerprint: TargetFingerprint, chunks, cache_di
                    lambda: corpus_traces(model, fingerprint, chunks, topk=topk, tenant=tenant, progress=progress))
 
 
-def cached_generated_traces(model, tokenizer, fingerprint: TargetFingerprint, prompts: list[OfflinePrompt],
-                            cache_dir: str | Path | None, *, max_new_tokens: int = 64, topk: int = 20,
-                            tenant: str = "default") -> list[TraceRecord]:
-    """``generate_traces``, kept in ``cache_dir`` under a key of the target, the prompts' token ids
-    and domains, and the response length."""
+def cached_generated_traces(generate: ResponseGenerator, fingerprint: TargetFingerprint,
+                            prompts: list[OfflinePrompt], cache_dir: str | Path | None, *,
+                            max_new_tokens: int = 64, topk: int = 20, tenant: str = "default") -> list[TraceRecord]:
+    """``generate``'s traces, kept in ``cache_dir`` under a key of the target, the prompts' token
+    ids and domains, and the response length (either generator's: greedy, the same tokens)."""
     key = [f"{fingerprint.key()}|{topk}|{tenant}|{max_new_tokens}".encode()]
     key += [np.asarray(p.ids, dtype=np.int32).tobytes() + str(p.domain).encode() + b"|" for p in prompts]
     return _cached(cache_dir, "responses", b"".join(key),
-                   lambda: generate_traces(model, tokenizer, fingerprint, prompts, max_new_tokens=max_new_tokens,
-                                           topk=topk, tenant=tenant))
+                   lambda: generate(prompts, max_new_tokens=max_new_tokens, topk=topk, tenant=tenant))

@@ -76,8 +76,11 @@ def _paragraphs(text: str) -> list[str]:
 
 def _take(domain: str, sources, candidates, render, n: int, per_source: int, rng) -> list[PackageRequest]:
     """``n`` requests of ``domain``: ``candidates(item)`` of each source in turn (shuffled, at most
-    ``per_source`` of them), each written as a user turn by ``render``."""
+    ``per_source`` of them), each written as a user turn by ``render``. Where one pass over the
+    sources falls short (README prose: ~350 chat requests at 4 a README), further passes take the
+    next ``per_source`` of each; the first pass's requests stay what they were."""
     out: list[PackageRequest] = []
+    rest: list[tuple[str, list]] = []  # each source's candidates after the ones taken
     for label, item in sources:
         found = candidates(item)
         rng.shuffle(found)
@@ -85,13 +88,22 @@ def _take(domain: str, sources, candidates, render, n: int, per_source: int, rng
             out.append(PackageRequest([{"role": "user", "content": render(c)}], domain, label))
         if len(out) >= n:
             return out
+        rest.append((label, found[per_source:]))
+    while any(found for _, found in rest):
+        for label, found in rest:
+            for c in found[: min(per_source, n - len(out))]:
+                out.append(PackageRequest([{"role": "user", "content": render(c)}], domain, label))
+            del found[:per_source]
+            if len(out) >= n:
+                return out
     raise ValueError(f"installed packages gave {len(out)} {domain} requests, {n} asked")
 
 
 def package_requests(n_per_domain: int, *, seed: int = 0, per_source: int = 4,
                      distributions: list[str] | None = None) -> list[PackageRequest]:
-    """``n_per_domain`` code and as many chat requests, at most ``per_source`` from any one file
-    or README. Raises ValueError when the installed packages cannot fill the request."""
+    """``n_per_domain`` code and as many chat requests, ``per_source`` from each file or README in
+    turn (more passes where one falls short). Raises ValueError when the installed packages cannot
+    fill the request."""
     only = None if distributions is None else {canonical_name(d) for d in distributions}
     code, prose = package_sources(seed, only)
     rng = random.Random(seed)

@@ -69,6 +69,15 @@ def test_requests_come_from_many_packages_none_of_the_evaluation_sets():
     assert [r.source for r in package_requests(8, per_source=2, seed=1)] != [r.source for r in reqs]
 
 
+def test_sources_give_more_in_later_passes_where_one_pass_falls_short():
+    one_pass = package_requests(1, distributions=["typer"], per_source=1)
+    reqs = package_requests(4, distributions=["typer"], per_source=1)  # typer has one README
+    chat = [r for r in reqs if r.domain == "chat"]
+    assert len(chat) == 4 and len({r.source for r in chat}) == 1
+    assert len({r.messages[0]["content"] for r in chat}) == 4  # four different paragraphs
+    assert reqs[0].messages == one_pass[0].messages  # the first pass is what it was
+
+
 def test_asking_for_more_requests_than_the_packages_hold_is_an_error():
     import pytest
 
