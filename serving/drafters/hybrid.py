@@ -109,6 +109,8 @@ def expected_accepted(confidence: torch.Tensor, lengths: torch.Tensor,
 
 class HybridDrafter:
     kind = "hybrid"
+    mixes_sources = True
+    """Its drafts are the suffix index's or the learned drafter's (serving's policy: BatchState)."""
 
     def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None,
                  predecessor: HybridDrafter | None = None):

@@ -183,7 +183,7 @@ class GoodputPolicy:
         self._cheap = cheap
         # The estimate is the drafter's own acceptance unless a hybrid mixes the suffix index's
         # drafts into it: then it says nothing of a learned draft's best node (``choose_widths``).
-        self._floor_paid = not cheap and state.drafter_kind != "hybrid"
+        self._floor_paid = not cheap and not state.mixed_sources
         batch = state.batch_size
         if k > 0 and self._backoff > 0 and not self._probe_new:
             # a costly draft was cut to nothing: the next one waits (see ``_backoff_after``)

@@ -23,7 +23,10 @@ class BatchState:
     room: np.ndarray
     """[B] int: tokens each row may still emit (max_tokens and context); a row drafts at most
     room - 1 tokens whatever k is."""
-    drafter_kind: str | None = None
+    mixed_sources: bool = False
+    """The drafter mixes the drafts of several sources (the hybrid: the suffix index's and a
+    learned drafter's; ``HybridDrafter.mixes_sources``): an acceptance estimate of its drafts as a
+    whole says nothing of one source's best node."""
     branches: int = 1
     """Candidates per drafted position the drafter verifies (a learned drafter's token trees:
     ``LearnedDrafter.branches``): a draft of k positions widens the verify by k x branches nodes."""

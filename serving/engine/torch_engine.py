@@ -274,7 +274,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
         drafter = self._drafter
         k = 0
         if drafter is not None and self.config.k > 0:
-            state = BatchState(batch, self.config.k, room, drafter.kind, getattr(drafter, "branches", 1))
+            state = BatchState(batch, self.config.k, room, getattr(drafter, "mixes_sources", False),
+                               getattr(drafter, "branches", 1))
             k = max(0, min(int(self.policy.choose_k(state)), self.config.k))
 
         t0 = time.perf_counter()

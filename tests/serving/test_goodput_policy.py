@@ -450,5 +450,5 @@ def test_a_hybrids_draft_is_not_floored_by_its_mixed_estimate():
 
     p = GoodputPolicy(4, remeasure_every=10_000)
     _priced(p, draft_ms_per_token=4.0)
-    assert p.choose_k(BatchState(1, 4, np.full(1, 100), "hybrid")) > 0
+    assert p.choose_k(BatchState(1, 4, np.full(1, 100), mixed_sources=True)) > 0
     assert _widths(p, 1, 0.01).sum() == 0

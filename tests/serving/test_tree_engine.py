@@ -496,6 +496,24 @@ def test_hybrid_keeps_suffix_trees_beside_learned_chains(ids_target, refs, run):
     assert mixed  # trees and learned chains verified together
 
 
+def test_the_policy_hears_that_a_hybrid_mixes_sources(ids_target, refs, run):
+    """The policy floors a costly drafter's best node at its acceptance estimate unless the
+    estimate mixes sources (GoodputPolicy.choose_k): the engine says so from the drafter."""
+    from serving.drafters.hybrid import HybridDrafter
+
+    class Spy(GoodputPolicy):
+        def choose_k(self, state):
+            seen.add(state.mixed_sources)
+            return super().choose_k(state)
+
+    for drafter, mixed in ((ChainReplayDrafter(refs), False),
+                           (HybridDrafter(TreeReplayDrafter(refs, seed=1), ChainReplayDrafter(refs)), True)):
+        seen: set[bool] = set()
+        engine = TorchEngine(ids_target, drafter, EngineConfig(k=4), policy=Spy(4))
+        [chunks] = run(engine, [_req("p", PROMPTS[0], SamplingParams(max_tokens=8))])
+        assert _tokens(chunks) == refs[tuple(PROMPTS[0])][:8] and seen == {mixed}
+
+
 def test_hybrid_cuts_trees_to_chains_beside_a_sampled_learned_draft():
     """A sampled learned draft carries its distributions, which only chains are verified with: the
     suffix rows of that step keep their best path."""
