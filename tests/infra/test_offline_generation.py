@@ -72,3 +72,27 @@ def test_specloop_train_generates_on_the_engine():
     from trainer import cli as trainer_cli
 
     assert trainer_cli._generator is engine_generator
+
+
+def test_train_requests_on_the_engine_trains_on_its_answers(target, tmp_path, monkeypatch):
+    from feedback.registry.artifact import read_meta
+    from trainer import cli as trainer_cli
+
+    for name, value in {"DRAFTER": "selfspec", "EXIT_LAYER": "1", "DRAFT_VOCAB_SIZE": "4096",
+                        "BATCH_TRACES": "2"}.items():
+        monkeypatch.setenv(f"SPECLOOP_TRAINER_{name}", value)
+    monkeypatch.delenv("SPECLOOP_TRAINER_TRACKING_URI", raising=False)
+    monkeypatch.setattr(trainer_cli, "_generator", engine_generator)
+    d = tmp_path / "tiny"
+    target.model.save_pretrained(d)
+    target.tokenizer.save_pretrained(d)
+    cache = tmp_path / "cache"
+    res = trainer_cli.run_offline(str(d), None, tmp_path / "a", target.model_id, max_new_tokens=6, steps=2,
+                                  requests=3, corpus_cache=cache)
+    assert res["traces"] == 6 and res["train_steps"] >= 1
+    assert read_meta(tmp_path / "a").kind == "selfspec"
+    (cached,) = cache.glob("responses-*.traces")
+    from feedback.bus.trace_file import load_traces
+
+    answers = load_traces(cached)
+    assert [r.domain for r in answers].count("code") == 3 and all(len(r.output_ids) == 6 for r in answers)
