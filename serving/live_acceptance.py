@@ -191,9 +191,11 @@ class Verdict:
     """Drafting steps judged."""
     conclusive: bool
     """False when the watch ran out (max_steps) before the difference was beyond z errors."""
+    judged: bool = True
+    """False when the watch ran out with too few drafting steps to judge (the version is kept)."""
 
     def describe(self) -> str:
-        if math.isinf(self.stderr):
+        if not self.judged:
             return f"live accept length {self.live:.3f} over {self.steps} drafting steps: too few to judge, kept"
         side = "below" if self.rollback else "not below"
         how = "" if self.conclusive else ", inconclusive at the end of the watch"
@@ -249,7 +251,7 @@ class RollbackJudge:
             if steps < self.max_steps:
                 return None
             mean = sum(live) / n if n else 1.0  # the watch ran out with too few drafts to judge: keep
-            return Verdict(False, mean, 0.0, 0.0, math.inf, n, False)
+            return Verdict(False, mean, 0.0, 0.0, math.inf, n, False, judged=False)
         live_mean, live_var, live_blocks = _block_stats(live, self.block_steps)
         if len(baseline) < 2:  # nothing to compare with: keep
             return Verdict(False, live_mean, 0.0, 0.0, 0.0, n, True)

@@ -88,11 +88,11 @@ def test_steps_that_drafted_nothing_do_not_judge_a_version():
     # three failed probes in 256 steps are too few to judge: kept (a bench online stream rolled two
     # promotions back so, "live accept length 1.000 below floor 1.105 after 3 drafting steps")
     v = judge.verdict(baseline, [1.0] * 3, steps=256)
-    assert v is not None and not v.rollback and not v.conclusive and v.steps == 3
+    assert v is not None and not v.rollback and not v.conclusive and v.steps == 3 and not v.judged
     assert "too few to judge" in v.describe()
     # drafts that all fail are judged as before, on the drafting steps
     v = judge.verdict(baseline, [1.0] * 32, steps=200)
-    assert v is not None and v.rollback and v.conclusive and v.steps == 32
+    assert v is not None and v.rollback and v.conclusive and v.steps == 32 and v.judged
 
 
 def test_live_acceptance_keeps_the_drafting_rows_accept_length_for_the_judge():
