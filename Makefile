@@ -31,8 +31,8 @@ demo: install
 # A selfspec drafter trained before any traffic on package text and on the target's own answers to
 # requests written from the packages (README); then: specloop demo --day0-artifact specloop-pretrained-selfspec
 pretrain: install
-	SPECLOOP_TRAINER_DRAFTER=selfspec $(VENV)/bin/specloop train --corpus 400 --requests 160 \
-	  --max-new-tokens 96 --out specloop-pretrained-selfspec
+	SPECLOOP_TRAINER_DRAFTER=selfspec $(VENV)/bin/specloop train --corpus 400 --requests 640 \
+	  --max-new-tokens 96 --steps 1200 --out specloop-pretrained-selfspec
 
 test: install
 	$(PY) -m pytest -q -ra
