@@ -85,7 +85,8 @@ def serve_traces(
 def engine_generator(model, tokenizer, fingerprint, *, max_batch_size: int = 16):
     """The trainer's response generator (trainer/offline.py ``ResponseGenerator``) on serving's
     engine: greedy answers of the already loaded Hugging Face ``model``, ``max_batch_size`` rows
-    at a time (16: ~4.5x Hugging Face's batches of 8 on the 2-core CPU, measured)."""
+    at a time (16: 4.6-5.3x the tokens per second of Hugging Face's batches of 8 on the 2-core
+    CPU, measured: ARCHITECTURE.md)."""
     from rich.console import Console
     from rich.progress import Progress
 
