@@ -43,6 +43,7 @@ def serve_traces(
     ``feature_layers``: Hugging Face hidden_states indices captured into the traces (EAGLE).
     ``progress(1)`` after each finished request. Raises RuntimeError if a request left no trace."""
     from feedback.bus.sink import InProcessTraceSink
+    from infra.measure import collect
     from serving.engine.base import GenerationRequest, SamplingParams
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
@@ -62,8 +63,7 @@ def serve_traces(
                                 ignore_eos=ignore_eos)
         request = GenerationRequest(request_id=ids[i], prompt_ids=list(prompts[i]), params=params,
                                     tenant=tenant, domain=domains[i])
-        async for _ in engine.generate(request):
-            pass
+        await collect(engine, request)
         if progress is not None:
             progress(1)
 

@@ -29,13 +29,8 @@ def _settings(**overrides):
     return _loader(overrides)
 
 
-def _hf_generator(model, tokenizer, fingerprint):
-    from trainer.offline import hf_generator
-
-    return hf_generator(model, tokenizer, fingerprint)
-
-
-_generator = _hf_generator
+_generator = None
+"""``use_generator``'s factory; None: the trainer's own (``trainer.offline.hf_generator``)."""
 
 
 def use_generator(factory) -> None:
@@ -167,6 +162,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
         cached_corpus_traces,
         cached_generated_traces,
         chat_ids,
+        hf_generator,
         read_prompts,
         train_offline,
     )
@@ -187,7 +183,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
         from trainer.package_prompts import package_requests
 
         items += [OfflinePrompt(chat_ids(tok, r.messages), r.domain) for r in package_requests(requests)]
-    records = cached_generated_traces(_generator(target, tok, fp), fp, items, corpus_cache,
+    records = cached_generated_traces((_generator or hf_generator)(target, tok, fp), fp, items, corpus_cache,
                                       max_new_tokens=max_new_tokens, tenant=settings.tenant) if items else []
     if corpus > 0:
         from rich.console import Console

@@ -80,21 +80,25 @@ def _take(domain: str, sources, candidates, render, n: int, per_source: int, rng
     sources falls short (README prose: ~350 chat requests at 4 a README), further passes take the
     next ``per_source`` of each; the first pass's requests stay what they were."""
     out: list[PackageRequest] = []
-    rest: list[tuple[str, list]] = []  # each source's candidates after the ones taken
+
+    def take(label: str, found: list) -> bool:
+        """The next ``per_source`` of a source's candidates (removed from ``found``); True once
+        ``n`` are taken."""
+        for c in found[: min(per_source, n - len(out))]:
+            out.append(PackageRequest([{"role": "user", "content": render(c)}], domain, label))
+        del found[:per_source]
+        return len(out) >= n
+
+    rest: list[tuple[str, list]] = []  # each source's candidates not taken yet
     for label, item in sources:
         found = candidates(item)
         rng.shuffle(found)
-        for c in found[: min(per_source, n - len(out))]:
-            out.append(PackageRequest([{"role": "user", "content": render(c)}], domain, label))
-        if len(out) >= n:
+        if take(label, found):
             return out
-        rest.append((label, found[per_source:]))
+        rest.append((label, found))
     while any(found for _, found in rest):
         for label, found in rest:
-            for c in found[: min(per_source, n - len(out))]:
-                out.append(PackageRequest([{"role": "user", "content": render(c)}], domain, label))
-            del found[:per_source]
-            if len(out) >= n:
+            if take(label, found):
                 return out
     raise ValueError(f"installed packages gave {len(out)} {domain} requests, {n} asked")
 
