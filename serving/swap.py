@@ -19,7 +19,8 @@ the version in MLflow.
 Redis or MLflow being down never stops serving: the engine keeps the drafter it has, failures are
 logged (once per outage) and retried at the next announcement or poll.
 
-Its errors are in serving/swap_errors.py; artifacts become drafters in serving/artifact_loader.py.
+Its errors are in serving/swap_errors.py; versions are downloaded and checked in
+serving/registry_fetch.py, and become drafters in serving/artifact_loader.py.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -37,17 +36,11 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from feedback.background.priority import BackgroundWorker
 from feedback.background.supervise import SupervisedThread
 from serving.live_acceptance import LiveAcceptance, RollbackJudge, VersionStats, collectors
+from serving.registry_fetch import RegistryFetch
 from serving.registry_records import RegistryRecords
-from serving.swap_errors import (
-    NothingToRollBack,
-    RefusedArtifact,
-    RegistryUnavailable,
-    SwapError,
-    UnknownVersion,
-)
+from serving.swap_errors import NothingToRollBack, RefusedArtifact, SwapError
 
 if TYPE_CHECKING:  # annotation only: the Swapper takes any loader (SGLang's too)
     from serving.artifact_loader import ArtifactDrafterLoader
@@ -136,7 +129,6 @@ class Swapper:
         self._previous: _Installed | None = None
         self._watch: _Watch | None = None
         self._rejected: dict[str, str] = {}  # version -> why (refused or rolled back)
-        self._registry_versions: set[str] = set()
         self._last_champion: str | None = None
         self._op_lock = threading.RLock()
         self._inbox: queue.Queue = queue.Queue()
@@ -144,7 +136,7 @@ class Swapper:
         self._thread: SupervisedThread | None = None
         self._subscription = None
         self._warned: set[str] = set()
-        self._loader = BackgroundWorker("drafter-load", self.config.load_nice, "drafter loader")
+        self.fetch = RegistryFetch(registry, loader, self.config.tenant, self.config.load_nice)
         self.records = RegistryRecords(registry, self.config.tenant, self.config.load_nice,
                                        self._on_record)
         self.swaps = 0
@@ -178,7 +170,7 @@ class Swapper:
         if self._subscription is not None:
             self._subscription.close()
             self._subscription = None
-        self._loader.stop()
+        self.fetch.stop()
         self._flush_live()
         self.records.flush()
         self.records.stop()
@@ -252,7 +244,7 @@ class Swapper:
             self._event("rollback", from_version=bad.version, to_version=prev.version,
                         reason=reason, live=live, floor=floor)
             log.warning("drafter rolled back %s -> %s: %s", bad.version, prev.version, reason)
-        if prev.version in self._registry_versions:
+        if prev.version in self.fetch.seen:
             self.records.write("set_champion", prev.version)
         self.records.note_event(bad.version, f"rolled back on {self.config.replica_id}: {reason}")
         if self.control is not None:
@@ -279,44 +271,19 @@ class Swapper:
     # ---- internals ------------------------------------------------------------------------
 
     def _load(self, version: str):
-        """Download, validate and build ``version`` on the background loader thread."""
-        if self.registry is None:
-            raise RegistryUnavailable("no drafter registry configured")
-        return self._loader.submit(self._load_now, version).result()
-
-    def _load_now(self, version: str):
-        # the download only lives until the loader has read it into memory (a swap would otherwise
-        # leave a copy of the artifact on disk: ~130 MB for a SmolLM2 standalone drafter)
-        tmp = tempfile.mkdtemp(prefix=f"specloop-{self.config.tenant}-v{version}-")
+        """``version``'s drafter, fetched on the background loader thread; a refusal is counted,
+        logged and noted on the version before it is raised."""
         try:
-            return self._load_from(version, tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    def _load_from(self, version: str, tmp: str):
-        from mlflow.exceptions import MlflowException
-
-        from feedback.registry.artifact import DrafterArtifactError
-
-        try:
-            path, _ = self.registry.download(self.config.tenant, version, tmp)
-        except MlflowException as e:
-            if getattr(e, "error_code", "") == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(e).lower():
-                raise UnknownVersion(f"tenant {self.config.tenant!r} has no drafter version {version!r}") from e
-            raise RegistryUnavailable(f"registry error fetching version {version}: {e}") from e
-        except Exception as e:
-            raise RegistryUnavailable(f"registry unavailable fetching version {version}: {e}") from e
-        self._registry_versions.add(version)
-        try:
-            drafter = self.loader.load(path, self._current.drafter)
-        except (DrafterArtifactError, ValueError, TypeError, KeyError) as e:
+            drafter = self.fetch.fetch(version, self._current.drafter)
+        except RefusedArtifact as e:
+            why = e.__cause__
             self.refused += 1
             self._c.refused.inc()
             self._rejected[version] = "refused"
-            self._event("refused", version=version, reason=str(e))
-            log.error("drafter version %s refused: %s", version, e)
-            self.records.note_event(version, f"refused on {self.config.replica_id}: {e}"[:4900])
-            raise RefusedArtifact(f"drafter version {version} refused: {e}") from e
+            self._event("refused", version=version, reason=str(why))
+            log.error("drafter version %s refused: %s", version, why)
+            self.records.note_event(version, f"refused on {self.config.replica_id}: {why}"[:4900])
+            raise
         drafter.version = version  # traces, metrics and MLflow all speak registry versions
         return drafter
 
@@ -407,7 +374,7 @@ class Swapper:
         for version, (stats, (drafted, accepted, rows)) in self.live.take_unflushed().items():
             if self.control is not None:
                 self.control.record_acceptance(version, drafted, accepted, rows)
-            if version in self._registry_versions and stats.ema is not None:
+            if version in self.fetch.seen and stats.ema is not None:
                 self.records.write("log_live_acceptance", version, stats.ema, stats.steps)
 
     def _on_record(self, method: str, error: Exception | None) -> None:
