@@ -176,7 +176,7 @@ def sglang_config(settings: ServingSettings):
     Settings whose defaults are TorchEngine's CPU choices (dtype, max_batch_size, device) reach
     SGLang only when set explicitly; otherwise SGLang picks (checkpoint dtype, its own batch limit,
     the first visible GPU). ``sglang_server_args`` override everything derived here."""
-    from serving.sglang.engine import SGLangConfig
+    from serving.sglang.config import SGLangConfig
     from serving.target import resolve_model_path
 
     model_path, model_id = resolve_model_path(settings.model)

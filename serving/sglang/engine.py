@@ -29,9 +29,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from feedback.bus.trace import DrafterKind
 from feedback.target.fingerprint import TargetFingerprint
@@ -39,15 +37,16 @@ from serving.engine.base import (
     GenerationChunk,
     GenerationRequest,
     RequestError,
-    SamplingParams,
     SpecStats,
 )
 from serving.observers import notify
 from serving.output import OutputText, apply_stops, eos_token_ids, stop_token_set
 from serving.sglang.collector import TraceCollector, to_verify_batch
+from serving.sglang.config import SGLangConfig
 from serving.sglang.draft_weights import update_draft_weights, verify_draft_only_update
 from serving.sglang.drafts import SGLangDraft
 from serving.sglang.exporter import ENV_SAMPLE_RATE, ENV_TOP_K
+from serving.sglang.meta_info import finish_reason, refused, sglang_sampling_params, spec_stats
 from serving.sglang.plugin import request_sampled
 
 SELF_TEST_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -57,92 +56,8 @@ channel) before observers are told it finished; late steps would be missing from
 ABORT_DRAIN_S = 1.0
 """After aborting a request the shared stop rules ended, how long to wait for SGLang's final
 output (it carries the request's speculative stats)."""
-ALGORITHM_KIND = {"EAGLE3": "eagle", "STANDALONE": "standalone"}
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SGLangConfig:
-    model_path: str
-    draft_path: str
-    """EAGLE3: our eagle head exported to SGLang's EAGLE3 layout; STANDALONE: a small LM dir."""
-    model_id: str | None = None
-    """Target name in fingerprints and /v1/models; default: the model directory's name."""
-    algorithm: Literal["EAGLE3", "STANDALONE"] = "STANDALONE"
-    num_steps: int = 4
-    """Draft depth per verify step (k)."""
-    eagle_topk: int = 1
-    """Branching per draft step; 1 = a chain, which the trace records exactly."""
-    num_draft_tokens: int | None = None
-    """Verified tree nodes including the root; default num_steps + 1 (the chain)."""
-    drafter_version: str = "day0"
-    trace_sample_rate: float = 1.0
-    trace_top_k: int = 20
-    self_test: bool = True
-    """At start: check that a draft update changes the draft and not the target."""
-    server_args: dict = field(default_factory=dict)
-    """Further sglang ServerArgs, e.g. mem_fraction_static, tp_size, dtype."""
-
-    @property
-    def drafter_kind(self) -> str:
-        """Our drafter kind for the algorithm: eagle (EAGLE3) or standalone (STANDALONE)."""
-        return ALGORITHM_KIND[self.algorithm]
-
-    def sglang_kwargs(self) -> dict:
-        return {
-            "model_path": self.model_path,
-            "speculative_algorithm": self.algorithm,
-            "speculative_draft_model_path": self.draft_path,
-            "speculative_num_steps": self.num_steps,
-            "speculative_eagle_topk": self.eagle_topk,
-            "speculative_num_draft_tokens": self.num_draft_tokens or self.num_steps + 1,
-            "incremental_streaming_output": False,  # output_ids are cumulative
-            **self.server_args,
-        }
-
-
-def sglang_sampling_params(p: SamplingParams) -> dict:
-    """Stop strings are not sent: the shared stop rules (serving.output.apply_stops) apply them
-    and the engine aborts the request in SGLang."""
-    params = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
-              "ignore_eos": p.ignore_eos}
-    if p.top_k:
-        params["top_k"] = p.top_k
-    if p.stop_token_ids:
-        params["stop_token_ids"] = list(p.stop_token_ids)
-    if p.seed is not None:
-        params["sampling_seed"] = p.seed
-    return params
-
-
-def spec_stats(meta_info: dict) -> SpecStats:
-    """Per-request speculative stats (SGLang reports them on the finished output)."""
-    return SpecStats(
-        verify_steps=int(meta_info.get("spec_verify_ct", 0)),
-        drafted_tokens=int(meta_info.get("spec_num_proposed_drafts", 0)),
-        accepted_tokens=int(meta_info.get("spec_num_correct_drafts", 0)),
-    )
-
-
-def finish_reason(meta_info: dict) -> str | None:
-    reason = meta_info.get("finish_reason")
-    if reason is None:
-        return None
-    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
-    return kind if kind in ("stop", "length", "abort") else "stop"
-
-
-def refused(meta_info: dict) -> RequestError | None:
-    """SGLang ends a request it refuses (too long, bad parameters) with an abort carrying an HTTP
-    status: 4xx is the request's fault (HTTP 400 for us), 5xx the server's."""
-    reason = meta_info.get("finish_reason")
-    if not isinstance(reason, dict) or reason.get("type") != "abort":
-        return None
-    status = reason.get("status_code")
-    if not isinstance(status, int) or status < 400:
-        return None
-    return RequestError(str(reason.get("message") or "refused by SGLang"), invalid=status < 500)
 
 
 class SGLangEngine:

@@ -16,18 +16,14 @@ from safetensors.torch import save_file
 
 from serving.engine.base import GenerationRequest, RequestError, SamplingParams
 from serving.sglang import contract
+from serving.sglang.config import SGLangConfig
 from serving.sglang.draft_weights import (
     DraftUpdateError,
     update_draft_weights,
     verify_draft_only_update,
 )
-from serving.sglang.engine import (
-    SGLangConfig,
-    SGLangEngine,
-    finish_reason,
-    sglang_sampling_params,
-    spec_stats,
-)
+from serving.sglang.engine import SGLangEngine
+from serving.sglang.meta_info import finish_reason, sglang_sampling_params, spec_stats
 
 IO = "sglang.srt.managers.io_struct"
 
