@@ -23,6 +23,7 @@ from kernels.thin_linear import thin_linear
 from serving.drafters.base import DraftRequestView
 from serving.drafters.draft_kv import BatchKV
 from serving.drafters.learned import LearnedDrafter
+from serving.engine.forward_cache import drafter_forward
 from serving.engine.llama_forward import LlamaForward
 
 
@@ -110,8 +111,8 @@ class PackedDraftNet:
         cfg = model.config
         self.model = model.eval()
         self.vocab_map = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
-        self.forward = LlamaForward.for_drafter(model, head_rows=self.vocab_map, target=target, bf16=bf16,
-                                                int8=DRAFT_INT8 and bf16 if int8 is None else int8)
+        self.forward = drafter_forward(model, head_rows=self.vocab_map, target=target, bf16=bf16,
+                                       int8=DRAFT_INT8 and bf16 if int8 is None else int8)
         self.num_layers = int(cfg.num_hidden_layers)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(self.forward.head_dim)

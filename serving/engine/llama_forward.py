@@ -21,14 +21,13 @@ trees), and ``cache.update(k, v, layer)`` returning the readable keys/values. Re
 reference to float rounding (tests compare logits and greedy outputs).
 
 ``LlamaForward.supports(model)`` says whether a model can use it; other architectures keep the
-Hugging Face forward.
+Hugging Face forward. Engines get theirs from serving/engine/forward_cache.py (one per model and
+process, and a learned drafter's reading the target's panels).
 """
 
 from __future__ import annotations
 
 import copy
-import threading
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -56,24 +55,13 @@ _THIN_MAX = 4
 good or better (measured)."""
 
 
-
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> {(native, bf16_panels): (weights stamp, LlamaForward)}: see ``LlamaForward.shared``."""
-_SHARED_LOCK = threading.Lock()
-
-
-def _weights_stamp(model: torch.nn.Module) -> tuple:
-    """Changes when any parameter or buffer of ``model`` is replaced or modified in place (in
-    place: except for tensors made under ``torch.inference_mode``, which keep no version)."""
-    return tuple((t.data_ptr(), _version(t)) for t in (*model.parameters(), *model.buffers()))
-
-
 def _layer_key(layer: torch.nn.Module) -> tuple:
     """Which tensors a decoder layer's weights are (identity and version, not values)."""
-    return tuple((id(t), t.data_ptr(), _version(t)) for t in layer.parameters())
+    return tuple((id(t), t.data_ptr(), tensor_version(t)) for t in layer.parameters())
 
 
-def _version(t: torch.Tensor) -> int | None:
+def tensor_version(t: torch.Tensor) -> int | None:
+    """How often ``t`` was modified in place (None for a tensor made under inference mode)."""
     try:
         return t._version
     except RuntimeError:  # an inference tensor
@@ -81,54 +69,6 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 class LlamaForward:
-    @classmethod
-    def shared(cls, model: torch.nn.Module, native: bool | None = None,
-               bf16_panels: bool = True, amx: bool = True) -> LlamaForward:
-        """The LlamaForward of ``model``, built once per process and shared by every engine on it.
-
-        Two engines on one target in a process (a benchmark's target-only baseline beside its
-        speculative engine, the demo's baseline and then its loop, a test's reference engine)
-        read the same packed weights instead of a 538 MB copy each. That matters beyond memory: on
-        this VM the memory speed differs from one allocation to the next (ARCHITECTURE.md), and
-        two copies made two engines' plain steps differ by ~10 %, the size of what an A/B between
-        them measures. Rebuilt when a weight was replaced or modified in place since (a forward
-        holds no other state)."""
-        stamp = _weights_stamp(model)
-        with _SHARED_LOCK:
-            per_model = _SHARED.setdefault(model, {})
-            key = (native, bf16_panels, amx)
-            hit = per_model.get(key)
-            if hit is not None and hit[0] == stamp:
-                return hit[1]
-            forward = cls(model, native=native, bf16_panels=bf16_panels, amx=amx)
-            per_model[key] = (stamp, forward)
-            return forward
-
-    @classmethod
-    def existing(cls, model: torch.nn.Module) -> LlamaForward | None:
-        """A forward ``shared`` already built for ``model`` with its current weights, if any (never
-        builds one: packing a whole target is half a gigabyte)."""
-        stamp = _weights_stamp(model)
-        with _SHARED_LOCK:
-            for built_stamp, forward in _SHARED.get(model, {}).values():
-                if built_stamp == stamp:
-                    return forward
-        return None
-
-    @classmethod
-    def for_drafter(cls, model: torch.nn.Module, head_rows: torch.Tensor | None = None,
-                    target: torch.nn.Module | None = None, bf16: bool = True,
-                    int8: bool = False) -> LlamaForward:
-        """A learned drafter's forward (a Llama LM of a few layers, e.g. the target's first layers
-        and an adapter): every projection packed (``bf16``: the bf16 roundings of weights that are
-        not exactly bf16), the lm_head at ``head_rows``, and the layers it shares with ``target``
-        read from the target's own packed panels where the engine has built them. ``int8``: every
-        projection and the head as int8 panels instead (``PackedLinear.pack_int8``, half the bytes
-        a draft token streams; shared layers get their own int8 copies)."""
-        return cls(model, reuse=cls.existing(target) if target is not None and not int8 else None,
-                   round_to_bf16=bf16, round_activations=bf16, head_rows=head_rows,
-                   int8_panels=int8)
-
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         cfg = getattr(model, "config", None)
@@ -154,9 +94,9 @@ class LlamaForward:
         tiles where the CPU has them (a verify of up to 16 tokens for about one step's price);
         thin_max: the BLAS w @ x^T path's limit otherwise.
 
-        For a learned drafter's forward (``for_drafter``): ``reuse``, a forward whose packed layers
-        this model's layers may share (a layer built from the very same weight tensors is taken as
-        it is, not packed again); ``round_to_bf16``, pack the other weights' bf16 roundings (half
+        For a learned drafter's forward (``forward_cache.drafter_forward``): ``reuse``, a forward
+        whose packed layers this model's layers may share (a layer built from the very same weight
+        tensors is taken as it is, not packed again); ``round_to_bf16``, pack the other weights' bf16 roundings (half
         the bytes a draft reads; a draft's numerics move its acceptance, never the output);
         ``round_activations``, round every projection's input to bf16 where the weights are on
         AMX tiles (``PackedLinear.rounded``: a third of the multiplies, projections 2-3x faster
@@ -167,7 +107,7 @@ class LlamaForward:
         if not self.supports(model):
             raise ValueError(f"LlamaForward does not support {type(model).__name__}")
         cfg = model.config
-        inner = model.model  # no reference to ``model`` is kept: ``shared`` caches per model
+        inner = model.model  # no reference to ``model`` is kept: forward_cache.py keys on it
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads

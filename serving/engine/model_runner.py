@@ -14,6 +14,7 @@ import torch
 
 from serving.engine.batch_cache import RaggedKVCache, round_up_columns
 from serving.engine.cuda_graphs import StepGraphs
+from serving.engine.forward_cache import shared_forward
 from serving.engine.llama_forward import LlamaForward
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ class ModelRunner:
         """Our own forward (serving/engine/llama_forward.py) when ``forward="auto"`` and the
         model is a Llama-family model on sdpa; None runs the Hugging Face forward."""
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
-            self.fast = LlamaForward.shared(model, native=None if native_kernels else False,
-                                            bf16_panels=bf16_panels, amx=amx_panels)
+            self.fast = shared_forward(model, native=None if native_kernels else False,
+                                       bf16_panels=bf16_panels, amx=amx_panels)
         self.graphs: StepGraphs | None = None
         """The fast forward's decode and verify steps as CUDA graphs (serving/engine/cuda_graphs.py)
         when the model is on CUDA and ``cuda_graphs`` is on; None runs every forward eagerly."""

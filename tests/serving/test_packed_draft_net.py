@@ -13,7 +13,7 @@ from serving.drafters import build_drafter
 from serving.drafters import standalone as standalone_mod
 from serving.drafters.base import DraftRequestView
 from serving.drafters.standalone import PackedDraftNet
-from serving.engine.llama_forward import LlamaForward
+from serving.engine.forward_cache import existing_forward
 from serving.engine.model_runner import ModelRunner
 from serving.target import tiny_target
 
@@ -90,7 +90,7 @@ def _seqs():
 def test_selfspec_drafts_read_the_targets_own_panels_and_match_its_forward(bf16_panels):
     target = _bf16_target(seed=3)
     runner = ModelRunner(target.model, target.device)  # the engine packs the target first
-    assert runner.fast is not None and LlamaForward.existing(target.model) is runner.fast
+    assert runner.fast is not None and existing_forward(target.model) is runner.fast
     drafter = _selfspec(target)
     net = drafter.net
     assert isinstance(net, PackedDraftNet)
@@ -112,7 +112,7 @@ def test_selfspec_drafts_read_the_targets_own_panels_and_match_its_forward(bf16_
 
 def test_a_drafter_built_before_the_engine_packs_its_own_layers_and_drafts_the_same(bf16_panels):
     target = _bf16_target(seed=4)
-    assert LlamaForward.existing(target.model) is None
+    assert existing_forward(target.model) is None
     alone = _selfspec(target)  # nothing to share yet: its own panels of layers 0-1
     runner = ModelRunner(target.model, target.device)
     shared = _selfspec(target)
