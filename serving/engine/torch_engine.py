@@ -53,8 +53,8 @@ from serving.engine.membership import RowMembership
 from serving.engine.model_runner import ModelRunner
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
-from serving.engine.tree import linear_view, trim_plan
-from serving.engine.verify_step import build_report, logit_rows, verify_rows
+from serving.engine.tree import trim_plan
+from serving.engine.verify_step import path_features, step_report, verify_rows
 from serving.observers import notify
 from serving.output import eos_token_ids
 from serving.target import Target
@@ -177,7 +177,6 @@ class TorchEngine(DrafterSwaps, RowMembership):
     async def abort(self, request_id: str) -> None:
         self._request_abort(request_id)
 
-
     # ---- thread plumbing ---------------------------------------------------------------------
 
     def _start_thread(self) -> None:
@@ -246,7 +245,7 @@ class TorchEngine(DrafterSwaps, RowMembership):
             self._forget(sub.request.request_id)
             sub.client.send(RequestError("the engine stopped"))
 
-    # ---- one step ---    # ---- one step ----------------------------------------------------------------------------
+    # ---- one step ----------------------------------------------------------------------------
 
     def _new_cache(self):
         """An empty batch cache with room for ``max_batch_size`` rows (rows join without a copy)."""
@@ -303,28 +302,14 @@ class TorchEngine(DrafterSwaps, RowMembership):
 
         nodes = inputs.tolist()
         emitted = [[nodes[b][n] for n in p[1:]] + [next_tokens[b]] for b, p in enumerate(paths)]
-        feats = self.runner.features(out)  # [B, K+1, F] or None
-        if feats is not None and plan.is_tree():  # inputs along the path first: [B, K+1, F]
-            index = result.path.clamp(min=0).to(feats.device)
-            feats = feats.gather(1, index[:, :, None].expand(-1, -1, feats.shape[-1]))
+        feats = path_features(self.runner.features(out), plan, result.path)  # [B, K+1, F] or None
         wants_topk = any(getattr(o, "wants_topk", False) for o in self.observers)
-        traced = wants_topk and any(r.request.train for r in rows)
-        view_plan, view_nodes, tried = linear_view(plan, parents, paths)
-        view_logits = None
-        if traced:  # the target's logits at the view: rows of the forward's own, not a copy
-            matrix, node_row = logit_rows(out)
-            view_logits = (matrix, node_row.gather(1, view_nodes))  # [R, V], [B, K'+1]
-        report = build_report(
-            rows, view_plan, view_logits, emitted, num_accepted, feats, t1 - t0, t2 - t1,
+        report, tried = step_report(
+            rows, plan, parents, paths, out, emitted, num_accepted, feats, t1 - t0, t2 - t1,
             top_k=self.config.trace_topk if wants_topk else None,
             drafter_version=drafter.version if drafter is not None else "none",
             feature_layers=self.runner.feature_layers,
         )
-        if plan.is_tree():
-            valid = np.arange(plan.k)[None, :] < plan.lengths.numpy()[:, None]  # [B, K]
-            report.tree_nodes = plan.lengths.numpy().astype(np.int16)
-            report.tree_ids = np.where(valid, plan.tokens.numpy(), -1).astype(np.int32)
-            report.tree_parents = np.where(valid, plan.parents.numpy(), -1).astype(np.int16)
         self._notify("on_step", report)
 
         finished: set[int] = set()
@@ -404,7 +389,6 @@ class TorchEngine(DrafterSwaps, RowMembership):
 
     def _notify(self, method: str, *args) -> None:
         notify(self.observers, method, *args)
-
 
 
 def _eos_ids(target: Target) -> frozenset[int]:

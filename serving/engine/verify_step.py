@@ -3,7 +3,7 @@
 ``verify_rows``: each row's longest path the target agrees with (greedy, position-keyed sampling,
 or rejection sampling for chains with draft distributions). ``build_report``: the step as observers
 see it (a VerifyBatch, numpy on the CPU), with the target's top-k at verified positions of traced
-rows when an observer wants it.
+rows when an observer wants it; ``step_report`` builds it for a step, a tree's included.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from serving.engine.base import VerifyBatch
 from serving.engine.drafting import DraftPlan
 from serving.engine.rows import Row
 from serving.engine.seeded import position_uniforms
+from serving.engine.tree import linear_view
 
 
 def greedy_targets(out, lengths: torch.Tensor, only: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,3 +182,50 @@ def build_report(
         drafter_version=drafter_version,
         feature_layers=feature_layers if feats is not None else (),
     )
+
+
+def path_features(feats: torch.Tensor | None, plan: DraftPlan, path: torch.Tensor) -> torch.Tensor | None:
+    """The forward's feature rows [B, K+1, F] in the order a row emits them: a tree step's along
+    each row's accepted path (``path`` [B, K+1] node indices, -1 past its end) first."""
+    if feats is None or not plan.is_tree():
+        return feats
+    index = path.clamp(min=0).to(feats.device)
+    return feats.gather(1, index[:, :, None].expand(-1, -1, feats.shape[-1]))  # [B, K+1, F]
+
+
+def step_report(
+    rows: list[Row],
+    plan: DraftPlan,
+    parents: torch.Tensor,
+    paths: list[list[int]],
+    out,
+    emitted: list[list[int]],
+    num_accepted: list[int],
+    feats: torch.Tensor | None,
+    draft_s: float,
+    verify_s: float,
+    *,
+    top_k: int | None,
+    drafter_version: str,
+    feature_layers: tuple[int, ...],
+) -> tuple[VerifyBatch, np.ndarray]:
+    """The observers' report of a verify step (``build_report`` over the linear view of a tree,
+    with the tree itself in the ``tree_*`` fields), and the acceptance trials along the view per
+    row (``tree.linear_view``: what the speculation policy observes). ``top_k``: as in
+    ``build_report``; the target's logits are read (rows of the forward's own, not a copy) only
+    when a traced row wants them."""
+    view_plan, view_nodes, tried = linear_view(plan, parents, paths)
+    view_logits = None
+    if top_k is not None and any(r.request.train for r in rows):
+        matrix, node_row = logit_rows(out)
+        view_logits = (matrix, node_row.gather(1, view_nodes))  # [R, V], [B, K'+1]
+    report = build_report(
+        rows, view_plan, view_logits, emitted, num_accepted, feats, draft_s, verify_s,
+        top_k=top_k, drafter_version=drafter_version, feature_layers=feature_layers,
+    )
+    if plan.is_tree():
+        valid = np.arange(plan.k)[None, :] < plan.lengths.numpy()[:, None]  # [B, K]
+        report.tree_nodes = plan.lengths.numpy().astype(np.int16)
+        report.tree_ids = np.where(valid, plan.tokens.numpy(), -1).astype(np.int32)
+        report.tree_parents = np.where(valid, plan.parents.numpy(), -1).astype(np.int16)
+    return report, tried
