@@ -11,14 +11,10 @@ The goodput model is feedback/goodput.py (``best_k`` over an ``AcceptanceEstimat
   cost is inferred from the measured widths with the CostModel's slope, so the prior of another
   machine cannot make speculation look better or worse than it is here.
 
-k = 0 is sticky (no drafts, so no acceptance evidence), so now and then one step drafts ``probe_k``
-tokens to refresh the estimate: a drafter that got better (a suffix index that learned the new
-domain) is noticed within a few probes. Probes are spaced so that they cost at most
-``probe_budget`` of serving time (``probe_interval``; at least every ``probe_every`` steps): a
-costly drafter that does not pay (an untrained learned drafter on a CPU, ~0.6 of a target step
-per drafted token) then costs about that much, not a probe every 16 steps (~9 %). A new drafter
-(``on_drafter_change``, called by the engine at a swap) starts from the prior and is probed at
-the next step that would not draft.
+k = 0 is sticky (no drafts, so no acceptance evidence), so now and then one step drafts anyway
+(``probe_k`` tokens for a costly drafter): probes, spaced to cost at most ``probe_budget`` of
+serving time (serving/engine/probes.py). A new drafter (``on_drafter_change``, called by the engine
+at a swap) starts from the prior and is probed at the next step that would not draft.
 
 Width (token trees, and chains with per-token confidences): after the draft, ``choose_widths``
 cuts each row's proposal to a prefix of its nodes. It takes the batch's nodes most likely to be
@@ -44,7 +40,6 @@ are spaced to cost at most ``probe_budget`` (``probe_interval`` for a costly dra
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import numpy as np
@@ -52,6 +47,7 @@ import numpy as np
 from feedback.goodput import LIVE_EVIDENCE_STEPS, AcceptanceEstimate, CostModel, best_k
 from serving.engine.calibration import ConfidenceCalibration
 from serving.engine.policy import BatchState
+from serving.engine.probes import ProbeSchedule
 from serving.engine.realized_rates import RealizedRates
 from serving.engine.tree import best_nodes_first, node_totals, path_confidence
 from serving.engine.verify_costs import VerifyCosts
@@ -109,19 +105,11 @@ class GoodputPolicy:
     ):
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
-        if probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.k_max = k_max
-        self.probe_every = probe_every
-        self.probe_k = min(k_max, probe_k if probe_k is not None else 2)
-        if not 0 < probe_budget <= 1:
-            raise ValueError(f"probe_budget must be in (0, 1], got {probe_budget}")
-        self.probe_budget = probe_budget
+        self.probe = ProbeSchedule(probe_every, min(k_max, probe_k if probe_k is not None else 2),
+                                   probe_budget)
         self.acceptance = acceptance or _fresh_estimate()
         self.costs = costs or CostModel()
-        self.off_streak = 0
-        """Consecutive steps decided as k = 0 (a probe resets it)."""
-        self.probes = 0
         self.chosen: list[int] = []
         """Recent choices (bounded), for benchmarks and debugging."""
         self._k0_measured = False
@@ -142,20 +130,12 @@ class GoodputPolicy:
         self._backoff = 0
         """Plain steps a costly drafter sits out after its draft was cut to nothing (doubling
         with each cut in a row: ``_backoff_after``)."""
-        self._probing = False
-        """This step is a probe: ``choose_widths`` verifies a non-empty total."""
         self._since_plain: dict[int, int] = {}  # batch size -> choices since the last n = 0
-        self._probe_new = False
-        """Probe at the next k = 0 decision: a new drafter (``on_drafter_change``)."""
         self._version: str | None = None
         """The installed drafter's version, as ``on_drafter_change`` was told."""
         self._left: dict[str, AcceptanceEstimate] = {}
         """version -> its estimate when it was swapped out (the last ``_VERSIONS_KEPT``): where a
         rollback resumes."""
-        self._costly_probe = False
-        self._probe_ms: float | None = None
-        """EMA of what a costly drafter's probe cost over a plain step (its draft, catch-up
-        included, and the wider verify)."""
         self.remeasure_every = remeasure_every
         self._draft_ms: dict[int, float] = {}
         """batch size -> EMA of a drafting step's draft milliseconds (see ``choose_widths``)."""
@@ -171,6 +151,18 @@ class GoodputPolicy:
         self.realized = RealizedRates()
         """What the steps that verified drafts delivered, per batch size (``drafting_loses``)."""
 
+    @property
+    def probe_every(self) -> int:
+        return self.probe.every
+
+    @property
+    def probe_k(self) -> int:
+        return self.probe.k
+
+    @property
+    def probes(self) -> int:
+        return self.probe.count
+
     def choose_k(self, state: BatchState) -> int:
         k_max = min(self.k_max, state.k_max)
         if k_max <= 0:
@@ -185,7 +177,7 @@ class GoodputPolicy:
         # drafts into it: then it says nothing of a learned draft's best node (``choose_widths``).
         self._floor_paid = not cheap and not state.mixed_sources
         batch = state.batch_size
-        if k > 0 and self._backoff > 0 and not self._probe_new:
+        if k > 0 and self._backoff > 0 and not self.probe.for_new_drafter:
             # a costly draft was cut to nothing: the next one waits (see ``_backoff_after``)
             self._backoff -= 1
             self.cuts["backoff"] += 1
@@ -206,46 +198,27 @@ class GoodputPolicy:
             self.cuts["remeasure"] += 1
             self._remember(0)
             return 0
-        self.off_streak = 0
+        self.probe.off_streak = 0
         self._remember(k)
         return k
 
     def _probe_or_plain(self, k: int, costly: bool, batch: int) -> int:
-        """k = 0, except every ``probe_interval`` steps (``cheap_probe_interval`` for a cheap
-        drafter, or at once after ``on_drafter_change``): then a probe of ``k`` drafts, whose
-        width ``choose_widths`` keeps non-empty so that the estimates keep learning."""
-        self.off_streak += 1
+        """k = 0, except when a probe is due (``probe_interval`` steps apart for a costly drafter,
+        ``cheap_probe_interval`` for a cheap one, at once after ``on_drafter_change``): then a
+        probe of ``k`` drafts, whose width ``choose_widths`` keeps non-empty so that the estimates
+        keep learning."""
         interval = self.probe_interval() if costly else self.cheap_probe_interval(batch)
-        if self.off_streak >= interval or self._probe_new:
-            self._probe_new = False
-            self._costly_probe = costly
-            self._probing = True
-            self.off_streak = 0
-            self.probes += 1
-            self._remember(k)
-            return k
-        self._remember(0)
-        return 0
+        k = k if self.probe.due(interval, costly) else 0
+        self._remember(k)
+        return k
 
     def probe_interval(self) -> int:
-        """Steps between probes of a costly drafter that does not pay: at least ``probe_every``,
-        and enough that a probe (its draft, and the wider verify) costs at most ``probe_budget``
-        of the plain steps between two probes."""
-        k = max(1, self.probe_k)
-        step = self.costs.verify_ms(0)
-        cost = self._probe_ms  # measured: a learned drafter's probe also commits the tokens it
-        if cost is None:       # skipped (a new request's whole prompt), which per-token costs miss
-            cost = k * self.costs.draft_ms_per_token + max(0.0, self.costs.verify_ms(k) - step)
-        return max(self.probe_every, math.ceil(cost / (self.probe_budget * step)))
+        """Steps between probes of a costly drafter that does not pay (``ProbeSchedule``)."""
+        return self.probe.costly_interval(self.costs)
 
     def cheap_probe_interval(self, batch: int) -> int:
-        """Steps between probes of a cheap drafter (its draft is free, the verify is not): at
-        least ``probe_every``, and enough that verifying one draft per row costs at most
-        ``probe_budget`` of the plain steps between two probes at this batch size. At batch 8
-        on this CPU that verify costs ~0.5 plain steps: a probe every 16 steps was 3 % of
-        serving, the whole never-slower margin."""
-        extra = self.verify_ms(batch, batch) / self.verify_ms(0, batch) - 1.0
-        return max(self.probe_every, math.ceil(extra / self.probe_budget))
+        """Steps between probes of a cheap drafter at this batch size (``ProbeSchedule``)."""
+        return self.probe.cheap_interval(self.verify_ms(batch, batch) / self.verify_ms(0, batch) - 1.0)
 
     def on_drafter_change(self, prior_acceptance: float | None = None, *, version: str | None = None,
                           relative: float | None = None) -> None:
@@ -272,8 +245,7 @@ class GoodputPolicy:
         self._version = version
         self.zero_widths = 0
         self._backoff = 0
-        self.off_streak = 0
-        self._probe_new = True
+        self.probe.restart()
 
     def verify_ms(self, nodes: int, batch: int) -> float:
         """Verify milliseconds of ``nodes`` drafted tokens in all at this batch size: measured, else
@@ -322,10 +294,10 @@ class GoodputPolicy:
             pick = 0  # predicted to pay, but drafting steps at this batch size did not: off, probes
             cut = "outcomes"
         self.zero_widths = self.zero_widths + 1 if totals[pick] == 0 else 0
-        if self._probing and len(totals) > 1:  # a probe verifies the best non-empty total,
+        if self.probe.now and len(totals) > 1:  # a probe verifies the best non-empty total,
             cap = max(1, batch)  # at most a node per row, whatever it costs
             pick = 1 + int(np.argmax([r if n <= cap else -1.0 for n, r in zip(totals[1:], rates[1:])]))
-        probing, self._probing = self._probing, False
+        probing, self.probe.now = self.probe.now, False
         self._probed = probing
         since = self._since_plain.get(batch, self.remeasure_every)
         if totals[pick] > 0 and since >= self.remeasure_every and not probing:
@@ -390,11 +362,8 @@ class GoodputPolicy:
         if width is None:
             width = int(drafted.max()) if drafted.size else 0
         width = int(width)
-        probe = self._costly_probe
-        if probe:
-            self._costly_probe = False
-            cost = draft_ms + max(0.0, verify_ms - self.costs.verify_ms(0))
-            self._probe_ms = cost if self._probe_ms is None else 0.7 * self._probe_ms + 0.3 * cost
+        probe = self.probe.costly_now
+        self.probe.observe_cost(float(draft_ms), float(verify_ms), self.costs.verify_ms(0))
         # A draft's cost is measured whether or not the width step kept any of it: a costly
         # drafter whose drafts were all cut kept the prior's 0.05 ms per token, so ``choose_k``
         # went on asking a day-0 selfspec drafter for 4 tokens at 7-16 ms a draft.
@@ -402,9 +371,9 @@ class GoodputPolicy:
         # drafter sat out) is priced apart from the per-token cost. Folded into it, one prompt
         # commit (~18 ms for 64 inputs on 2 cores, against ~2.5 ms for a one-token draft) made the
         # first draft of a run read ~9 ms a token, and a drafter then measured only on probes
-        # never drafted again. A probe's catch-up is the probe's cost (``_probe_ms``, which spaces
-        # the probes); the others are what drafting on and off costs, amortised over the drafts
-        # (``CostModel.catch_up_ms_per_draft``).
+        # never drafted again. A probe's catch-up is the probe's cost (``ProbeSchedule.cost_ms``,
+        # which spaces the probes); the others are what drafting on and off costs, amortised over
+        # the drafts (``CostModel.catch_up_ms_per_draft``).
         steady_ms = max(0.0, float(draft_ms) - float(catch_up_ms))
         paid_for = width if proposed is None else max(int(proposed), width)
         if paid_for > 0:

@@ -334,15 +334,15 @@ def test_a_probes_catch_up_is_not_charged_to_drafting():
     def policy():
         p = GoodputPolicy(4, costs=CostModel(target_step_ms=11.5, verify_slope=0.02))
         p.acceptance.value = 0.01  # nothing pays: the next decision is a probe
-        p._probe_new = True
-        assert p.choose_k(BatchState(1, 4, np.full(1, 100))) > 0 and p._costly_probe
+        p.probe.for_new_drafter = True
+        assert p.choose_k(BatchState(1, 4, np.full(1, 100))) > 0 and p.probe.costly_now
         return p
 
     probed = policy()
     probed.observe(1, np.array([1]), np.array([1]), 15.0, 12.0, width=1, batch=1, nodes=1, proposed=1,
                    catch_up_ms=12.5)
     assert probed.costs.draft_ms_per_token == pytest.approx(2.5)
-    assert probed._probe_ms == pytest.approx(15.0 + 12.0 - 11.5)  # the probe itself cost it all
+    assert probed.probe.cost_ms == pytest.approx(15.0 + 12.0 - 11.5)  # the probe itself cost it all
     assert probed.costs.catch_up_ms_per_draft == 0.0
     between = GoodputPolicy(4, costs=CostModel(target_step_ms=11.5, verify_slope=0.02))
     between.observe(1, np.array([1]), np.array([1]), 6.0, 12.0, width=1, batch=1, nodes=1, proposed=1,

@@ -571,7 +571,7 @@ def test_a_drafter_whose_drafts_the_batch_cannot_afford_is_only_probed():
     policy.calibration.value = 1.0
     state = BatchState(8, 4, np.full(8, 100))
     assert policy.choose_k(state) > 0
-    policy.off_streak = 0
+    policy.probe.off_streak = 0
     drafted = []
     for _ in range(200):
         k = policy.choose_k(state)
