@@ -125,8 +125,19 @@ class TrainerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _follow_serving(self) -> TrainerSettings:
+        """Train what serving serves (a replica refuses an artifact of another kind). A trainer
+        setting of its own that contradicts it is an error, not silently replaced."""
         if self.serve_drafter in ("eagle", "standalone", "selfspec"):
-            self.drafter, self.hybrid = self.serve_drafter, False
+            follows = {"drafter": self.serve_drafter, "hybrid": False}
         elif self.serve_drafter in ("suffix", "hybrid"):
-            self.hybrid = True
+            follows = {"hybrid": True}
+        else:
+            return self
+        for name, value in follows.items():
+            if name in self.model_fields_set and getattr(self, name) != value:
+                raise ValueError(
+                    f"the trainer's {name}={getattr(self, name)!r} (SPECLOOP_TRAINER_{name.upper()}) "
+                    f"contradicts what serving serves (SPECLOOP_DRAFTER={self.serve_drafter}), which "
+                    f"would refuse every promotion: leave the trainer's {name} unset, or serve that kind")
+            setattr(self, name, value)
         return self

@@ -55,6 +55,20 @@ def test_trainer_reads_the_endpoints_compose_gives_it(monkeypatch):
     assert s.serve_drafter == env[endpoints.DRAFTER] and s.drafter == "standalone" and not s.hybrid
 
 
+def test_a_trainer_drafter_of_its_own_that_serving_would_refuse_is_an_error(monkeypatch):
+    """SPECLOOP_TRAINER_DRAFTER overrides for the trainer alone, but a kind serving does not serve
+    (every replica would refuse its promotions) is refused at start, not silently replaced."""
+    env = _env_of("trainer")  # serving serves standalone
+    with pytest.raises(ValueError, match="SPECLOOP_TRAINER_DRAFTER.*SPECLOOP_DRAFTER=standalone"):
+        _load(monkeypatch, {**env, "SPECLOOP_TRAINER_DRAFTER": "selfspec"}, TrainerSettings)
+    assert _load(monkeypatch, {**env, "SPECLOOP_TRAINER_DRAFTER": "standalone"}, TrainerSettings).drafter == "standalone"
+    hybrid = {**env, endpoints.DRAFTER: "hybrid", "SPECLOOP_TRAINER_DRAFTER": "selfspec"}
+    s = _load(monkeypatch, hybrid, TrainerSettings)  # inside a hybrid any learned kind serves
+    assert s.drafter == "selfspec" and s.hybrid
+    with pytest.raises(ValueError, match="SPECLOOP_TRAINER_HYBRID"):
+        _load(monkeypatch, {**hybrid, "SPECLOOP_TRAINER_HYBRID": "false"}, TrainerSettings)
+
+
 def test_serving_and_the_trainer_gate_use_the_same_k(monkeypatch):
     serving_env = {**_env_of("serving"), "SPECLOOP_ADMIN_TOKEN": "an-operator-chosen-token"}
     serving = _load(monkeypatch, serving_env, ServingSettings)
