@@ -42,8 +42,14 @@ def create_app(
         reporter = LoadReporter(engine, build_control_plane(settings), replica,
                                 every_s=settings.heartbeat_s)
 
+    from serving.trace_follow import suffix_part
+
     follower = None
-    if settings.trace_sink == "kafka" and settings.follow_traces:  # replicas share what they learn
+    # Replicas share what they learn through their suffix indexes. The served kind decides for
+    # good whether there is one (swaps keep it: serving/artifact_loader.py): an engine without
+    # (SGLang, a learned drafter alone) would read the whole topic only to skip every record.
+    if settings.trace_sink == "kafka" and settings.follow_traces \
+            and suffix_part(getattr(engine, "drafter", None)) is not None:
         from feedback.bus.kafka_source import KafkaTraceSource
         from serving.trace_follow import TraceFollower
 

@@ -68,3 +68,17 @@ def test_suffix_part_finds_the_index_holder():
 
     assert suffix_part(Hybrid()) is d
     assert suffix_part(object()) is None
+
+
+def test_a_replica_follows_the_topic_only_where_a_suffix_index_can_use_it():
+    """SGLang or a learned drafter alone has no suffix index now or after any swap: such a replica
+    would read the whole topic to skip every record, so it starts no follower."""
+    from serving.api.app import create_app
+    from serving.config import ServingSettings
+
+    target = tiny_target(vocab_size=48, hidden_size=64, num_layers=2)
+    settings = ServingSettings(trace_sink="kafka", follow_traces=True, kafka_bootstrap_servers="127.0.0.1:9")
+    with_index = create_app(TorchEngine(target, SuffixDrafter(), EngineConfig(k=4)), settings)
+    assert isinstance(with_index.state.trace_follower, TraceFollower)
+    without = create_app(TorchEngine(target, None, EngineConfig(k=4)), settings)  # no index to feed
+    assert without.state.trace_follower is None
