@@ -94,11 +94,13 @@ def train(
                                      "(same kind and target) instead of the day-0 drafter."),
     corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus/--requests/--offline: where "
                                       "teacher-forced and generated traces are kept between runs."),
-    out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline: artifact directory written."),
+    out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline/--corpus/--requests: artifact "
+                             "directory written."),
     model_id: str | None = typer.Option(None, help="--offline: target id in the fingerprint (default: the directory "
                                         "name; serving's default target is SmolLM2-135M-Instruct)."),
     max_new_tokens: int = typer.Option(64, help="--offline/--requests: tokens generated per prompt."),
-    steps: int = typer.Option(400, help="--offline: most training steps (early stop on held-out acceptance)."),
+    steps: int = typer.Option(400, help="--offline/--corpus/--requests: most training steps (early stop on "
+                              "held-out acceptance)."),
 ) -> None:
     """Consume traces, distil the drafter, gate, register and announce promotions; with
     ``--offline`` train a static drafter once from prompts and save (and register) it."""

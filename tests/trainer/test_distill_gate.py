@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -155,7 +156,7 @@ def test_cosine_schedule_warms_up_then_decays_to_its_floor():
     factors = [lr_factor("cosine", i, 100, warmup=10) for i in range(100)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)  # linear warm-up
     decay = factors[10:]
-    assert all(a >= b for a, b in zip(decay, decay[1:])) and decay[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(decay)) and decay[-1] == pytest.approx(0.1)
     assert [lr_factor("constant", i, 100, warmup=10) for i in (0, 50, 99)] == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="schedule"):
         lr_factor("linear", 0, 100)
