@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# Trainer: Ray actor distilling the drafter on its own GPU (build context: repo root).
+# Trainer: Ray actor distilling the drafter (build context: repo root). Compose reserves it a GPU,
+# but training runs on the CPU cores for now: the trainer has no CUDA path yet.
 FROM python:3.11-slim
 
 RUN apt-get update && apt-get install -y --no-install-recommends curl \
