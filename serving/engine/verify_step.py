@@ -1,9 +1,9 @@
 """The accept and report stages of TorchEngine's step, as functions of what the step computed.
 
 ``verify_rows``: each row's longest path the target agrees with (greedy, position-keyed sampling,
-or rejection sampling for chains with draft distributions). ``build_report``: the step as observers
+or rejection sampling for chains with draft distributions). ``step_report``: the step as observers
 see it (a VerifyBatch, numpy on the CPU), with the target's top-k at verified positions of traced
-rows when an observer wants it; ``step_report`` builds it for a step, a tree's included.
+rows when an observer wants it.
 """
 
 from __future__ import annotations
@@ -138,52 +138,6 @@ def trace_topk(rows: list[Row], plan: DraftPlan, logits: torch.Tensor, view_rows
     return topk_ids, topk_lp
 
 
-def build_report(
-    rows: list[Row],
-    plan: DraftPlan,
-    logits: tuple[torch.Tensor, torch.Tensor] | None,
-    emitted: list[list[int]],
-    num_accepted: list[int],
-    feats: torch.Tensor | None,
-    draft_s: float,
-    verify_s: float,
-    *,
-    top_k: int | None,
-    drafter_version: str,
-    feature_layers: tuple[int, ...],
-) -> VerifyBatch:
-    """The step as observers see it (numpy, CPU). ``top_k``: trace the target's top-k of traced
-    rows (None: no observer wants it). ``plan`` is the linear view of a tree step, ``logits``
-    (matrix [R, V], the row of each view position [B, K'+1]) where its target logits are."""
-    k = plan.k
-    lengths = plan.lengths.numpy()
-    in_len = np.arange(k)[None, :] < lengths[:, None]  # [B, K]
-    topk_ids = topk_lp = None
-    if top_k is not None and logits is not None:  # logits: given only when a row is traced
-        topk_ids, topk_lp = trace_topk(rows, plan, *logits, top_k)
-    features = None
-    if feats is not None:
-        bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [B, K+1, F]
-        features = [bits[b, : a + 1] for b, a in enumerate(num_accepted)]
-    return VerifyBatch(
-        request_ids=[r.request_id for r in rows],
-        positions=np.array([r.num_output for r in rows], dtype=np.int32),
-        num_drafted=lengths.astype(np.int16),
-        num_accepted=np.asarray(num_accepted, dtype=np.int16),
-        source=plan.source,
-        draft_ids=np.where(in_len, plan.tokens.numpy(), -1).astype(np.int32),
-        draft_probs=np.where(in_len, plan.probs.numpy(), 0.0).astype(np.float32),
-        emitted=emitted,
-        target_topk_ids=topk_ids,
-        target_topk_logprobs=topk_lp,
-        features=features,
-        draft_ms=draft_s * 1000.0,
-        verify_ms=verify_s * 1000.0,
-        drafter_version=drafter_version,
-        feature_layers=feature_layers if feats is not None else (),
-    )
-
-
 def path_features(feats: torch.Tensor | None, plan: DraftPlan, path: torch.Tensor) -> torch.Tensor | None:
     """The forward's feature rows [B, K+1, F] in the order a row emits them: a tree step's along
     each row's accepted path (``path`` [B, K+1] node indices, -1 past its end) first."""
@@ -209,19 +163,39 @@ def step_report(
     drafter_version: str,
     feature_layers: tuple[int, ...],
 ) -> tuple[VerifyBatch, np.ndarray]:
-    """The observers' report of a verify step (``build_report`` over the linear view of a tree,
-    with the tree itself in the ``tree_*`` fields), and the acceptance trials along the view per
-    row (``tree.linear_view``: what the speculation policy observes). ``top_k``: as in
-    ``build_report``; the target's logits are read (rows of the forward's own, not a copy) only
-    when a traced row wants them."""
-    view_plan, view_nodes, tried = linear_view(plan, parents, paths)
-    view_logits = None
+    """The step as observers see it (numpy, CPU), and the acceptance trials along each row's view
+    (what the speculation policy observes). A tree step is reported as its linear view
+    (``tree.linear_view``: the accepted path, then the rejected node that ended it) with the tree
+    itself in the ``tree_*`` fields. ``top_k``: trace the target's top-k at the view's positions of
+    traced rows (None: no observer wants it); the logits are then read as rows of the forward's
+    own, not a copy."""
+    view, view_nodes, tried = linear_view(plan, parents, paths)
+    lengths = view.lengths.numpy()
+    in_len = np.arange(view.k)[None, :] < lengths[:, None]  # [B, K']
+    topk_ids = topk_lp = None
     if top_k is not None and any(r.request.train for r in rows):
-        matrix, node_row = logit_rows(out)
-        view_logits = (matrix, node_row.gather(1, view_nodes))  # [R, V], [B, K'+1]
-    report = build_report(
-        rows, view_plan, view_logits, emitted, num_accepted, feats, draft_s, verify_s,
-        top_k=top_k, drafter_version=drafter_version, feature_layers=feature_layers,
+        matrix, node_row = logit_rows(out)  # [R, V], the row of each node [B, K+1]
+        topk_ids, topk_lp = trace_topk(rows, view, matrix, node_row.gather(1, view_nodes), top_k)
+    features = None
+    if feats is not None:
+        bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [B, K+1, F]
+        features = [bits[b, : a + 1] for b, a in enumerate(num_accepted)]
+    report = VerifyBatch(
+        request_ids=[r.request_id for r in rows],
+        positions=np.array([r.num_output for r in rows], dtype=np.int32),
+        num_drafted=lengths.astype(np.int16),
+        num_accepted=np.asarray(num_accepted, dtype=np.int16),
+        source=view.source,
+        draft_ids=np.where(in_len, view.tokens.numpy(), -1).astype(np.int32),
+        draft_probs=np.where(in_len, view.probs.numpy(), 0.0).astype(np.float32),
+        emitted=emitted,
+        target_topk_ids=topk_ids,
+        target_topk_logprobs=topk_lp,
+        features=features,
+        draft_ms=draft_s * 1000.0,
+        verify_ms=verify_s * 1000.0,
+        drafter_version=drafter_version,
+        feature_layers=feature_layers if feats is not None else (),
     )
     if plan.is_tree():
         valid = np.arange(plan.k)[None, :] < plan.lengths.numpy()[:, None]  # [B, K]
