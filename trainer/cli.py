@@ -201,8 +201,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     gen_s = time.perf_counter() - t0
     student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
                            settings.draft_vocab_size, settings.adapter_layers, init=init, fingerprint=fp)
-    fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=settings.distill_config(),
-                        lr_schedule=settings.offline_lr_schedule, warmup_steps=settings.offline_warmup_steps)
+    fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=settings.distill_config())
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
     if config is None:
         from feedback.drafters.standalone_lm import StandaloneConfig

@@ -59,11 +59,6 @@ class TrainerSettings(BaseSettings):
     reject_weight: float = Field(0.1, description="Weight of the rejected-token (unlikelihood) term.")
     ce_weight: float = Field(0.0, description="Weight of the optional next-token CE.")
     lr: float = Field(1e-3, description="AdamW learning rate.")
-    offline_lr_schedule: Literal["constant", "cosine"] = Field(
-        "constant", description="`specloop train --offline/--corpus/--requests`: the learning rate over "
-        "its --steps: constant, or cosine (a linear warm-up over offline_warmup_steps, then down to a "
-        "tenth). Online rounds always train at lr.")
-    offline_warmup_steps: int = Field(20, ge=0, description="Warm-up steps of the cosine offline schedule.")
     weight_decay: float = Field(0.01, description="AdamW weight decay.")
     batch_traces: int = Field(8, description="Traces per training step.")
     max_len: int = Field(512, description="Left-truncate training sequences to this many tokens.")

@@ -29,24 +29,7 @@ from trainer.replay import ReplayBuffer
 from trainer.students import RowBatch
 
 LossKind = Literal["fkl", "rkl", "jsd", "tvd"]
-LrSchedule = Literal["constant", "cosine"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
-
-
-def lr_factor(schedule: LrSchedule, step: int, total: int, warmup: int = 0, floor: float = 0.1) -> float:
-    """The multiple of the base learning rate for step ``step`` (0-based) of a run of ``total``:
-    1 throughout for ``constant`` (online rounds: a few steps each, on traffic that keeps coming);
-    for ``cosine`` (an offline run of known length), a linear warm-up over ``warmup`` steps, then
-    half a cosine from 1 down to ``floor`` at the last step."""
-    if schedule == "constant":
-        return 1.0
-    if schedule != "cosine":
-        raise ValueError(f"lr schedule must be constant or cosine, not {schedule!r}")
-    if step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup - 1)
-    progress = min(1.0, (step - warmup) / span)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def autocast_bf16(precision: Precision, device: torch.device) -> bool:
@@ -168,13 +151,10 @@ class Distiller:
         s = score(self.student, heldout, GateConfig(k=k, hybrid=False), None)
         return {"expected_acceptance": s.expected_acceptance, "sim_accept_len": s.sim_accept_len}
 
-    def fit(self, replay: ReplayBuffer, max_steps: int, k: int = 4, should_stop=None,
-            schedule: LrSchedule = "constant", warmup: int = 0) -> FitResult:
+    def fit(self, replay: ReplayBuffer, max_steps: int, k: int = 4, should_stop=None) -> FitResult:
         """Train up to ``max_steps``, evaluating every ``eval_every``; restore the best weights.
 
         ``should_stop()`` (optional) is polled between steps (serving saturated, shutdown).
-        ``schedule``/``warmup``: the learning rate over these ``max_steps`` (``lr_factor``); it is
-        the configured one again afterwards.
         """
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -188,7 +168,6 @@ class Distiller:
         for i in range(max_steps):
             if should_stop is not None and should_stop():
                 break
-            self._set_lr(cfg.lr * lr_factor(schedule, i, max_steps, warmup))
             ts = time.perf_counter()
             parts = self.step(replay.sample(cfg.batch_traces, self.rng))
             res.train_seconds += time.perf_counter() - ts
@@ -199,7 +178,7 @@ class Distiller:
             if heldout and ((i + 1) % cfg.eval_every == 0 or i + 1 == max_steps):
                 ev = self.evaluate(heldout, k)
                 res.curve.append({"step": self.global_step, "tokens_seen": replay.tokens_seen,
-                                  "loss": parts["loss"], "lr": self.optimizer.param_groups[0]["lr"], **ev})
+                                  "loss": parts["loss"], **ev})
                 if ev["expected_acceptance"] > best:
                     best, bad = ev["expected_acceptance"], 0
                     best_state = self._trainable_state()
@@ -209,16 +188,11 @@ class Distiller:
                     if bad >= cfg.patience:
                         res.stopped_early = True
                         break
-        self._set_lr(cfg.lr)
         if heldout:
             self.student.load_trainable(best_state)
         res.best_acceptance = best
         res.seconds = time.perf_counter() - t0
         return res
-
-    def _set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
         """Copies of the parameters training changes (a drafter sharing the target's frozen layers

@@ -155,9 +155,8 @@ def hf_generator(model, tokenizer, fingerprint: TargetFingerprint) -> ResponseGe
 
 def train_offline(student, records: list[TraceRecord], fingerprint: TargetFingerprint, *,
                   heldout_fraction: float = 0.15, max_steps: int = 400, k: int = 4, distill=None,
-                  seed: int = 0, lr_schedule: str = "constant", warmup_steps: int = 0) -> dict:
-    """Distil ``student`` on ``records`` (a held-out share picks the best weights, as online), the
-    learning rate over the ``max_steps`` as ``lr_schedule`` says (trainer/distill.py ``lr_factor``)."""
+                  seed: int = 0) -> dict:
+    """Distil ``student`` on ``records`` (a held-out share picks the best weights, as online)."""
     from trainer.distill import DistillConfig, Distiller
     from trainer.replay import ReplayBuffer
 
@@ -168,11 +167,10 @@ def train_offline(student, records: list[TraceRecord], fingerprint: TargetFinger
     for i, idx in enumerate(order):
         replay.add(records[idx], heldout=i < n_held)
     t0 = time.perf_counter()
-    res = Distiller(student, distill or DistillConfig()).fit(replay, max_steps, k=k, schedule=lr_schedule,
-                                                           warmup=warmup_steps)
+    res = Distiller(student, distill or DistillConfig()).fit(replay, max_steps, k=k)
     return {"traces": len(records), "heldout_traces": n_held, "train_steps": res.steps,
             "best_step": res.best_step, "heldout_acceptance": res.best_acceptance,
-            "stopped_early": res.stopped_early, "lr_schedule": lr_schedule, "train_s": time.perf_counter() - t0}
+            "stopped_early": res.stopped_early, "train_s": time.perf_counter() - t0}
 
 
 def _cached(cache_dir: str | Path | None, name: str, key: bytes, make) -> list[TraceRecord]:

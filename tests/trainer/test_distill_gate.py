@@ -1,6 +1,5 @@
 import copy
 import dataclasses
-import itertools
 import math
 
 import numpy as np
@@ -9,7 +8,7 @@ import torch
 from trainer_tracegen import make_trace, tiny_lm
 
 from kernels.cpu import native_bf16
-from trainer.distill import DistillConfig, Distiller, autocast_bf16, lr_factor
+from trainer.distill import DistillConfig, Distiller, autocast_bf16
 from trainer.gate import GateConfig, build_suffix_index, judge, loss_healthy, score
 from trainer.students import StandaloneStudent
 
@@ -150,23 +149,3 @@ def test_training_precision_is_bf16_only_where_native_or_asked():
     assert autocast_bf16("auto", cpu) == native_bf16()
     with pytest.raises(ValueError, match="precision"):
         autocast_bf16("fp16", cpu)
-
-
-def test_cosine_schedule_warms_up_then_decays_to_its_floor():
-    factors = [lr_factor("cosine", i, 100, warmup=10) for i in range(100)]
-    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)  # linear warm-up
-    decay = factors[10:]
-    assert all(a >= b for a, b in itertools.pairwise(decay)) and decay[-1] == pytest.approx(0.1)
-    assert [lr_factor("constant", i, 100, warmup=10) for i in (0, 50, 99)] == [1.0, 1.0, 1.0]
-    with pytest.raises(ValueError, match="schedule"):
-        lr_factor("linear", 0, 100)
-
-
-def test_a_scheduled_fit_trains_at_the_scheduled_rates_and_leaves_the_configured_one(domain_a_replay):
-    d = Distiller(StandaloneStudent(tiny_lm(seed=1)), DistillConfig(lr=3e-3, eval_every=10, patience=10))
-    before = d.evaluate(domain_a_replay.heldout, 3)["expected_acceptance"]
-    res = d.fit(domain_a_replay, 30, k=3, schedule="cosine", warmup=5)
-    assert res.best_acceptance > before + 0.05
-    rates = [c["lr"] for c in res.curve[1:]]  # at steps 10, 20, 30: falling, the last at the floor
-    assert rates[0] > rates[1] > rates[2] == pytest.approx(3e-4)
-    assert d.optimizer.param_groups[0]["lr"] == 3e-3  # online rounds after it train at lr
