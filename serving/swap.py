@@ -119,7 +119,7 @@ class Swapper:
         metrics_registry: CollectorRegistry | None = None,
         version: str | None = None,
     ):
-        self.engine, self.loader, self.live = engine, loader, live
+        self.engine, self.live = engine, live
         self.registry, self.control = registry, control
         self.config = config or SwapConfig()
         self._c = collectors(metrics_registry if metrics_registry is not None else REGISTRY)
@@ -179,6 +179,11 @@ class Swapper:
         return self._subscription is not None and self._subscription.wait_subscribed(timeout)
 
     # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def loader(self) -> ArtifactDrafterLoader:
+        """What turns a downloaded artifact into a drafter (the fetch's)."""
+        return self.fetch.loader
 
     @property
     def version(self) -> str:
