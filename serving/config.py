@@ -163,13 +163,14 @@ class ServingSettings(EngineChoice):
         "`change-me`, the `mlflow` database password) that are refused otherwise.",
     )
     swap_watch_steps: int = Field(
-        64, ge=1, description="Verify steps a freshly swapped drafter is watched at least before it is "
-        "kept or rolled back."
+        64, ge=1, description="Verify steps with learned drafts a freshly swapped drafter is watched "
+        "at least before it is kept or rolled back."
     )
     rollback_floor_ratio: float = Field(
-        0.8, gt=0.0, description="Roll back when the new drafter's live tokens per verify step fall "
-        "below this fraction of the previous drafter's (means over their steps, decided once the "
-        "difference is beyond 2 standard errors or after 8 x swap_watch_steps).",
+        0.8, gt=0.0, description="Roll back when the new drafter's live accept length at its learned "
+        "drafts' rows falls below this fraction of the previous drafter's (means over their steps, "
+        "decided once the difference is beyond 2 standard errors or after 8 x swap_watch_steps; "
+        "rows the suffix index drafted are not read: a swap keeps the index).",
     )
     swap_poll_interval_s: float = Field(
         30.0, description="Polling of the MLflow champion alias, the fallback to Redis "

@@ -17,6 +17,14 @@ the goodput policy decided as plain decoding says nothing about a drafter's acce
 as 1.0 tokens, they let the policy's state judge the drafter: a successor the policy had turned
 off read exactly 1.000 over 32 steps, a zero-variance window the judge took for certainty, and
 three promotions of a 200-request stream were rolled back so.
+
+Of those rows it reads the ones a swap changes: rows drafted by a learned drafter (``JUDGED``),
+not by the suffix index. A swap replaces a hybrid's learned half and keeps its suffix index, so the
+suffix rows' accept length says how repetitive the requests are, not how good the version is; and
+a better learned half drafts more rows at a learned draft's accept length (~1.2-1.4 here, against
+the suffix index's ~2 on code), which lowers the mean over all drafting rows even as it adds
+tokens. A demo so rolled back its first promotion ("live accept length 1.400 below floor 1.819"),
+after which the restored drafter read the same tokens per verify as the rolled-back one.
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
+from feedback.bus.trace import DrafterKind
 from serving.engine.base import VerifyBatch
 from serving.observers import BaseObserver
 
@@ -84,6 +94,9 @@ def collectors(registry: CollectorRegistry) -> Collectors:
 RECENT_STEPS = 256
 """Per-step values kept per version: the baseline a successor is judged against."""
 
+NOT_JUDGED = np.array([DrafterKind.NONE, DrafterKind.SUFFIX], dtype=np.uint8)
+"""Row sources the judge does not read: no draft, or the suffix index (which a swap keeps)."""
+
 
 @dataclass
 class VersionStats:
@@ -95,11 +108,12 @@ class VersionStats:
     unflushed: tuple[int, int, int] = (0, 0, 0)
     """drafted, accepted, rows not yet reported to the control plane."""
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS), repr=False)
-    """The last RECENT_STEPS drafting steps' accept lengths (live only; snapshots leave it empty)."""
+    """The last RECENT_STEPS judged steps' accept lengths at their learned-draft rows (live only;
+    snapshots leave it empty)."""
     last: float | None = None
     """The latest step's tokens per row."""
     last_drafted: float | None = None
-    """The latest step's accept length over its rows that drafted (None: it drafted nothing)."""
+    """The latest step's accept length over its rows drafted by a learned drafter (None: none)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -129,8 +143,9 @@ class LiveAcceptance(BaseObserver):
         drafted = int(batch.num_drafted.sum())
         accepted = int(batch.num_accepted.sum())
         value = (accepted + rows) / rows
-        drafting = int((batch.num_drafted > 0).sum())
-        judged = 1.0 + accepted / drafting if drafting else None  # rows that drafted: what the judge reads
+        rows_judged = (batch.num_drafted > 0) & ~np.isin(batch.source, NOT_JUDGED)  # [B] learned drafts
+        n_judged = int(rows_judged.sum())
+        judged = 1.0 + int(batch.num_accepted[rows_judged].sum()) / n_judged if n_judged else None
         version = batch.drafter_version
         with self._lock:
             s = self._stats.setdefault(version, VersionStats())
@@ -157,7 +172,7 @@ class LiveAcceptance(BaseObserver):
             return s.snapshot() if s else VersionStats()
 
     def recent(self, version: str) -> list[float]:
-        """The version's last RECENT_STEPS drafting steps' accept lengths, oldest first."""
+        """The version's last RECENT_STEPS judged steps' accept lengths, oldest first."""
         with self._lock:
             s = self._stats.get(version)
             return list(s.recent) if s else []
@@ -180,7 +195,7 @@ class LiveAcceptance(BaseObserver):
 class Verdict:
     rollback: bool
     live: float
-    """Mean accept length of the watched version's drafting steps (at their drafting rows)."""
+    """Mean accept length of the watched version's learned-draft steps (at those rows)."""
     baseline: float
     """The predecessor's mean over its last steps before the swap."""
     floor: float
@@ -192,15 +207,15 @@ class Verdict:
     conclusive: bool
     """False when the watch ran out (max_steps) before the difference was beyond z errors."""
     judged: bool = True
-    """False when the watch ran out with too few drafting steps to judge (the version is kept)."""
+    """False when the watch ran out with too few learned-draft steps to judge (the version is kept)."""
 
     def describe(self) -> str:
         if not self.judged:
-            return f"live accept length {self.live:.3f} over {self.steps} drafting steps: too few to judge, kept"
+            return f"live accept length {self.live:.3f} over {self.steps} learned-draft steps: too few to judge, kept"
         side = "below" if self.rollback else "not below"
         how = "" if self.conclusive else ", inconclusive at the end of the watch"
         return (f"live accept length {self.live:.3f} {side} floor {self.floor:.3f} "
-                f"(+-{self.stderr:.3f}) after {self.steps} drafting steps{how}")
+                f"(+-{self.stderr:.3f}) after {self.steps} learned-draft steps{how}")
 
 
 def block_means(values: Sequence[float], block: int) -> list[float]:

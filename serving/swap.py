@@ -10,8 +10,9 @@ given) tracks each version's live acceptance.
 Live acceptance = mean tokens emitted per verify step and row (accepted drafts + 1), per drafter
 version (serving/live_acceptance.py); its EMA is the ``/metrics`` gauge and the MLflow
 ``live_acceptance`` metric. After a swap the new version is watched: from ``watch_steps`` verify
-steps that drafted on, ``RollbackJudge`` compares their mean accept length with ``floor_ratio`` x
-that of the previous version's last drafting steps, and decides once the difference is beyond
+steps with learned drafts on, ``RollbackJudge`` compares their mean accept length at those rows
+with ``floor_ratio`` x that of the previous version's last such steps (suffix-index rows are not
+read: a swap keeps the index), and decides once the difference is beyond
 ``rollback_z`` standard errors (or at ``max_watch_steps``). On a rollback the Swapper swaps the
 previous drafter back, moves the alias back, announces the rollback on Redis, counts it and tags
 the version in MLflow.
@@ -59,9 +60,10 @@ log = logging.getLogger(__name__)
 class SwapConfig:
     tenant: str = "default"
     watch_steps: int = 64
-    """Drafting verify steps of a new version watched before it can be kept (or rolled back)."""
+    """Verify steps with learned drafts of a new version watched before it can be kept (or rolled
+    back)."""
     floor_ratio: float = 0.8
-    """Roll back when the new version's mean accept length over its drafting steps < floor_ratio x
+    """Roll back when the new version's mean accept length at its learned-draft rows < floor_ratio x
     the previous one's."""
     max_watch_steps: int | None = None
     """Steps of the new version (drafting or not) after which the watch decides on the means even
@@ -87,9 +89,9 @@ class SwapConfig:
 class _Watch:
     version: str
     baseline: list[float]
-    """The previous version's last drafting steps' accept lengths, at the swap."""
+    """The previous version's last learned-draft steps' accept lengths, at the swap."""
     live: list[float] = field(default_factory=list)
-    """Its drafting steps' accept lengths since the swap."""
+    """Its learned-draft steps' accept lengths since the swap."""
     steps: int = 0
     """Its steps since the swap, drafting or not."""
     done: bool = False

@@ -95,23 +95,70 @@ def test_steps_that_drafted_nothing_do_not_judge_a_version():
     assert v is not None and v.rollback and v.conclusive and v.steps == 32 and v.judged
 
 
-def test_live_acceptance_keeps_the_drafting_rows_accept_length_for_the_judge():
+def _live_step(live, drafted, accepted, source, version="v"):
     from types import SimpleNamespace
 
     import numpy as np
+
+    live.on_step(SimpleNamespace(request_ids=[f"r{i}" for i in range(len(drafted))], drafter_version=version,
+                                 num_drafted=np.array(drafted), num_accepted=np.array(accepted),
+                                 source=np.array(source, dtype=np.uint8)))
+
+
+def test_live_acceptance_keeps_the_learned_rows_accept_length_for_the_judge():
     from prometheus_client import CollectorRegistry
 
+    from feedback.bus.trace import DrafterKind
     from serving.live_acceptance import LiveAcceptance
 
+    none, suffix, learned = DrafterKind.NONE, DrafterKind.SUFFIX, DrafterKind.SELFSPEC
     live = LiveAcceptance(registry=CollectorRegistry())
-
-    def step(drafted, accepted):
-        live.on_step(SimpleNamespace(request_ids=[f"r{i}" for i in range(len(drafted))], drafter_version="v",
-                                     num_drafted=np.array(drafted), num_accepted=np.array(accepted)))
-
-    step([0, 0], [0, 0])  # plain decoding: the gauge sees it, the judge does not
-    step([2, 0], [2, 0])  # one row drafted and kept both tokens: 3.0 at that row
-    step([1, 1], [0, 1])
+    _live_step(live, [0, 0], [0, 0], [none, none])  # plain decoding: the gauge sees it, the judge does not
+    _live_step(live, [2, 0], [2, 0], [learned, none])  # one row drafted and kept both tokens: 3.0 at that row
+    _live_step(live, [1, 1], [0, 1], [learned, learned])
+    _live_step(live, [4, 1], [4, 0], [suffix, learned])  # the suffix row is not the version's: 1.0
+    _live_step(live, [4, 0], [3, 0], [suffix, none])  # only the suffix index drafted: not judged
     stats = live.get("v")
-    assert stats.steps == 3 and stats.last == pytest.approx(1.5) and stats.last_drafted == pytest.approx(1.5)
-    assert live.recent("v") == [pytest.approx(3.0), pytest.approx(1.5)]
+    assert stats.steps == 5 and stats.last == pytest.approx(2.5) and stats.last_drafted is None
+    assert live.recent("v") == [pytest.approx(3.0), pytest.approx(1.5), pytest.approx(1.0)]
+    assert stats.accepted == 10 and stats.drafted == 13  # the gauges and counts see every row
+
+
+def test_a_hybrid_whose_learned_half_drafts_more_is_judged_on_its_learned_rows():
+    """The demo's false rollback, replayed: before the swap the suffix index drafts most rows (~2.3
+    tokens each on repetitive code) and the old learned half a few (1.5); after it the requests are
+    less repetitive (suffix rows ~1.3) and the new learned half, better (1.6), drafts more rows. The
+    mean over all drafting rows fell below 0.8 x the old one (a rollback, though the version only
+    added tokens); the learned rows rose, so the version is kept. A learned half that turned worse
+    is still rolled back."""
+    from prometheus_client import CollectorRegistry
+
+    from feedback.bus.trace import DrafterKind
+    from serving.live_acceptance import LiveAcceptance
+
+    suffix, learned = DrafterKind.SUFFIX, DrafterKind.SELFSPEC
+    rng = random.Random(11)
+    judge = RollbackJudge(floor_ratio=0.8, min_steps=64, max_steps=512)
+
+    def serve(live, version, steps, suffix_mean, learned_mean, learned_share):
+        all_rows = []
+        for _ in range(steps):
+            if rng.random() < learned_share:
+                src, mean = learned, learned_mean
+            else:
+                src, mean = suffix, suffix_mean
+            acc = sum(rng.random() < (mean - 1) / 4 for _ in range(4))  # of 4 drafts, mean - 1 on average
+            _live_step(live, [4], [acc], [src], version)
+            all_rows.append(1.0 + acc)
+        return all_rows
+
+    for new_learned, rolled_back in ((1.6, False), (1.05, True)):
+        live = LiveAcceptance(registry=CollectorRegistry())
+        before_all = serve(live, "old", 256, suffix_mean=2.3, learned_mean=1.5, learned_share=0.3)
+        baseline = live.recent("old")
+        after_all = serve(live, "new", 512, suffix_mean=1.3, learned_mean=new_learned, learned_share=0.6)
+        if not rolled_back:  # the old judge's reading: every drafting row, suffix ones included
+            v_all = judge.verdict(before_all, after_all, steps=512)
+            assert v_all is not None and v_all.rollback
+        v = judge.verdict(baseline, live.recent("new"), steps=512)
+        assert v is not None and v.rollback is rolled_back, v.describe()
