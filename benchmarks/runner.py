@@ -80,6 +80,15 @@ class StepTimer(BaseObserver):
                 seconds += self.stamps[i] - self.stamps[i - 1]
         return (tokens / seconds, seconds) if seconds > 0 else None
 
+    def between_steps_s(self) -> float:
+        """Seconds between the steps (each step's period less its draft and verify), summed over
+        the timed intervals: admissions with their prefills, streaming and bookkeeping."""
+        gap = 0.0
+        for i in range(1, len(self.stamps)):
+            if not self.opens[i]:
+                gap += self.stamps[i] - self.stamps[i - 1] - (self.draft_ms[i] + self.verify_ms[i]) / 1e3
+        return gap
+
     def plain_step_ms(self, rows: int) -> float | None:
         """Median verify ms of the steps of ``rows`` rows that drafted nothing: the same work in
         two engines, so a gap between them is the machine's drift, not speculation."""

@@ -43,7 +43,7 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
     # run many steps with both rows (2 prompts of 10 tokens could, when the second request was
     # admitted late, leave the speculative engine no full-batch step to time)
     out = asyncio.run(bench_spec_async(items, drafter_kind="suffix", limit=4, warm=1, max_tokens=16, k=4,
-                                       policy="adaptive", target=target, batches=(1, 2), batch_repeats=1))
+                                       policy="adaptive", target=target, batches=(1, 2), batch_repeats=2))
     assert out["tree"] is True and out["lossless"] is True
     assert set(out["by_batch"]) == {"1", "2"}
     for entry in out["by_batch"].values():
@@ -58,6 +58,12 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
             assert abs(entry["speedup_at_equal_plain_step"] - expected) <= expected * rounding + 1e-4
         full = entry["speedup_at_full_batch"]  # the ratio over the steps that ran all b rows
         assert full is not None and full > 0 and entry["never_slower_at_full_batch"] == (full >= 0.97)
+        rounds = entry["round_speedups"]  # one ratio per ABBA round; equal tokens in both runs of a
+        assert len(rounds) == 2  # round (lossless), so the pooled ratio is a mean of the two
+        assert min(rounds) - 1e-3 <= entry["speedup"] <= max(rounds) + 1e-3
+        assert entry["speedup_median_round"] == pytest.approx(sum(rounds) / 2, abs=1e-3)
+        assert entry["never_slower_median_round"] == (entry["speedup_median_round"] >= 0.97)
+        assert all(s >= 0 for s in entry["between_steps_s"].values())
         for share in entry["tail_time_fraction"].values():
             assert share is None or 0.0 <= share <= 1.0
     assert out["by_batch"]["1"]["tail_time_fraction"] == {"target_only": 0.0, "speculative": 0.0}
