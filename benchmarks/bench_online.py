@@ -19,6 +19,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 import uuid
 
 import typer
@@ -182,6 +183,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS, static: s
     by_drafter = {}
     for kind in kinds:
         log.info("bench online: the %s drafter, each request also target-only", kind)
+        started = time.perf_counter()
         base = await target_only_loop(target, stream, cfg.max_tokens)
         try:
             loop, frozen = await adapted_and_frozen(target, stack, stream,
@@ -197,6 +199,9 @@ async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS, static: s
         by_drafter[kind]["static_baseline"] = static if kind != "suffix" else "snapshot"
         by_drafter[kind]["target_only_tok_s"] = tok_s(baseline)
         by_drafter[kind].update(trainer_figures(loop))
+        # the kind's whole share of the run: its stream and the paired target-only requests, the
+        # offline static baseline's training, the frozen drafter's replay
+        by_drafter[kind]["wall_s"] = round(time.perf_counter() - started, 1)
     head = dict(by_drafter.get("hybrid") or next(iter(by_drafter.values())))
     learned = by_drafter.get("standalone")
     head["learned_only_speedup_after_shift"] = learned.get("speedup_after_shift") if learned else None
@@ -237,8 +242,10 @@ def bench_online(
     with tempfile.TemporaryDirectory(prefix="specloop-bench-online-") as tmp:
         stack = build_stack(load_settings(), tmp)
         try:
+            started = time.perf_counter()
             info = stack.up()
             out = asyncio.run(run_all(target, info, stream, cfg, tuple(drafter), static))
+            out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
         finally:
             stack.down()
     print(json.dumps(out, indent=None if json_out else 2, default=float))
