@@ -66,11 +66,12 @@ async def serve_stream(loop: OnlineLoop, items, start: int, on_point=None, paire
 
 
 async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None, static: str = "offline",
-                             paired: OnlineLoop | None = None):
+                             paired: OnlineLoop | None = None, fits: StaticFits | None = None):
     """The loop over the stream (snapshot at the shift), then the static drafter after the shift:
     ``offline``: the same kind trained offline on the target's pre-shift responses
-    (``static_drafter``); ``snapshot``: the loop's own drafter frozen at the shift. ``paired``: a
-    target-only loop that serves each request beside the loop's (``serve_stream``)."""
+    (``static_drafter``, trained once per ``fits``); ``snapshot``: the loop's own drafter frozen at
+    the shift. ``paired``: a target-only loop that serves each request beside the loop's
+    (``serve_stream``)."""
     shift = shift_index([d for _, d in stream])
     loop = OnlineLoop(target, stack, cfg, tag=uuid.uuid4().hex[:8])
     await loop.start()
@@ -82,7 +83,7 @@ async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=No
         await loop.stop()
     frozen_cfg = LoopConfig(**{**cfg.__dict__, "train": False})
     if static == "offline" and cfg.drafter != "suffix":
-        fixed, loop.static_fit = static_drafter(target, loop, cfg)
+        fixed, loop.static_fit = static_drafter(target, loop, cfg, fits=fits)
     else:
         fixed = loop.frozen_drafter()
     frozen = OnlineLoop(target, None, frozen_cfg, tag=loop.tag, drafter=fixed)
@@ -94,29 +95,74 @@ async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=No
     return loop, frozen_points
 
 
-def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
+class StaticFits:
+    """The offline static baselines of one run, by what they are trained from: the hybrid and the
+    learned-only kinds share one learned student, the same start and the same (greedy, lossless)
+    pre-shift responses, so the second kind loads the first one's artifact instead of repeating
+    its minute of training. The artifacts live in ``directory``."""
+
+    def __init__(self, directory):
+        from pathlib import Path
+
+        self.directory = Path(directory)
+        self._done: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def key(cfg: LoopConfig, pre, steps: int) -> tuple:
+        recipe = (cfg.day0_init, cfg.day0_artifact, cfg.selfspec_exit_layer, cfg.selfspec_adapter_layers,
+                  cfg.draft_vocab_size, cfg.k, cfg.batch_traces, steps)
+        return recipe + (tuple((tuple(p), tuple(o)) for p, o in pre),)
+
+    def get_or_fit(self, key: tuple, fit) -> tuple:
+        """(artifact directory, fit figures) for ``key``: an earlier fit's (figures marked
+        ``reused``), or ``fit(directory)``'s, which saves the artifact there."""
+        done = self._done.get(key)
+        if done is not None:
+            return done[0], {**done[1], "reused": True}
+        path = self.directory / f"static-{len(self._done)}"
+        figures = fit(path)
+        self._done[key] = (path, figures)
+        return path, figures
+
+
+def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200, fits: StaticFits | None = None):
     """The well-trained static baseline a user would deploy: the loop's learned kind, distilled
     offline (trainer/offline.py, the online trainer's Distiller) from the target's own greedy
     responses to the pre-shift prompts (the loop served them losslessly, so they are reused rather
     than generated again), loaded through an artifact as a swap would; for the hybrid, joined to a
-    suffix index of the pre-shift outputs. Neither learns any more."""
+    suffix index of the pre-shift outputs. Neither learns any more. With ``fits``, a student
+    already trained from the same start on the same responses is loaded instead of trained again."""
     import tempfile
-    from pathlib import Path
 
+    from infra.day0 import FrozenDrafter, learned_kind
+    from serving.drafters.factory import build_drafter
+
+    pre = loop.served[: loop.snapshot_at]
+    kind = learned_kind(cfg)
+    vocab = {"draft_vocab_size": cfg.draft_vocab_size}
+    with tempfile.TemporaryDirectory(prefix="specloop-static-") as tmp:
+        artifact, fit = (fits or StaticFits(tmp)).get_or_fit(
+            StaticFits.key(cfg, pre, steps), lambda path: _fit_static(target, pre, cfg, steps, path))
+        if cfg.drafter == "hybrid":
+            suffix = build_drafter("suffix", target)
+            for prompt, output in pre:
+                suffix.observe(loop.tenant, output, prompt_ids=prompt)
+            drafter = build_drafter("hybrid", target, artifact, learned=kind, learned_options=vocab,
+                                    suffix=suffix)
+        else:
+            drafter = build_drafter(kind, target, artifact, **vocab)
+    return FrozenDrafter(drafter), fit
+
+
+def _fit_static(target, pre, cfg: LoopConfig, steps: int, artifact) -> dict:
+    """Distil the loop's learned kind from the pre-shift responses; save it to ``artifact``."""
     from feedback.drafters.standalone_lm import StandaloneConfig
     from feedback.registry.artifact import save_drafter
-    from infra.day0 import (
-        FrozenDrafter,
-        learned_kind,
-        make_selfspec_student,
-        make_student,
-    )
-    from serving.drafters.factory import build_drafter
+    from infra.day0 import make_selfspec_student, make_student
     from trainer.distill import DistillConfig
     from trainer.export import student_draft_vocab
     from trainer.offline import teacher_trace, train_offline
 
-    pre = loop.served[: loop.snapshot_at]
     records = [teacher_trace(target.model, target.fingerprint, list(p), list(o), domain="pre-shift")
                for p, o in pre if o]
     if cfg.day0_init == "selfspec" or cfg.day0_artifact:  # the same start as the loop's student
@@ -128,20 +174,9 @@ def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200):
                         distill=DistillConfig(lr=3e-3, batch_traces=cfg.batch_traces))
     target.model.eval()  # a selfspec student shares the target's first layers; training flagged them
     config = getattr(student, "config", None) or StandaloneConfig.for_target(target.model.config)
-    kind = learned_kind(cfg)
-    vocab = {"draft_vocab_size": cfg.draft_vocab_size}
-    with tempfile.TemporaryDirectory(prefix="specloop-static-") as tmp:
-        save_drafter(student.model, config, target.fingerprint, Path(tmp) / "a", version="static",
-                     draft_vocab=student_draft_vocab(student))
-        if cfg.drafter == "hybrid":
-            suffix = build_drafter("suffix", target)
-            for prompt, output in pre:
-                suffix.observe(loop.tenant, output, prompt_ids=prompt)
-            drafter = build_drafter("hybrid", target, Path(tmp) / "a", learned=kind, learned_options=vocab,
-                                    suffix=suffix)
-        else:
-            drafter = build_drafter(kind, target, Path(tmp) / "a", **vocab)
-    return FrozenDrafter(drafter), fit
+    save_drafter(student.model, config, target.fingerprint, artifact, version="static",
+                 draft_vocab=student_draft_vocab(student))
+    return fit
 
 
 def learned_model(drafter):
@@ -176,11 +211,15 @@ def heldout_acceptance(loop: OnlineLoop, drafter=None) -> dict:
     return {d: h / n for d, (h, n) in hits.items() if n}
 
 
-async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS, static: str = "offline") -> dict:
+async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds=KINDS,
+                  static: str = "offline") -> dict:
+    """Every kind's loop, paired target-only run and static baseline; the offline static students
+    are saved under ``static_dir``, trained once per recipe (``StaticFits``)."""
     from infra.loop_metrics import tok_s
 
     shift = shift_index([d for _, d in stream])
     by_drafter = {}
+    fits = StaticFits(static_dir)
     for kind in kinds:
         log.info("bench online: the %s drafter, each request also target-only", kind)
         started = time.perf_counter()
@@ -188,7 +227,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, kinds=KINDS, static: s
         try:
             loop, frozen = await adapted_and_frozen(target, stack, stream,
                                                     LoopConfig(**{**cfg.__dict__, "drafter": kind}),
-                                                    static=static, paired=base)
+                                                    static=static, paired=base, fits=fits)
         finally:
             await base.stop()
         baseline = base.points
@@ -244,7 +283,7 @@ def bench_online(
         try:
             started = time.perf_counter()
             info = stack.up()
-            out = asyncio.run(run_all(target, info, stream, cfg, tuple(drafter), static))
+            out = asyncio.run(run_all(target, info, stream, cfg, f"{tmp}/static", tuple(drafter), static))
             out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
         finally:
             stack.down()

@@ -65,3 +65,36 @@ def test_static_drafter_is_the_same_kind_trained_on_pre_shift_outputs(kind, targ
     # the target itself as the "learned" model accepts (almost) every held-out token
     oracle = SimpleNamespace(model=target.model, net=SimpleNamespace(vocab_map=None))
     assert heldout_acceptance(loop, drafter=oracle)["chat"] >= 0.95
+
+
+def test_the_hybrid_and_the_learned_only_kind_share_one_static_fit(target, tmp_path):
+    """Both kinds' static baselines are the same student trained from the same start on the same
+    pre-shift responses: the second kind loads the first one's artifact instead of training again."""
+    from benchmarks.bench_online import StaticFits
+
+    cfg = LoopConfig(drafter="standalone", train=False, k=3, max_tokens=10, day0_init="selfspec",
+                     draft_vocab_size=128, selfspec_exit_layer=1)
+    loop = OnlineLoop(target, None, cfg)
+
+    async def run():
+        await loop.start()
+        try:
+            await serve_stream(loop, stream(6, "chat", 1), 0)
+            loop.snapshot()
+        finally:
+            await loop.stop()
+
+    asyncio.run(run())
+    fits = StaticFits(tmp_path)
+    alone, fit = static_drafter(target, loop, cfg, steps=4, fits=fits)
+    hybrid_cfg = LoopConfig(**{**cfg.__dict__, "drafter": "hybrid"})
+    hybrid, again = static_drafter(target, loop, hybrid_cfg, steps=4, fits=fits)
+    assert "reused" not in fit and again["reused"] is True
+    assert again["best_step"] == fit["best_step"] and again["heldout_acceptance"] == fit["heldout_acceptance"]
+    learned = hybrid.inner.learned
+    for a, b in zip(alone.inner.model.parameters(), learned.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # another recipe (more steps) is trained anew
+    _, other = static_drafter(target, loop, cfg, steps=5, fits=fits)
+    assert "reused" not in other
+    assert len(list(tmp_path.iterdir())) == 2
