@@ -335,7 +335,7 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
             # the same comparison round by round: each round's two runs are seconds apart, and the
             # median is not moved by one round that a slow spell of this VM fell on (the pooled
             # ratio above weighs that round by its length: at batch 8, where the policy keeps
-            # speculation off, rounds of the same work read 0.93-1.26 in one run)
+            # speculation off, rounds of the same work read 0.96-1.26 in one run)
             "round_speedups": [round(r, 3) for r in rounds],
             "speedup_median_round": _round(median_round, 4),
             "never_slower_median_round": None if median_round is None else median_round >= 0.97,

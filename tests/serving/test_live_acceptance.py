@@ -125,12 +125,14 @@ def test_live_acceptance_keeps_the_learned_rows_accept_length_for_the_judge():
 
 
 def test_a_hybrid_whose_learned_half_drafts_more_is_judged_on_its_learned_rows():
-    """The demo's false rollback, replayed: before the swap the suffix index drafts most rows (~2.3
-    tokens each on repetitive code) and the old learned half a few (1.5); after it the requests are
-    less repetitive (suffix rows ~1.3) and the new learned half, better (1.6), drafts more rows. The
-    mean over all drafting rows fell below 0.8 x the old one (a rollback, though the version only
-    added tokens); the learned rows rose, so the version is kept. A learned half that turned worse
-    is still rolled back."""
+    """The demo's false rollback, in a refresh: before the swap the suffix index drafts most rows
+    (~2.3 tokens each on repetitive code) and the old learned half a few (1.5); after it the
+    requests are less repetitive (suffix rows ~1.3) and the new learned half, better (1.6), drafts
+    twice as many rows. The mean over all drafting rows fell below 0.8 x the old one (a rollback,
+    though the version only added tokens); the learned rows rose, so the version is kept. A
+    learned half that turned worse is still rolled back. (The demo's own case was a first
+    promotion: day 0's hybrid is the suffix index alone, no learned rows to compare with, kept as
+    ``test_without_a_baseline_the_version_is_kept``.)"""
     from prometheus_client import CollectorRegistry
 
     from feedback.bus.trace import DrafterKind
