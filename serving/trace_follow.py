@@ -16,21 +16,12 @@ import threading
 from prometheus_client import Counter
 
 from feedback.background.supervise import SupervisedThread
+from serving.drafters.suffix import suffix_part
 
 log = logging.getLogger(__name__)
 
 FOLLOWED = Counter("specloop_traces_followed", "Trace records read from the topic by this replica: "
                    "indexed into its suffix index, or skipped (no suffix drafter live).", ["result"])
-
-
-def suffix_part(drafter):
-    """The drafter's suffix index holder (SuffixDrafter or a hybrid's suffix half), or None."""
-    if drafter is None:
-        return None
-    if callable(getattr(drafter, "observe_trace", None)):
-        return drafter
-    inner = getattr(drafter, "suffix", None)
-    return inner if callable(getattr(inner, "observe_trace", None)) else None
 
 
 class TraceFollower:

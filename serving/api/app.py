@@ -42,7 +42,7 @@ def create_app(
         reporter = LoadReporter(engine, build_control_plane(settings), replica,
                                 every_s=settings.heartbeat_s)
 
-    from serving.trace_follow import suffix_part
+    from serving.drafters.suffix import suffix_part
 
     follower = None
     # Replicas share what they learn through their suffix indexes. The served kind decides for

@@ -164,3 +164,14 @@ class SuffixDrafter:
                 return req
         self.add_request(view)
         return self._requests[view.request_id]
+
+
+def suffix_part(drafter):
+    """The drafter's suffix index holder (SuffixDrafter or a hybrid's suffix half), or None: what a
+    trace follower feeds, and whether a replica needs one at all."""
+    if drafter is None:
+        return None
+    if callable(getattr(drafter, "observe_trace", None)):
+        return drafter
+    inner = getattr(drafter, "suffix", None)
+    return inner if callable(getattr(inner, "observe_trace", None)) else None

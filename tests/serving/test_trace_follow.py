@@ -10,13 +10,13 @@ import pytest
 
 from feedback.bus.kafka_sink import KafkaTraceSink
 from feedback.bus.kafka_source import KafkaTraceSource
-from serving.drafters.suffix import SuffixDrafter
+from serving.drafters.suffix import SuffixDrafter, suffix_part
 from serving.engine.base import GenerationRequest, SamplingParams
 from serving.engine.config import EngineConfig
 from serving.engine.torch_engine import TorchEngine
 from serving.observers import TraceRecorder
 from serving.target import tiny_target
-from serving.trace_follow import TraceFollower, suffix_part
+from serving.trace_follow import TraceFollower
 
 pytestmark = pytest.mark.integration
 
