@@ -18,8 +18,8 @@ as 1.0 tokens, they let the policy's state judge the drafter: a successor the po
 off read exactly 1.000 over 32 steps, a zero-variance window the judge took for certainty, and
 three promotions of a 200-request stream were rolled back so.
 
-Of those rows it reads the ones a swap changes: rows drafted by a learned drafter (``JUDGED``),
-not by the suffix index. A swap replaces a hybrid's learned half and keeps its suffix index, so the
+Of those rows it reads the ones a swap changes: rows drafted by a learned drafter, not by the
+suffix index (``NOT_JUDGED``). A swap replaces a hybrid's learned half and keeps its suffix index, so the
 suffix rows' accept length says how repetitive the requests are, not how good the version is; and
 a better learned half drafts more rows at a learned draft's accept length (~1.2-1.4 here, against
 the suffix index's ~2 on code), which lowers the mean over all drafting rows even as it adds
