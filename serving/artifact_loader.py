@@ -37,7 +37,9 @@ class ArtifactDrafterLoader:
                 "the trainer follows SPECLOOP_DRAFTER too")
         if self.kind in ("hybrid", "suffix"):  # what the trainer's gate judged: suffix + learned
             suffix = current if getattr(current, "kind", None) == "suffix" else getattr(current, "suffix", None)
-            predecessor = current if getattr(current, "kind", None) == "hybrid" else None
+            # the running suffix drafter too: a day-0 hybrid is the suffix index alone, and its first
+            # promotion keeps the index whose drafts serving's estimate was built on
+            predecessor = current if getattr(current, "kind", None) in ("hybrid", "suffix") else None
             return build_drafter("hybrid", self.target, artifact_dir, suffix=suffix, predecessor=predecessor,
                                  **self.options)
         return build_drafter(meta.kind, self.target, artifact_dir, **self.options)

@@ -114,16 +114,20 @@ class HybridDrafter:
 
     def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None,
                  predecessor: HybridDrafter | None = None):
-        """``predecessor``: the hybrid this one replaces at a swap (its suffix index is usually
-        ``suffix`` too); a promoted learned half's estimate starts from the predecessor's live
-        one (``AcceptanceEstimate.successor``) where both are known."""
+        """``predecessor``: the drafter this one replaces at a swap, a hybrid or the suffix drafter
+        a day-0 hybrid is (its suffix index is usually ``suffix`` too); a promoted learned half's
+        estimate starts from a predecessor hybrid's live one (``AcceptanceEstimate.successor``)
+        where both are known."""
         self.suffix = suffix
         self.learned = learned
         self.policy = policy or HybridPolicy()
         self.version = learned.version
         self.prior_relative = 1.0 if predecessor is not None else None
         """For serving's policy, whose estimate covers the hybrid's drafts as a whole (mostly the
-        suffix index's, which a swap of the learned half keeps): a successor goes on from it."""
+        suffix index's, which a swap of the learned half keeps): a successor goes on from it. A
+        first promotion that started serving's estimate afresh (0.5, one step of evidence, a new
+        calibration) turned speculation off for ~400 steps in a demo (`spec_off_fraction`
+        0.96-0.985 after the swap, 0.07 before), where swaps between hybrids kept drafting."""
         self.feature_layers = tuple(learned.feature_layers)
         self.costs = CostModel(
             target_step_ms=self.policy.target_step_ms,

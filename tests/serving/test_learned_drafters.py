@@ -651,6 +651,31 @@ def test_a_promoted_successor_starts_from_its_predecessors_live_acceptance(targe
     assert loader.load(tmp_path / "s").acceptance.value == pytest.approx(0.2)  # no predecessor
 
 
+def test_a_first_promotion_around_the_running_suffix_index_keeps_servings_estimate(target, tmp_path):
+    """A day-0 hybrid is the suffix index alone; its first promotion wraps that index into a hybrid.
+    Serving's estimate covers the drafts as a whole, mostly the index's, which the swap keeps: it
+    goes on (with its calibration) instead of starting afresh at the default prior, which turned
+    speculation off for ~400 steps in a demo."""
+    from serving.artifact_loader import ArtifactDrafterLoader
+    from serving.engine.config import EngineConfig
+    from serving.engine.goodput_policy import GoodputPolicy
+    from serving.engine.torch_engine import TorchEngine
+
+    model = standalone_from_target(target.model, num_layers=1)
+    config = StandaloneConfig.for_target(target.model.config, 1, V)
+    save_drafter(model, config, target.fingerprint, tmp_path / "v1", version="1",
+                 extra={"heldout_acceptance": 0.21, "champion_heldout_acceptance": 0.0})
+    engine = TorchEngine(target, build_drafter("suffix", target), EngineConfig(k=K), policy=GoodputPolicy(K))
+    for i in range(40):  # the suffix index live: three of four drafts accepted
+        engine.policy.acceptance.observe(np.array([1]), np.array([int(i % 4 < 3)]))
+    was, calibration = engine.policy.acceptance.value, engine.policy.calibration
+    assert was > 0.6
+    promoted = ArtifactDrafterLoader(target, "hybrid").load(tmp_path / "v1", current=engine.drafter)
+    assert promoted.suffix is engine.drafter and promoted.prior_relative == 1.0
+    engine.swap_drafter(promoted)
+    assert engine.policy.acceptance.value == pytest.approx(was) and engine.policy.calibration is calibration
+
+
 def test_unused_rows_in_hybrid_proposal_are_zero_padded(target, sharp_head):
     suffix = StandInSuffix({"a": ([7], 0.99)})
     eng = Engine(target, HybridDrafter(suffix, EagleDrafter(sharp_head), HybridPolicy(**CHEAP)))
