@@ -27,8 +27,9 @@ def build_drafter(
     - hybrid: ``learned`` ("eagle" | "standalone" | "selfspec"; default: the artifact's kind, else eagle),
       ``learned_options`` (dict, as above), ``suffix`` (an existing suffix drafter to keep its
       index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict),
-      ``predecessor`` (the hybrid it replaces at a swap: a promoted learned half's acceptance
-      estimate starts from the predecessor's live one).
+      ``predecessor`` (the drafter it replaces at a swap, a hybrid or the suffix drafter a day-0
+      hybrid is: serving's estimate goes on from it, and a promoted learned half's acceptance
+      estimate starts from a predecessor hybrid's live one).
 
     Every learned kind (eagle, standalone, selfspec) also takes ``branches``: candidates per drafted
     position (1: chains; default ``LearnedDrafter.branches``; serving/drafters/draft_tree.py).

@@ -113,7 +113,7 @@ class HybridDrafter:
     """Its drafts are the suffix index's or the learned drafter's (serving's policy: BatchState)."""
 
     def __init__(self, suffix: Drafter, learned: Drafter, policy: HybridPolicy | None = None,
-                 predecessor: HybridDrafter | None = None):
+                 predecessor: Drafter | None = None):
         """``predecessor``: the drafter this one replaces at a swap, a hybrid or the suffix drafter
         a day-0 hybrid is (its suffix index is usually ``suffix`` too); a promoted learned half's
         estimate starts from a predecessor hybrid's live one (``AcceptanceEstimate.successor``)
