@@ -308,11 +308,6 @@ class TrainerLoop:
         age = time.monotonic() - self._champion_since if self.champion is not None else None
         d = judge(self.student, self.champion, self.replay.heldout, self.gate_cfg, suffix=suffix, losses=recent,
                   champion_age_s=age)
-        self.stats.last_decision = d.reason
-        log.info("gate: %s", d.reason)
-        if self.ops is not None:
-            self.ops.metrics(d.as_metrics(), self.stats.rounds)
-            self.ops.event("gate", self.stats.rounds, promote=d.promote, reason=d.reason)
         if d.promote:
             digest = weights_digest(self.student)
             if digest in self._refused.values():
@@ -324,7 +319,12 @@ class TrainerLoop:
                 # a swap to the same weights costs serving a swap and counts as a fresh drafter
                 d.promote = False
                 d.reason = "unchanged since the champion (no round improved on it): nothing to swap"
-            self.stats.last_decision = d.reason
+        # logged once decided: an operator's gate_promote = 1 is a promotion, not a passed measure
+        self.stats.last_decision = d.reason
+        log.info("gate: %s", d.reason)
+        if self.ops is not None:
+            self.ops.metrics(d.as_metrics(), self.stats.rounds)
+            self.ops.event("gate", self.stats.rounds, promote=d.promote, reason=d.reason)
         if d.promote:
             parent = self.champion_version
             version = self.promote(d)

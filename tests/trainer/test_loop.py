@@ -69,16 +69,18 @@ class _Announcer:
 def test_loop_promotes_registers_and_announces(tmp_path):
     from safetensors.torch import load_file
 
+    from feedback.ops.ops_log import OpsRun
     from feedback.registry.drafter_registry import DrafterRegistry
 
     reg = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
+    ops = OpsRun(f"sqlite:///{tmp_path}/mlflow.db", "specloop/ops", "trainer-acme", flush_s=3600)
     ann = _Announcer()
     src = ListTraceSource([make_trace("a", seed=i, tenant="acme") for i in range(80)])
     loop = TrainerLoop(src, StandaloneStudent(tiny_lm(seed=0)), FP,
                        loop=LoopConfig(tenant="acme", poll_records=80, min_train_traces=8, steps_per_round=30,
                                        rounds_per_gate=1, lineage={"topic": "inproc"}),
                        distill=DistillConfig(lr=3e-3, eval_every=10), gate=GateConfig(k=3, hybrid=False),
-                       registry=reg, announcer=ann, exporter=_exporter)
+                       registry=reg, announcer=ann, exporter=_exporter, ops=ops)
     loop.run_round()
     assert loop.stats.promotions == 1, loop.stats.last_decision
     assert ann.calls == [("acme", "1")]
@@ -97,3 +99,9 @@ def test_loop_promotes_registers_and_announces(tmp_path):
     d = loop.gate()
     assert not d.promote and "unchanged since the champion" in d.reason
     assert loop.stats.promotions == 1 and ann.calls == [("acme", "1")]
+    # the ops run logs what was decided: the refresh passed both measures but promoted nothing
+    ops.flush()
+    history = ops.client.get_metric_history(ops.run_id, "gate_promote")
+    assert [m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))][-1] == 0.0
+    assert json.loads(ops.client.get_run(ops.run_id).data.tags["last_gate"])["promote"] is False
+    ops.close()
