@@ -108,7 +108,7 @@ def trainer_figures(loop: OnlineLoop, **extra) -> dict:
     return {"trainer_records_polled": st.records_polled, "trainer_rounds": st.rounds,
             "trainer_train_steps": st.train_steps, "trainer_promotions": st.promotions,
             "trainer_heldout_expected_acceptance": st.heldout_acceptance, "trainer_last_gate": st.last_decision,
-            "trainer_drifts_seen": st.drifts,
+            "trainer_drifts_seen": st.drifts, "trainer_traffic_shifts": st.traffic_shifts,
             "gate_costs": {k: _rounded(v) for k, v in loop.costs.items()}, **extra}
 
 

@@ -59,6 +59,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         loop=LoopConfig(tenant=s.tenant, poll_records=s.poll_records, poll_timeout_s=s.poll_timeout_s,
                         min_train_traces=s.min_train_traces, steps_per_round=s.steps_per_round,
                         rounds_per_gate=s.rounds_per_gate, checkpoint_dir=s.checkpoint_dir,
+                        traffic_window=s.traffic_window,
                         lineage={"topic": s.topic, "group_id": s.group_id, "source": s.source}),
         distill=s.distill_config(),
         gate=GateConfig(k=s.k, acceptance_margin=s.acceptance_margin, speedup_margin=s.speedup_margin,
@@ -100,7 +101,7 @@ class TrainerActor:
         s = self.loop.stats
         return {"rounds": s.rounds, "paused_rounds": s.paused_rounds, "train_steps": s.train_steps,
                 "records_polled": s.records_polled, "promotions": s.promotions, "round_errors": s.round_errors,
-                "drifts": s.drifts,
+                "drifts": s.drifts, "traffic_shifts": s.traffic_shifts,
                 "last_decision": s.last_decision, "champion_version": self.loop.champion_version,
                 "trace_tokens_seen": self.loop.replay.tokens_seen,
                 "curve": s.curve[-1:]}  # the latest held-out evaluation (the whole curve is in MLflow)

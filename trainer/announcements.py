@@ -50,7 +50,7 @@ class Announcements:
             except queue.Empty:
                 break
             n += 1
-            self.focus_until[msg.domain] = rounds + self.drift_rounds
+            self.focus_on(msg.domain, rounds)
             log.info("drift on %s (%.2f -> %.2f, %s): focusing training there", msg.domain,
                      msg.before, msg.now, msg.replica_id)
             if ops is not None:
@@ -58,6 +58,11 @@ class Announcements:
                           replica=msg.replica_id)
         self.focus_until = {d: r for d, r in self.focus_until.items() if r > rounds}
         return n
+
+    def focus_on(self, domain: str, rounds: int) -> None:
+        """Sample ``domain`` ``drift_boost`` times more for ``drift_rounds`` trained rounds from
+        ``rounds`` (a drift serving reported, or a shift of the traffic the trainer saw)."""
+        self.focus_until[domain] = rounds + self.drift_rounds
 
     def focus(self) -> dict[str, float]:
         """Domain -> sampling boost for the replay (ReplayBuffer.focus)."""

@@ -29,6 +29,7 @@ from trainer.distill import DistillConfig, Distiller
 from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge
 from trainer.lineage import Lineage
 from trainer.replay import ReplayBuffer
+from trainer.traffic_shift import TrafficShift, focus_shifts
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class LoopConfig:
     """After serving reports a drift on a domain, its traces are sampled this many times more..."""
     drift_rounds: int = 10
     """...for this many trained rounds, and the next round ends with a gate."""
+    traffic_window: int | None = 16
+    """A domain that is a quarter or more of the latest this many arrivals and at most half that
+    share of what training samples is a shift of the traffic to it, focused on like a drift while
+    it lasts (trainer/traffic_shift.py). None: only serving's drifts focus training."""
 
 
 @dataclass
@@ -73,6 +78,7 @@ class LoopStats:
     promotions: int = 0
     round_errors: int = 0
     drifts: int = 0
+    traffic_shifts: int = 0
     last_decision: str = ""
     curve: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -135,6 +141,8 @@ class TrainerLoop:
         """Rolled-back version -> digest of its weights: never re-promoted unchanged."""
         self.announcements = Announcements(self.cfg.tenant, self.cfg.drift_boost, self.cfg.drift_rounds)
         """Drifts and rollbacks from the control plane, queued until the next round applies them."""
+        self.traffic = TrafficShift(window=self.cfg.traffic_window) if self.cfg.traffic_window else None
+        """The domains of the latest arrivals, against what training samples."""
         self._gate_early = False
         self._paused = False
         self._subscription = rollbacks_from.subscribe(self.on_announcement) if rollbacks_from is not None else None
@@ -166,7 +174,8 @@ class TrainerLoop:
         self.apply_retention()
         recs = self.source.poll(self.cfg.poll_records, self.cfg.poll_timeout_s)
         self.stats.records_polled += len(recs)
-        self.replay.extend(recs)
+        added = [r.domain for r in recs if self.replay.add(r)]
+        self.apply_traffic_shift(added)
         if len(self.replay) < self.cfg.min_train_traces:
             return self.stats  # nothing trained: offsets stay uncommitted, records come back on restart
         if self.replay.tokens_seen == self._trained_tokens:
@@ -235,6 +244,19 @@ class TrainerLoop:
             self._gate_early = True
             self.stats.drifts += n
         self.replay.focus = self.announcements.focus()
+        return n
+
+    def apply_traffic_shift(self, arrived_domains: list[str | None]) -> int:
+        """Traces of these domains arrived: where the traffic moved to a domain training samples
+        little of, focus there as on a drift and gate at the end of the next round
+        (trainer/traffic_shift.py). Returns the domains newly focused."""
+        if self.traffic is None:
+            return 0
+        self.traffic.observe(arrived_domains)
+        n = focus_shifts(self.traffic, self.replay, self.announcements, self.stats.rounds, self.ops)
+        if n:
+            self._gate_early = True
+            self.stats.traffic_shifts += n
         return n
 
     def apply_rollbacks(self) -> int:

@@ -163,16 +163,27 @@ class ReplayBuffer:
     def heldout(self) -> list[TraceRecord]:
         return [e.record for e in self._heldout]
 
-    def weights(self) -> np.ndarray:
+    def weights(self, focus: bool = True) -> np.ndarray:
         """Sampling weight of each training trace, oldest first: recency (newest = 1) times the
-        ``focus`` boost of its domain."""
+        ``focus`` boost of its domain (``focus=False``: recency alone)."""
         seqs = np.array([e.seq for e in self._train], dtype=np.float64)  # [N]
         if seqs.size == 0:
             return seqs
         w = 0.5 ** ((self._seq - seqs) / self.half_life)  # [N]
-        if self.focus:
+        if focus and self.focus:
             w = w * np.array([self.focus.get(e.record.domain or "default", 1.0) for e in self._train])
         return w
+
+    def domain_shares(self) -> dict[str, float]:
+        """Each domain's share of the recency sampling weight (no focus): what training would
+        sample of it. Empty without training traces."""
+        w = self.weights(focus=False)  # [N]
+        total = float(w.sum())
+        shares: dict[str, float] = {}
+        for e, wi in zip(self._train, w):
+            d = e.record.domain or "default"
+            shares[d] = shares.get(d, 0.0) + float(wi) / total
+        return shares
 
     def sample(self, n: int, rng: np.random.Generator) -> list[TraceRecord]:
         """``n`` training traces drawn with probability proportional to recency weight (so the
