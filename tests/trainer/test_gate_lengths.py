@@ -137,3 +137,43 @@ def test_an_eagle_student_scored_with_candidates_accepts_at_least_its_chain():
     scored = chain < 4  # positions where a refused level exists within the depth...
     scored[-4:] = False  # ...and the trace goes on past it
     assert scored.any() and (everything[scored] == chain[scored] + 1)[2:].all()
+
+
+def test_a_learned_draft_s_expected_tokens_are_its_tree_s_best_nodes():
+    from trainer.gate import learned_draft_expected
+
+    conf = np.array([[0.6, 0.3], [0.5, 0.2]])  # [depth, m]: level 2 was drafted after 0.6's token
+    # nodes by path probability: 0.6, 0.3, 0.6 * 0.5 = 0.3, 0.6 * 0.2 = 0.12
+    assert learned_draft_expected(conf, 4) == pytest.approx(1.32)
+    assert learned_draft_expected(conf, 2) == pytest.approx(0.9)
+    assert learned_draft_expected(conf[:1, :1], 1) == pytest.approx(0.6)  # a one-token chain
+
+
+def test_hybrid_keeps_a_learned_draft_only_where_its_own_confidence_pays_as_serving_does():
+    """Serving's hybrid asks the learned drafter where its live acceptance promises more than the
+    suffix draft, then keeps the draft only where the drafter's own probabilities still do
+    (serving/drafters/hybrid.py ``propose``). A drafter that is unsure exactly where it is wrong
+    loses nothing there in serving, and the gate's simulation must not charge it for drafts
+    serving would have dropped."""
+    from trainer_tracegen import make_trace
+
+    from trainer.gate import build_suffix_index
+
+    rec = make_trace("a", seed=3, out_len=80)
+    proposer = build_suffix_index([])  # nothing indexed: the request's own context only
+    cfg = GateConfig(k=4, verify_cost=1.3, draft_cost=0.1, branches=1)
+    n = len(rec.output_ids)
+    right = np.random.default_rng(0).random(n) < 0.5  # where the learned drafter's token is the target's
+    accept_at = np.array([next((j for j in range(cfg.k) if p + j >= n or not right[p + j]), cfg.k)
+                          for p in range(n)])  # its chain's run of right tokens from each position
+    sure_where_right = np.where(right, 0.9, 0.05)[:, None].astype(np.float32)  # [n, 1]
+    steps = [0.0, 0.0]
+    t_blind, _, c_blind = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=0.6,
+                                   learned_steps=steps)
+    kept = [0.0, 0.0]
+    t_kept, _, c_kept = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=0.6,
+                                 learned_steps=kept, confidence=sure_where_right)
+    assert t_blind == t_kept == n
+    assert kept[1] < steps[1] / 4  # the drafts it was unsure of were dropped: few failed learned steps
+    assert kept[0] > 0  # and the sure ones kept
+    assert c_kept < c_blind  # what serving pays for them is less than taking every draft asked for
