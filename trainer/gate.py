@@ -8,8 +8,7 @@ older than ``GateConfig.refresh_after_s``: see ``judge``):
   greedy chain (optionally inside the hybrid policy, as serving/drafters/hybrid.py chooses: the
   suffix proposal when its confidence-weighted goodput is at least the learned drafter's at its
   per-token acceptance on the steps the hybrid gives it (``hybrid_acceptance``), else the learned
-  draft, cut to its goodput-best length, when it beats plain decoding, and kept, as serving keeps
-  it, only where the drafter's own probabilities still promise that), count tokens per target
+  draft, cut to its goodput-best length, when it beats plain decoding), count tokens per target
   forward, and charge each step with serving's cost model in target-step units (the verify cost
   measured for each drafted length, or a line up to the k+1-token verify where only that one was
   measured, plus the learned drafter's per-token cost).
@@ -181,7 +180,6 @@ def simulate(
     acceptance: float | None = None,
     length: int | None = None,
     learned_steps: list[float] | None = None,
-    confidence: np.ndarray | None = None,
 ) -> tuple[int, int, float]:
     """Replay one output: returns (tokens, target forwards, cost in target-step units).
 
@@ -195,10 +193,7 @@ def simulate(
     Without ``suffix`` the learned draft runs at every step. The learned draft is ``length``
     tokens long (default: the goodput-best length at ``acceptance``, as serving's hybrid drafts).
     ``learned_steps``: [successes, failures] of the learned drafts taken, added to (the per-token
-    acceptance serving would measure live on the steps it drafts). ``confidence`` ([len(output),
-    m], ``RecordEval.confidence``): inside the hybrid, a learned draft is kept, as serving keeps
-    it, only where its own confidences promise at least the suffix draft's goodput and plain
-    decoding's; else its draft time is spent and the step takes the suffix draft or none.
+    acceptance serving would measure live on the steps it drafts).
     """
     n = len(output)
     p = steps = 0
@@ -219,13 +214,6 @@ def simulate(
             draft = suffix.draft(req, cfg.k)
             g_suffix = suffix_goodput(draft.expected_accepted, len(draft.tokens), costs) if draft.tokens else 1.0
             use = hybrid_choice(len(draft.tokens), g_suffix, g_learned, g_none=1.0)  # serving's rule
-            if use == "learned" and confidence is not None:
-                nodes = draft_nodes(length, cfg.branches, cfg.k)
-                g_post = (1.0 + learned_draft_expected(confidence[p : p + length], nodes)) / costs.verify_ms(nodes)
-                usable = g_suffix if draft.tokens and g_suffix > 1.0 else 0.0
-                if g_post < max(usable, 1.0):  # serving drops the draft it asked for (its time is spent)
-                    cost += cfg.draft_cost * length
-                    use = "suffix" if usable else "none"
         if use == "suffix":
             a = match_len(draft.tokens, output[p : p + cfg.k])
             cost += costs.verify_ms(len(draft.tokens))
@@ -246,25 +234,12 @@ def simulate(
     return n, steps, cost
 
 
-def learned_draft_expected(confidence: np.ndarray, nodes: int) -> float:
-    """Expected accepted tokens of a learned draft as serving's hybrid reads it from the drafter:
-    the tree of its greedy chain with each level's runners-up beside it (``confidence``: [depth,
-    m] probabilities per level, most likely first; serving/drafters/draft_tree.py), cut to its
-    ``nodes`` most probable nodes: the sum of their path probabilities."""
-    paths, prefix = [], 1.0
-    for level in np.clip(confidence, 0.0, 1.0):
-        paths.extend(prefix * float(q) for q in level)
-        prefix *= float(level[0])
-    return float(sum(sorted(paths, reverse=True)[:nodes]))
-
-
 def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixProposer | None) -> DrafterScore:
     """``student``: a trainer.students.Student, or None for "no learned drafter" (suffix only)."""
     ea_sum, rows = 0.0, 0
     solo = [0, 0]
     pol = [0, 0.0]
     chains: list[np.ndarray | None] = [None] * len(heldout)
-    confidences: list[np.ndarray | None] = [None] * len(heldout)
     if student is not None:
         for i, (rec, ev) in enumerate(zip(heldout, evaluate_all(student, heldout, cfg.k, cfg.branches))):
             ea_sum += float(ev.overlap.sum())
@@ -273,7 +248,6 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
             solo[0] += t
             solo[1] += s
             chains[i] = ev.accept_at
-            confidences[i] = ev.confidence
     # Serving's live acceptance is an EMA over recent traffic, so while it serves one domain it
     # tracks that domain: each held-out request is simulated at its own domain's rate (one rate
     # over a mixed held-out set would under-rate a drafter that learned the current domain).
@@ -283,10 +257,10 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
             by_domain.setdefault(rec.domain or "", []).append(accept_at)
     acceptance = {d: learned_acceptance(c, cfg.k) for d, c in by_domain.items()}
     if cfg.hybrid and suffix is not None and student is not None:
-        acceptance = hybrid_acceptance(heldout, chains, cfg, suffix, acceptance, confidences=confidences)
-    for rec, accept_at, conf in zip(heldout, chains, confidences):
+        acceptance = hybrid_acceptance(heldout, chains, cfg, suffix, acceptance)
+    for rec, accept_at in zip(heldout, chains):
         t, _, c = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix if cfg.hybrid else None,
-                           rec.tenant, acceptance.get(rec.domain or ""), confidence=conf)
+                           rec.tenant, acceptance.get(rec.domain or ""))
         pol[0] += t
         pol[1] += c
     return DrafterScore(
@@ -298,8 +272,7 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
 
 
 def hybrid_acceptance(heldout: list[TraceRecord], chains: list[np.ndarray | None], cfg: GateConfig,
-                      suffix: SuffixProposer, acceptance: dict[str, float], rounds: int = 3,
-                      confidences: list[np.ndarray | None] | None = None) -> dict[str, float]:
+                      suffix: SuffixProposer, acceptance: dict[str, float], rounds: int = 3) -> dict[str, float]:
     """Per domain, the learned drafter's per-token acceptance on the steps the hybrid gives it.
 
     Serving's hybrid measures its learned acceptance live, on the steps where the learned draft
@@ -312,10 +285,10 @@ def hybrid_acceptance(heldout: list[TraceRecord], chains: list[np.ndarray | None
     rates = dict(acceptance)
     for _ in range(rounds):
         steps: dict[str, list[float]] = {}
-        for rec, accept_at, conf in zip(heldout, chains, confidences or [None] * len(heldout)):
+        for rec, accept_at in zip(heldout, chains):
             d = rec.domain or ""
             simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix, rec.tenant, rates.get(d),
-                     learned_steps=steps.setdefault(d, [0.0, 0.0]), confidence=conf)
+                     learned_steps=steps.setdefault(d, [0.0, 0.0]))
         new = {d: (s / (s + f) if s + f else rates[d]) for d, (s, f) in steps.items() if d in rates}
         settled = all(abs(new[d] - rates[d]) < 1e-3 for d in new)
         rates.update(new)

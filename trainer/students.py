@@ -29,10 +29,6 @@ from trainer.partial_forward import layer_at_rows, llama_layers, run_layers
 class RecordEval:
     overlap: np.ndarray  # [R] sum over the target top-k of min(p, q), accepted-path rows
     accept_at: np.ndarray  # [len(output)] accepted tokens of the greedy k-chain (or tree) from each position
-    confidence: np.ndarray | None = None
-    """[len(output), m] the student's probabilities of its m candidates for each output position
-    (teacher forced), most likely first: what serving's hybrid reads from a learned draft to keep
-    it or not (trainer/gate.py ``learned_draft_expected``). None: not measured (EAGLE heads)."""
 
 
 @dataclass
@@ -281,11 +277,8 @@ class StandaloneStudent(Student):
         best = top_candidates(logits[idx], branches)  # [n', m] predicting each output position
         pred = np.full((len(out), best.shape[-1]), -1, dtype=np.int64)
         pred[first:] = self.to_target_ids(best).numpy()
-        conf = np.zeros(pred.shape, dtype=np.float32)  # [n, m]
-        conf[first:] = torch.gather(logits[idx].softmax(-1), 1, best).numpy()
         in_top = (pred == out[:, None]).any(1)  # [n] (m = 1: the chain's match, which adds nothing)
-        return RecordEval(overlap=overlap, accept_at=tree_run_lengths(pred[:, 0] == out, in_top, k),
-                          confidence=conf)
+        return RecordEval(overlap=overlap, accept_at=tree_run_lengths(pred[:, 0] == out, in_top, k))
 
 
 class SelfSpecStudent(StandaloneStudent):
