@@ -59,7 +59,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         loop=LoopConfig(tenant=s.tenant, poll_records=s.poll_records, poll_timeout_s=s.poll_timeout_s,
                         min_train_traces=s.min_train_traces, steps_per_round=s.steps_per_round,
                         rounds_per_gate=s.rounds_per_gate, checkpoint_dir=s.checkpoint_dir,
-                        traffic_window=s.traffic_window,
+                        traffic_window=s.traffic_window or None,
                         lineage={"topic": s.topic, "group_id": s.group_id, "source": s.source}),
         distill=s.distill_config(),
         gate=GateConfig(k=s.k, acceptance_margin=s.acceptance_margin, speedup_margin=s.speedup_margin,

@@ -70,10 +70,10 @@ class TrainerSettings(BaseSettings):
     heldout_size: int = Field(64, description="Most recent held-out traces the gate judges on.")
     replay_capacity: int = Field(5000, description="Training traces kept.")
     half_life: float = Field(500.0, description="Recency half-life in traces.")
-    traffic_window: int | None = Field(
-        16, ge=2, description="A domain that is a quarter or more of the latest this many arrivals, "
+    traffic_window: int = Field(
+        16, ge=0, description="A domain that is a quarter or more of the latest this many arrivals, "
         "and at most half that share of what training samples, is a shift of the traffic to it: "
-        "training focuses there as on a drift serving reports; None = serving's drifts only.")
+        "training focuses there as on a drift serving reports; 0 = serving's drifts only.")
     trace_max_age_s: float | None = Field(
         None, gt=0, description="Retention: traces older than this (since their request finished) "
         "are dropped from the replay and its checkpoints; None = kept until displaced.")

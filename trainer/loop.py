@@ -5,8 +5,9 @@ stopping on held-out acceptance -> checkpoint -> commit offsets. Every few round
 the current student with the champion; a passing candidate is exported, logged and registered in
 MLflow, becomes the ``champion`` alias, and is announced on the control plane.
 
-The loop's helpers: control-plane drifts and rollbacks (trainer/announcements.py), retention and
-deletion (trainer/retention.py), lineage params (trainer/lineage.py), checkpoints
+The loop's settings and figures are trainer/loop_config.py; its helpers: control-plane drifts and
+rollbacks (trainer/announcements.py), shifts of its own traffic (trainer/traffic_shift.py),
+retention and deletion (trainer/retention.py), lineage params (trainer/lineage.py), checkpoints
 (trainer/checkpoint.py).
 """
 
@@ -16,7 +17,6 @@ import logging
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +28,7 @@ from trainer.digest import weights_digest
 from trainer.distill import DistillConfig, Distiller
 from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge
 from trainer.lineage import Lineage
+from trainer.loop_config import LoopConfig, LoopStats
 from trainer.replay import ReplayBuffer
 from trainer.traffic_shift import TrafficShift, focus_shifts
 
@@ -44,49 +45,6 @@ Exporter = Callable[[object, Path, TargetFingerprint, dict], None]
 ``heldout_acceptance``, which serving starts the new drafter's acceptance estimate from, and the
 champion's ``champion_heldout_acceptance`` on the same traces, the ratio a successor's estimate
 scales its predecessor's live one by)."""
-
-
-@dataclass
-class LoopConfig:
-    tenant: str = "default"
-    poll_records: int = 64
-    poll_timeout_s: float = 1.0
-    min_train_traces: int = 16
-    steps_per_round: int = 20
-    rounds_per_gate: int = 5
-    checkpoint_dir: str | None = None
-    checkpoint_keep: int = checkpoint.KEEP
-    """Complete checkpoints kept (newest first; older ones are the fallback if the newest fails)."""
-    lineage: dict = field(default_factory=dict)
-    """Static lineage params logged with every candidate (topic, group, ...)."""
-    drift_boost: float = 4.0
-    """After serving reports a drift on a domain, its traces are sampled this many times more..."""
-    drift_rounds: int = 10
-    """...for this many trained rounds, and the next round ends with a gate."""
-    traffic_window: int | None = 16
-    """A domain that is a quarter or more of the latest this many arrivals and at most half that
-    share of what training samples is a shift of the traffic to it, focused on like a drift while
-    it lasts (trainer/traffic_shift.py). None: only serving's drifts focus training."""
-
-
-@dataclass
-class LoopStats:
-    rounds: int = 0
-    paused_rounds: int = 0
-    train_steps: int = 0
-    records_polled: int = 0
-    promotions: int = 0
-    round_errors: int = 0
-    drifts: int = 0
-    traffic_shifts: int = 0
-    last_decision: str = ""
-    curve: list[dict] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-
-    @property
-    def heldout_acceptance(self) -> float | None:
-        """The latest held-out expected acceptance (None before the first evaluation)."""
-        return self.curve[-1]["expected_acceptance"] if self.curve else None
 
 
 class TrainerLoop:
