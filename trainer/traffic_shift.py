@@ -28,14 +28,14 @@ class TrafficShift:
     ratio: float = 2.0
     """...and at least this many times its share of what training samples (the replay's recency
     weights, before any focus) is a shift to it."""
-    _recent: collections.deque = field(default_factory=collections.deque)
+    _recent: collections.deque = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._recent = collections.deque(maxlen=self.window)
 
     def observe(self, domains) -> None:
         """The domains of traces that arrived, in order (``TraceRecord.domain``; None = "default")."""
-        for d in domains:
-            self._recent.append(d or "default")
-            while len(self._recent) > self.window:
-                self._recent.popleft()
+        self._recent.extend(d or "default" for d in domains)
 
     def shares(self) -> dict[str, float]:
         """Each domain's share of the latest ``window`` arrivals."""
@@ -69,5 +69,6 @@ def focus_shifts(traffic: TrafficShift, replay, announcements, rounds: int, ops=
         if ops is not None:
             ops.event("traffic_shift", rounds, domain=domain, share_of_arrivals=round(now, 4),
                       share_of_training=round(trained, 4))
-    replay.focus = announcements.focus()
+    if n:  # a lasting shift's refresh keeps the focus the replay has
+        replay.focus = announcements.focus()
     return n
