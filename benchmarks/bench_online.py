@@ -24,6 +24,7 @@ import uuid
 
 import typer
 
+from benchmarks.static_fits import StaticFits, static_drafter
 from infra.loop import LoopConfig, OnlineLoop
 from infra.loop_metrics import shift_index, summarise, target_only_loop
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
@@ -66,18 +67,20 @@ async def serve_stream(loop: OnlineLoop, items, start: int, on_point=None, paire
 
 
 async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None, static: str = "offline",
-                             paired: OnlineLoop | None = None, fits: StaticFits | None = None):
+                             paired: OnlineLoop | None = None, fits: StaticFits | None = None, at_shift=None):
     """The loop over the stream (snapshot at the shift), then the static drafter after the shift:
     ``offline``: the same kind trained offline on the target's pre-shift responses
     (``static_drafter``, trained once per ``fits``); ``snapshot``: the loop's own drafter frozen at
     the shift. ``paired``: a target-only loop that serves each request beside the loop's
-    (``serve_stream``)."""
+    (``serve_stream``). ``at_shift(loop)``: called once the pre-shift requests are served."""
     shift = shift_index([d for _, d in stream])
     loop = OnlineLoop(target, stack, cfg, tag=uuid.uuid4().hex[:8])
     await loop.start()
     try:
         await serve_stream(loop, stream[:shift], 0, on_point, paired)
         loop.snapshot()
+        if at_shift is not None:
+            at_shift(loop)
         await serve_stream(loop, stream[shift:], shift, on_point, paired)
     finally:
         await loop.stop()
@@ -93,90 +96,6 @@ async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=No
     finally:
         await frozen.stop()
     return loop, frozen_points
-
-
-class StaticFits:
-    """The offline static baselines of one run, by what they are trained from: the hybrid and the
-    learned-only kinds share one learned student, the same start and the same (greedy, lossless)
-    pre-shift responses, so the second kind loads the first one's artifact instead of repeating
-    its minute of training. The artifacts live in ``directory``."""
-
-    def __init__(self, directory):
-        from pathlib import Path
-
-        self.directory = Path(directory)
-        self._done: dict[tuple, tuple] = {}
-
-    @staticmethod
-    def key(cfg: LoopConfig, pre, steps: int) -> tuple:
-        recipe = (cfg.day0_init, cfg.day0_artifact, cfg.selfspec_exit_layer, cfg.selfspec_adapter_layers,
-                  cfg.draft_vocab_size, cfg.k, cfg.batch_traces, steps)
-        return recipe + (tuple((tuple(p), tuple(o)) for p, o in pre),)
-
-    def get_or_fit(self, key: tuple, fit) -> tuple:
-        """(artifact directory, fit figures) for ``key``: an earlier fit's (figures marked
-        ``reused``), or ``fit(directory)``'s, which saves the artifact there."""
-        done = self._done.get(key)
-        if done is not None:
-            return done[0], {**done[1], "reused": True}
-        path = self.directory / f"static-{len(self._done)}"
-        figures = fit(path)
-        self._done[key] = (path, figures)
-        return path, figures
-
-
-def static_drafter(target, loop: OnlineLoop, cfg: LoopConfig, steps: int = 200, fits: StaticFits | None = None):
-    """The well-trained static baseline a user would deploy: the loop's learned kind, distilled
-    offline (trainer/offline.py, the online trainer's Distiller) from the target's own greedy
-    responses to the pre-shift prompts (the loop served them losslessly, so they are reused rather
-    than generated again), loaded through an artifact as a swap would; for the hybrid, joined to a
-    suffix index of the pre-shift outputs. Neither learns any more. With ``fits``, a student
-    already trained from the same start on the same responses is loaded instead of trained again."""
-    import tempfile
-
-    from infra.day0 import FrozenDrafter, learned_kind
-    from serving.drafters.factory import build_drafter
-
-    pre = loop.served[: loop.snapshot_at]
-    kind = learned_kind(cfg)
-    vocab = {"draft_vocab_size": cfg.draft_vocab_size}
-    with tempfile.TemporaryDirectory(prefix="specloop-static-") as tmp:
-        artifact, fit = (fits or StaticFits(tmp)).get_or_fit(
-            StaticFits.key(cfg, pre, steps), lambda path: _fit_static(target, pre, cfg, steps, path))
-        if cfg.drafter == "hybrid":
-            suffix = build_drafter("suffix", target)
-            for prompt, output in pre:
-                suffix.observe(loop.tenant, output, prompt_ids=prompt)
-            drafter = build_drafter("hybrid", target, artifact, learned=kind, learned_options=vocab,
-                                    suffix=suffix)
-        else:
-            drafter = build_drafter(kind, target, artifact, **vocab)
-    return FrozenDrafter(drafter), fit
-
-
-def _fit_static(target, pre, cfg: LoopConfig, steps: int, artifact) -> dict:
-    """Distil the loop's learned kind from the pre-shift responses; save it to ``artifact``."""
-    from feedback.drafters.standalone_lm import StandaloneConfig
-    from feedback.registry.artifact import save_drafter
-    from infra.day0 import make_selfspec_student, make_student
-    from trainer.distill import DistillConfig
-    from trainer.export import student_draft_vocab
-    from trainer.offline import teacher_trace, train_offline
-
-    records = [teacher_trace(target.model, target.fingerprint, list(p), list(o), domain="pre-shift")
-               for p, o in pre if o]
-    if cfg.day0_init == "selfspec" or cfg.day0_artifact:  # the same start as the loop's student
-        student = make_selfspec_student(target, cfg.draft_vocab_size, cfg.selfspec_exit_layer,
-                                        cfg.selfspec_adapter_layers, cfg.day0_artifact)
-    else:
-        student = make_student(target, cfg.draft_vocab_size, cfg.day0_init)
-    fit = train_offline(student, records, target.fingerprint, max_steps=steps, k=cfg.k,
-                        distill=DistillConfig(lr=3e-3, batch_traces=cfg.batch_traces))
-    target.model.eval()  # a selfspec student shares the target's first layers; training flagged them
-    config = getattr(student, "config", None) or StandaloneConfig.for_target(target.model.config)
-    save_drafter(student.model, config, target.fingerprint, artifact, version="static",
-                 draft_vocab=student_draft_vocab(student))
-    return fit
 
 
 def learned_model(drafter):
@@ -211,36 +130,59 @@ def heldout_acceptance(loop: OnlineLoop, drafter=None) -> dict:
     return {d: h / n for d, (h, n) in hits.items() if n}
 
 
+def kind_order(kinds) -> list[str]:
+    """The suffix kind first: it has no trainer, so the learned kinds' static baseline trains on the
+    free core while it is served (``StaticFits.start``) instead of inline after their streams."""
+    return sorted(kinds, key=lambda kind: kind != "suffix")
+
+
 async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds=KINDS,
-                  static: str = "offline") -> dict:
+                  static: str = "offline", load_target=None) -> dict:
     """Every kind's loop, paired target-only run and static baseline; the offline static students
-    are saved under ``static_dir``, trained once per recipe (``StaticFits``)."""
+    are saved under ``static_dir``, trained once per recipe (``StaticFits``): in a process of their
+    own during the suffix kind's stream when ``load_target`` (picklable: the target, loaded there)
+    is given, else inline. The gate's costs are measured once, by the first learned kind's loop."""
     from infra.loop_metrics import tok_s
 
     shift = shift_index([d for _, d in stream])
     by_drafter = {}
     fits = StaticFits(static_dir)
-    for kind in kinds:
-        log.info("bench online: the %s drafter, each request also target-only", kind)
-        started = time.perf_counter()
-        base = await target_only_loop(target, stream, cfg.max_tokens)
-        try:
-            loop, frozen = await adapted_and_frozen(target, stack, stream,
-                                                    LoopConfig(**{**cfg.__dict__, "drafter": kind}),
-                                                    static=static, paired=base, fits=fits)
-        finally:
-            await base.stop()
-        baseline = base.points
-        by_drafter[kind] = summarise(loop.points, shift, baseline=baseline, frozen=frozen, swaps=loop.swaps,
-                                     rollbacks=loop.rollbacks, freshness=loop.freshness_s(), drifts=loop.drifts)
-        base_after = tok_s(baseline[shift:])
-        by_drafter[kind]["speedup_after_shift"] = tok_s(loop.points[shift:]) / base_after if base_after else None
-        by_drafter[kind]["static_baseline"] = static if kind != "suffix" else "snapshot"
-        by_drafter[kind]["target_only_tok_s"] = tok_s(baseline)
-        by_drafter[kind].update(trainer_figures(loop))
-        # the kind's whole share of the run: its stream and the paired target-only requests, the
-        # offline static baseline's training, the frozen drafter's replay
-        by_drafter[kind]["wall_s"] = round(time.perf_counter() - started, 1)
+    kinds = kind_order(kinds)
+    learned = [kind for kind in kinds if kind != "suffix"]
+
+    def fit_in_background(loop: OnlineLoop) -> None:
+        for kind in learned:  # the suffix loop's pre-shift outputs are the target's own (lossless)
+            fits.start(LoopConfig(**{**cfg.__dict__, "drafter": kind}), loop.served[: loop.snapshot_at], 200,
+                       load_target, target.fingerprint, cfg.trainer_nice)
+
+    try:
+        for kind in kinds:
+            log.info("bench online: the %s drafter, each request also target-only", kind)
+            started = time.perf_counter()
+            at_shift = fit_in_background if kind == "suffix" and learned and load_target and static == "offline" else None
+            base = await target_only_loop(target, stream, cfg.max_tokens)
+            try:
+                loop, frozen = await adapted_and_frozen(target, stack, stream,
+                                                        LoopConfig(**{**cfg.__dict__, "drafter": kind}),
+                                                        static=static, paired=base, fits=fits, at_shift=at_shift)
+            finally:
+                await base.stop()
+            if loop.costs and cfg.gate_costs is None:
+                cfg = LoopConfig(**{**cfg.__dict__, "gate_costs": loop.costs})  # the same target and student
+            baseline = base.points
+            by_drafter[kind] = summarise(loop.points, shift, baseline=baseline, frozen=frozen, swaps=loop.swaps,
+                                         rollbacks=loop.rollbacks, freshness=loop.freshness_s(), drifts=loop.drifts)
+            base_after = tok_s(baseline[shift:])
+            by_drafter[kind]["speedup_after_shift"] = tok_s(loop.points[shift:]) / base_after if base_after else None
+            by_drafter[kind]["static_baseline"] = static if kind != "suffix" else "snapshot"
+            by_drafter[kind]["target_only_tok_s"] = tok_s(baseline)
+            by_drafter[kind].update(trainer_figures(loop))
+            # the kind's whole share of the run: its stream and the paired target-only requests, the
+            # offline static baseline's training (unless it trained in the background), the frozen
+            # drafter's replay
+            by_drafter[kind]["wall_s"] = round(time.perf_counter() - started, 1)
+    finally:
+        fits.close()
     head = dict(by_drafter.get("hybrid") or next(iter(by_drafter.values())))
     learned = by_drafter.get("standalone")
     head["learned_only_speedup_after_shift"] = learned.get("speedup_after_shift") if learned else None
@@ -283,7 +225,8 @@ def bench_online(
         try:
             started = time.perf_counter()
             info = stack.up()
-            out = asyncio.run(run_all(target, info, stream, cfg, f"{tmp}/static", tuple(drafter), static))
+            out = asyncio.run(run_all(target, info, stream, cfg, f"{tmp}/static", tuple(drafter), static,
+                                      load_target=load_target))
             out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
         finally:
             stack.down()

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.bench_online import heldout_acceptance, is_heldout, serve_stream, static_drafter
+from benchmarks.bench_online import heldout_acceptance, is_heldout, kind_order, serve_stream
+from benchmarks.static_fits import StaticFits, static_drafter
 from infra.loop import LoopConfig, OnlineLoop
 from serving.target import tiny_target
 
@@ -70,8 +71,6 @@ def test_static_drafter_is_the_same_kind_trained_on_pre_shift_outputs(kind, targ
 def test_the_hybrid_and_the_learned_only_kind_share_one_static_fit(target, tmp_path):
     """Both kinds' static baselines are the same student trained from the same start on the same
     pre-shift responses: the second kind loads the first one's artifact instead of training again."""
-    from benchmarks.bench_online import StaticFits
-
     cfg = LoopConfig(drafter="standalone", train=False, k=3, max_tokens=10, day0_init="selfspec",
                      draft_vocab_size=128, selfspec_exit_layer=1)
     loop = OnlineLoop(target, None, cfg)
@@ -98,3 +97,67 @@ def test_the_hybrid_and_the_learned_only_kind_share_one_static_fit(target, tmp_p
     _, other = static_drafter(target, loop, cfg, steps=5, fits=fits)
     assert "reused" not in other
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def _served_loop(target, cfg, n=6, seed=1):
+    loop = OnlineLoop(target, None, cfg)
+
+    async def run():
+        await loop.start()
+        try:
+            await serve_stream(loop, stream(n, "chat", seed), 0)
+            loop.snapshot()
+        finally:
+            await loop.stop()
+
+    asyncio.run(run())
+    return loop
+
+
+def test_the_static_fit_trains_in_a_process_of_its_own_while_other_work_is_served(target, tmp_path):
+    """``StaticFits.start`` fits in a spawned process (which loads the target itself); the kind
+    that asks for it later gets that artifact, the same student a fit here would have trained."""
+    import functools
+
+    from serving.target import tiny_target
+
+    cfg = LoopConfig(drafter="standalone", train=False, k=3, max_tokens=10, day0_init="selfspec",
+                     draft_vocab_size=128, selfspec_exit_layer=1)
+    loop = _served_loop(target, cfg)
+    pre = loop.served[: loop.snapshot_at]
+    loader = functools.partial(tiny_target, vocab_size=V, hidden_size=64, num_layers=4, seed=0)
+    fits = StaticFits(tmp_path / "bg")
+    fits.start(cfg, pre, 4, loader, target.fingerprint, nice=0)
+    drafter, fit = static_drafter(target, loop, cfg, steps=4, fits=fits)
+    assert fit["background"] is True and fit["traces"] == 6 and fit["train_steps"] >= 1
+    assert drafter.inner.kind == "selfspec" and drafter.inner.version == "static"
+    _, inline = static_drafter(target, loop, cfg, steps=4, fits=StaticFits(tmp_path / "here"))
+    assert "background" not in inline and inline["best_step"] == fit["best_step"]
+    # the second kind of the same recipe reuses the background fit
+    _, again = static_drafter(target, loop, LoopConfig(**{**cfg.__dict__, "drafter": "hybrid"}), steps=4, fits=fits)
+    assert again["reused"] is True
+
+
+def test_a_background_fit_that_fails_is_done_here_and_unasked_ones_are_stopped(target, tmp_path):
+    import functools
+
+    from serving.target import tiny_target
+
+    cfg = LoopConfig(drafter="standalone", train=False, k=3, max_tokens=10, day0_init="selfspec",
+                     draft_vocab_size=128, selfspec_exit_layer=1)
+    loop = _served_loop(target, cfg)
+    pre = loop.served[: loop.snapshot_at]
+    other = functools.partial(tiny_target, vocab_size=V + 1, hidden_size=64, num_layers=4, seed=0)
+    fits = StaticFits(tmp_path)
+    fits.start(cfg, pre, 4, other, target.fingerprint, nice=0)  # not this target: refused there
+    _, fit = static_drafter(target, loop, cfg, steps=4, fits=fits)
+    assert "background" not in fit and fit["train_steps"] >= 1
+    fits.start(cfg, pre, 5, other, target.fingerprint, nice=0)
+    (_, proc, _), = fits._pending.values()
+    fits.close()
+    assert not proc.is_alive() and not fits._pending
+
+
+def test_the_suffix_kind_goes_first_to_leave_the_learned_kinds_a_core_for_their_static_fit():
+    assert kind_order(("hybrid", "suffix", "standalone")) == ["suffix", "hybrid", "standalone"]
+    assert kind_order(("standalone", "hybrid")) == ["standalone", "hybrid"]
