@@ -152,6 +152,7 @@ def build_engine(
         trace_topk=settings.trace_top_k,
         num_threads=settings.num_threads,
         capture_features=settings.trace_features,
+        prefix_cache_tokens=settings.prefix_cache_tokens,
     )
     log.info(
         "engine: target %s, drafter %s (%s), k=%d, batch %d, traces -> %s",

@@ -118,6 +118,18 @@ class RaggedKVCache:
         self._read_len = read_len
         return positions, mask[:, None]  # [B, q], [B, 1, q, L]
 
+    def seed(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Fill an empty batch-1 cache with committed tokens whose keys and values per layer,
+        [H, n, D] each, are given (a cached prompt prefix: serving/engine/prefix_cache.py)."""
+        if self.batch_size != 1 or self.lengths[0] != 0:
+            raise ValueError("seed fills an empty batch-1 cache")
+        n = keys[0].shape[1]
+        self._ensure_capacity(n)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.keys[layer][0, :, :n] = k
+            self.values[layer][0, :, :n] = v
+        self.lengths = [n]
+
     def set_tree(self, depth: torch.Tensor, ancestors: torch.Tensor) -> None:
         """The next ``prepare(q)`` lays out a token tree per row: ``depth`` [B, q] of each node
         (root 0), ``ancestors`` [B, q, q] bool (node i sees node j iff j is i or an ancestor)."""

@@ -97,6 +97,15 @@ class EngineConfig(BaseModel):
         "graphs of up to 8 rows are captured when the engine starts. Ignored off CUDA and with "
         "forward='hf'.",
     )
+    prefix_cache_tokens: int = Field(
+        2048,
+        ge=0,
+        description="Keep the target's keys and values of up to this many prompt tokens, in blocks "
+        "of 8 keyed by the whole prefix, and copy them into a later prompt that starts the same "
+        "way instead of prefilling it (serving/engine/prefix_cache.py): a chat template's system "
+        "prompt, a conversation's earlier turns. Bit for bit a full prefill's cache. 0 = off. "
+        "Not with drafters that read the target's hidden states (they need every prompt token's).",
+    )
     capture_features: bool = Field(
         False,
         description="Run the target with hidden states even when the drafter needs none, so traces "

@@ -16,6 +16,7 @@ from serving.engine.batch_cache import RaggedKVCache, round_up_columns
 from serving.engine.cuda_graphs import StepGraphs
 from serving.engine.forward_cache import shared_forward
 from serving.engine.llama_forward import LlamaForward
+from serving.engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class ModelRunner:
         bf16_panels: bool = True,
         amx_panels: bool = True,
         cuda_graphs: bool = True,
+        prefix_cache_tokens: int = 0,
     ):
         self.model = model
         self.device = torch.device(device)
@@ -54,6 +56,9 @@ class ModelRunner:
             self.graphs = StepGraphs(self.fast)
         self.feature_layers: tuple[int, ...] = ()
         """Hidden-state layers the current drafter wants with every forward (() = none)."""
+        self.prefix_cache = PrefixCache(max_tokens=prefix_cache_tokens) if prefix_cache_tokens else None
+        """Keys and values of prompt prefixes prefilled before (serving/engine/prefix_cache.py);
+        None: every prompt is prefilled whole."""
 
     def new_cache(self, batch_size: int | None = None, max_rows: int | None = None) -> RaggedKVCache:
         """An empty cache of ``batch_size`` rows (0 if None) that will hold at most ``max_rows``
@@ -136,13 +141,25 @@ class ModelRunner:
 
     def prefill(self, prompt_ids: list[int]) -> tuple[RaggedKVCache, torch.Tensor | None]:
         """A batch-1 cache holding prompt[:-1] (the last prompt token is the first verify step's
-        input), and its features [P-1, F] (None if not wanted)."""
+        input), and its features [P-1, F] (None if not wanted). With a prefix cache (and no
+        features wanted: it keeps none), a cached start of the prompt is copied in, not computed."""
         cache = self.new_cache(batch_size=1)
-        n = len(prompt_ids) - 1
+        tokens = prompt_ids[:-1]
+        n = len(tokens)
         if n == 0:
             return cache, (self.no_features() if self.feature_layers else None)
-        out = self.forward(cache, torch.tensor([prompt_ids[:-1]]), logits_to_keep=1)
-        cache.commit([n])
+        prefixes = self.prefix_cache if not self.feature_layers else None
+        cached = 0
+        if prefixes is not None:
+            cached, keys, values = prefixes.lookup(tokens[:-1])  # at least one token is computed
+            if cached:
+                cache.seed(keys, values)
+            prefixes.hit_tokens += cached
+            prefixes.prefilled_tokens += n - cached
+        out = self.forward(cache, torch.tensor([tokens[cached:]]), logits_to_keep=1)
+        cache.commit([n - cached])
+        if prefixes is not None:
+            prefixes.insert(tokens, [k[0] for k in cache.keys], [v[0] for v in cache.values])
         feats = self.features(out)
         return cache, None if feats is None else feats[0]
 

@@ -92,7 +92,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.device = target.device
         self.runner = ModelRunner(self.model, self.device, cfg.forward, cfg.native_kernels,
-                                  cfg.bf16_panels, cfg.amx_panels, cfg.cuda_graphs)
+                                  cfg.bf16_panels, cfg.amx_panels, cfg.cuda_graphs,
+                                  prefix_cache_tokens=cfg.prefix_cache_tokens)
         self.eos_ids = _eos_ids(target)
         self.observers = list(observers)
         self.policy: SpeculationPolicy = policy or FixedK(cfg.k)
