@@ -168,7 +168,12 @@ def build_engine(
         from serving.engine.goodput_policy import GoodputPolicy
 
         policy = GoodputPolicy(settings.k)
-    return TorchEngine(target, drafter, config=config, observers=observers, policy=policy)
+    engine = TorchEngine(target, drafter, config=config, observers=observers, policy=policy)
+    if engine.runner.prefix_cache is not None:
+        from serving.metrics import watch_prefix_cache
+
+        watch_prefix_cache(engine.runner.prefix_cache, registry)
+    return engine
 
 
 def sglang_config(settings: ServingSettings):

@@ -18,6 +18,9 @@ Series (``row`` = one request in one verify step):
                                            drafted / accepted tokens by draft position (1 = first)
     specloop_spec_draft_length             histogram of drafted tokens per row (the k chosen)
     specloop_spec_off_rows_total           rows verified with no draft (speculation off)
+    specloop_prefix_cache_hit_tokens_total / _prefilled_tokens_total
+                                           prompt tokens copied from TorchEngine's prefix cache /
+                                           prefilled (read from the caches at scrape time)
     (elsewhere: specloop_traces_shed_total{reason} in feedback/bus/kafka_sink.py, specloop_drafter_swaps_total
     / _rollbacks_total / _refused_total and specloop_drafter_live_accept_len{version} /
     _live_acceptance_rate{version} in serving/live_acceptance.py, specloop_acceptance_drift_total{domain} in
@@ -39,6 +42,9 @@ PromQL:
                             / sum by (position) (rate(specloop_spec_position_drafted_total[5m]))
     k chosen (p50)        histogram_quantile(0.5, rate(specloop_spec_draft_length_bucket[5m]))
     speculation off       rate(specloop_spec_off_rows_total[5m]) / rate(specloop_spec_verify_steps_total[5m])
+    prefix cache hits     rate(specloop_prefix_cache_hit_tokens_total[5m])
+                            / (rate(specloop_prefix_cache_hit_tokens_total[5m])
+                               + rate(specloop_prefix_cache_prefilled_tokens_total[5m]))
     traces shed           sum by (reason) (rate(specloop_traces_shed_total[5m]))
     swaps / rollbacks     increase(specloop_drafter_swaps_total[1h]), increase(specloop_drafter_rollbacks_total[1h])
     acceptance drift      increase(specloop_acceptance_drift_total[1h]) > 0   (alert: which domain)
@@ -51,6 +57,7 @@ import weakref
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from serving.engine.base import VerifyBatch
 from serving.observers import BaseObserver
@@ -206,3 +213,37 @@ class SpecMetrics(BaseObserver):
                 pass
         self._drafter = (kind, version)
         info.labels(kind=kind, version=version).set(1)
+
+
+class _PrefixCaches:
+    """A registry's collector of its engines' prefix caches (serving/engine/prefix_cache.py): their
+    token counters, summed, read when the registry is scraped (the caches count on the step thread;
+    nothing is pushed per prefill)."""
+
+    def __init__(self):
+        self.caches: weakref.WeakSet = weakref.WeakSet()
+
+    def collect(self):
+        caches = list(self.caches)
+        for name, doc, attr in (
+            ("specloop_prefix_cache_hit_tokens", "Prompt tokens copied from the prefix cache.", "hit_tokens"),
+            ("specloop_prefix_cache_prefilled_tokens", "Prompt tokens prefilled (not in the prefix cache).",
+             "prefilled_tokens"),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], float(sum(getattr(c, attr) for c in caches)))
+            yield family
+
+
+_prefix_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _PrefixCaches] = weakref.WeakKeyDictionary()
+
+
+def watch_prefix_cache(cache, registry: CollectorRegistry | None = None) -> None:
+    """Export ``cache``'s hit and prefilled token counts on ``registry`` (default: the process's)."""
+    registry = registry if registry is not None else REGISTRY
+    with _lock:
+        collector = _prefix_by_registry.get(registry)
+        if collector is None:
+            collector = _prefix_by_registry[registry] = _PrefixCaches()
+            registry.register(collector)
+    collector.caches.add(cache)

@@ -77,3 +77,27 @@ def test_the_engine_serves_the_same_tokens_with_the_prefix_cache(ids_target, run
     for p, chunks in zip(prompts, outs):
         assert [t for c in chunks for t in c.token_ids] == expected[tuple(p)]
     assert engine.runner.prefix_cache.hit_tokens >= 32 * 3  # every later prompt reused the shared blocks
+
+
+def test_the_hits_are_exported_for_prometheus(ids_target):
+    from prometheus_client import CollectorRegistry
+
+    from serving.builder import build_engine
+    from serving.config import ServingSettings
+
+    registry = CollectorRegistry()
+    engine = build_engine(ServingSettings(k=0, trace_sink="none"), target=ids_target, registry=registry)
+    cache = engine.runner.prefix_cache
+    other = PrefixCache()
+    from serving.metrics import watch_prefix_cache
+
+    watch_prefix_cache(other, registry)  # a second engine on the same registry: summed
+    with torch.inference_mode():
+        engine.runner.prefill(SHARED + [1, 2])
+        engine.runner.prefill(SHARED + [3, 4])
+    other.hit_tokens, other.prefilled_tokens = 8, 2
+    assert registry.get_sample_value("specloop_prefix_cache_hit_tokens_total") == cache.hit_tokens + 8 == 40
+    assert registry.get_sample_value("specloop_prefix_cache_prefilled_tokens_total") == cache.prefilled_tokens + 2
+    off = build_engine(ServingSettings(k=0, trace_sink="none", prefix_cache_tokens=0), target=ids_target,
+                       registry=CollectorRegistry())
+    assert off.runner.prefix_cache is None
