@@ -121,7 +121,8 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     return toks
 
 
-def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, lossless_tokens: int) -> dict:
+def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, lossless_tokens: int,
+        prefix_prompts: int = 0) -> dict:
     from serving.engine.batch_cache import RaggedKVCache
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
@@ -276,7 +277,20 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         out["layer_by_layer"] = figures("layer_by_layer")
         out["speedup_vs_layer_by_layer"] = _speedup(out["layer_by_layer"], out)
     out["speedup_vs_reference"] = _speedup(out["reference"], out)
+    if prefix_prompts and not tiny:
+        out["prefix_cache"] = _prefix_cache(target, prefix_prompts)
     return out
+
+
+def _prefix_cache(target, n: int) -> dict:
+    """The prefix cache on the project's prompts (MT-Bench chat then HumanEval) and on held-out
+    ShareGPT (``n`` chat then ``n`` code prompts each, in serving order)."""
+    from benchmarks.prefill import prefix_cache_figures
+    from infra.prompts import encode, load_sharegpt, stream_items
+
+    streams = {"mtbench_humaneval": stream_items(None, n, n), "sharegpt": load_sharegpt(n, n)}
+    return prefix_cache_figures(target, {name: [p for p, _ in encode(items, target.tokenizer)]
+                                         for name, items in streams.items()})
 
 
 def _speedup(other: dict, fast: dict) -> dict:
@@ -295,8 +309,10 @@ def bench_engine(
     device: str = typer.Option(None, help="torch device for the target (e.g. cuda:0); default as loaded."),
     tiny: bool = typer.Option(False, "--tiny", help="A tiny random model (smoke runs)."),
     lossless_tokens: int = typer.Option(24, min=1, help="Greedy tokens per prompt for the lossless check."),
+    prefix_prompts: int = typer.Option(24, min=0, help="Chat and code prompts per stream for the prefix "
+                                       "cache's prefill figures (0 = skip them)."),
 ) -> None:
     """Decode step vs the memory bound, and verify cost by width: fast path vs HF reference."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    out = run(threads, context, reps, device, tiny, lossless_tokens)
+    out = run(threads, context, reps, device, tiny, lossless_tokens, prefix_prompts)
     print(json.dumps(out, indent=None if json_out else 2))

@@ -20,3 +20,16 @@ def test_bench_engine_reports_bound_and_verify_costs():
     # the bound uses the faster of the step's own weights and a fresh tensor: never flattered
     probes = [out["bandwidth_gbs_256mb_tensor"]] + [out["bandwidth_gbs_weights"] or 0.0]
     assert out["bandwidth_gbs"] == max(probes) > 0
+
+
+def test_prefill_figures_measure_the_prefix_cache_against_full_prefills():
+    from benchmarks.prefill import prefix_cache_figures
+    from serving.target import tiny_target
+
+    target = tiny_target(vocab_size=101, hidden_size=64, num_layers=2, seed=3)
+    shared = [(5 * i + 1) % 101 for i in range(24)]
+    prompts = [shared + [i, i + 1, i + 2] for i in range(6)] + [[7, 8, 9, 10]]
+    figures = prefix_cache_figures(target, {"s": prompts})["s"]
+    assert figures["prompts"] == 7 and figures["bit_identical"] is True
+    assert figures["hit_fraction"] == round(5 * 24 / (6 * 26 + 3), 3)  # the 5 later prompts' 3 blocks
+    assert figures["prefill_ms_cached"] > 0 and figures["prefill_ms_plain"] > 0
