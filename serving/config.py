@@ -86,7 +86,7 @@ class ServingSettings(EngineChoice):
     prefix_cache_tokens: int = Field(
         2048, ge=0, description="TorchEngine: keys and values of up to this many prompt tokens kept, "
         "in blocks of 8, for later prompts that start the same way (a system prompt, earlier turns): "
-        "copied in instead of prefilled, bit for bit a full prefill's (0 = off)."
+        "copied in instead of prefilled, bit for bit a full prefill's on the CPU fast forward (0 = off)."
     )
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens when a request gives none (capped by the context left)."

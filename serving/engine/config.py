@@ -103,8 +103,9 @@ class EngineConfig(BaseModel):
         description="Keep the target's keys and values of up to this many prompt tokens, in blocks "
         "of 8 keyed by the whole prefix, and copy them into a later prompt that starts the same "
         "way instead of prefilling it (serving/engine/prefix_cache.py): a chat template's system "
-        "prompt, a conversation's earlier turns. Bit for bit a full prefill's cache. 0 = off. "
-        "Not with drafters that read the target's hidden states (they need every prompt token's).",
+        "prompt, a conversation's earlier turns. On the CPU fast forward bit for bit a full "
+        "prefill's cache (elsewhere up to rounding). 0 = off. Not with drafters that read the "
+        "target's hidden states (they need every prompt token's).",
     )
     capture_features: bool = Field(
         False,

@@ -8,7 +8,9 @@ radix cache share the KV of common prefixes. A prompt reuses its longest run of 
 the start and prefills the rest (``ModelRunner.prefill``). The engine's forward computes a
 token's keys and values, and its attention output, independently of how many tokens share the call
 (kernels/packed_linear.py, kernels/native/decode_attention.c), so a prefill that starts from
-cached blocks leaves bit for bit the cache and outputs of a full one.
+cached blocks leaves bit for bit the cache and outputs of a full one. (The Hugging Face forward and
+CUDA's GEMMs promise no such thing: there a cached prefix equals a computed one up to rounding, as
+in vLLM and SGLang.)
 
 Bounded by ``max_tokens`` (blocks evicted least recently used first; a hit refreshes a prefix's
 blocks from its last to its first, so a prefix's first blocks outlive its later ones). One step
