@@ -159,7 +159,8 @@ async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds
         for kind in kinds:
             log.info("bench online: the %s drafter, each request also target-only", kind)
             started = time.perf_counter()
-            at_shift = fit_in_background if kind == "suffix" and learned and load_target and static == "offline" else None
+            background = kind == "suffix" and learned and load_target is not None and static == "offline"
+            at_shift = fit_in_background if background else None
             base = await target_only_loop(target, stream, cfg.max_tokens)
             try:
                 loop, frozen = await adapted_and_frozen(target, stack, stream,

@@ -28,7 +28,8 @@ class StaticFits:
     def __init__(self, directory):
         self.directory = Path(directory)
         self._done: dict[tuple, tuple] = {}
-        self._pending: dict[tuple, tuple] = {}  # key -> (path, future, pool)
+        self._pending: dict[tuple, tuple] = {}  # key -> (path, process, receiving end)
+        self._paths = 0
 
     @staticmethod
     def key(cfg, pre, steps: int) -> tuple:
@@ -37,7 +38,9 @@ class StaticFits:
         return recipe + (tuple((tuple(p), tuple(o)) for p, o in pre),)
 
     def _next_path(self) -> Path:
-        return self.directory / f"static-{len(self._done) + len(self._pending)}"
+        """A directory no fit has used (a failed background fit's is left as it is)."""
+        self._paths += 1
+        return self.directory / f"static-{self._paths - 1}"
 
     def start(self, cfg, pre, steps: int, load_target, fingerprint, nice: int = 10) -> None:
         """Begin fitting ``cfg``'s recipe on ``pre`` in a process of its own (one thread, ``nice``
