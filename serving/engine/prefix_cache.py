@@ -65,8 +65,9 @@ class PrefixCache:
             key = tuple(tokens[:end])
             if key not in self._blocks:
                 cols = slice(end - self.block, end)
-                self._blocks[key] = (torch.stack([k[:, cols] for k in keys]).clone(),  # [layers, H, block, D]
-                                     torch.stack([v[:, cols] for v in values]).clone())
+                # stack copies: the block outlives the cache it came from. [layers, H, block, D]
+                self._blocks[key] = (torch.stack([k[:, cols] for k in keys]),
+                                     torch.stack([v[:, cols] for v in values]))
         for end in reversed(ends):  # the first blocks last: they are the most recently used
             self._blocks.move_to_end(tuple(tokens[:end]))
         while len(self._blocks) > self.max_blocks:
