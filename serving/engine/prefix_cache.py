@@ -45,10 +45,11 @@ class PrefixCache:
         each (n a multiple of ``block``; 0 and empty lists on a miss)."""
         found = []
         for end in range(self.block, len(tokens) + 1, self.block):
-            kv = self._blocks.get(tuple(tokens[:end]))
+            key = tuple(tokens[:end])
+            kv = self._blocks.get(key)
             if kv is None:
                 break
-            found.append((tuple(tokens[:end]), kv))
+            found.append((key, kv))
         for key, _ in reversed(found):
             self._blocks.move_to_end(key)
         if not found:
@@ -61,17 +62,14 @@ class PrefixCache:
         """Keep the full blocks of ``tokens`` whose keys and values per layer, [H, >= len(tokens), D]
         (e.g. a batch-1 cache's row), are given; blocks already cached stay as they are."""
         ends = range(self.block, len(tokens) + 1, self.block)
-        for end in ends:
-            key = tuple(tokens[:end])
+        prefixes = [tuple(tokens[:end]) for end in ends]
+        for end, key in zip(ends, prefixes):
             if key not in self._blocks:
                 cols = slice(end - self.block, end)
                 # stack copies: the block outlives the cache it came from. [layers, H, block, D]
                 self._blocks[key] = (torch.stack([k[:, cols] for k in keys]),
                                      torch.stack([v[:, cols] for v in values]))
-        for end in reversed(ends):  # the first blocks last: they are the most recently used
-            self._blocks.move_to_end(tuple(tokens[:end]))
+        for key in reversed(prefixes):  # the first blocks last: they are the most recently used
+            self._blocks.move_to_end(key)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
-
-    def clear(self) -> None:
-        self._blocks.clear()
