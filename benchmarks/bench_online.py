@@ -1,15 +1,18 @@
 """``specloop bench online``: the closed loop on a domain-shift stream, against target-only decoding
-and a drafter frozen at the shift, for the hybrid, suffix-only and learned-only drafters.
+and a static drafter after the shift, for the hybrid, suffix-only and learned-only drafters.
 
 Per drafter kind: serve the stream through the loop (trainer + swaps for learned kinds; the suffix
-index learns on its own), snapshot the drafter at the shift, then serve the post-shift prompts again
-with the snapshot frozen. Every request of a kind's stream is also served target-only (k = 0) right
-before or after it, alternately (ABBA): that is the kind's speed baseline and the greedy
-reference for ``lossless``. One shared target-only run, minutes before the last kind, let this
-VM's drift (the baseline moved by 11 % within one 13-minute run) read as speculation's gain or
-loss: the suffix drafter's day 0 read 1.050 in one run and 0.919 in the next with no change to it.
-The pairing also puts a learned kind's trainer beside both (``bench interference`` measures what
-it costs serving). The top-level figures are the hybrid's.
+index learns on its own). Every request is also served target-only (k = 0), and every post-shift
+request also with the static drafter (the same kind trained offline on the target's pre-shift
+responses, or the loop's own drafter frozen at the shift), each right before or after the loop's
+(infra/paired_serving.py): the target-only requests are the kind's speed baseline and the greedy
+reference for ``lossless``, the static ones ``static_vs_adapted_after_shift``'s. One shared
+target-only run, minutes before the last kind, let this VM's drift (the baseline moved by 11 %
+within one 13-minute run) read as speculation's gain or loss: the suffix drafter's day 0 read 1.050
+in one run and 0.919 in the next with no change to it; the static replay after the stream did the
+same to ``static_vs_adapted_after_shift`` until the twenty-third session. The pairing also puts a
+learned kind's trainer beside all three (``bench interference`` measures what it costs serving).
+The top-level figures are the hybrid's.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ import typer
 
 from benchmarks.static_fits import StaticFits, static_drafter
 from infra.loop import LoopConfig, OnlineLoop
-from infra.loop_metrics import shift_index, summarise, target_only_loop
+from infra.loop_metrics import shift_index, summarise
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
+from infra.paired_serving import serve_paired, target_only_loop, warmed
 from infra.prompts import encode, stream_items
 
 log = logging.getLogger(__name__)
@@ -53,49 +57,45 @@ def is_heldout(i: int) -> bool:
     return i % HELDOUT_EVERY == HELDOUT_EVERY - 1
 
 
-async def serve_stream(loop: OnlineLoop, items, start: int, on_point=None, paired: OnlineLoop | None = None):
-    """Serve ``items`` (stream positions ``start``...) one at a time through ``loop``; with
-    ``paired`` (a target-only loop), each request is also served there right before or after it,
-    alternately (ABBA), so that the machine's drift weighs on both alike."""
-    for j, item in enumerate(items):
-        paired_first = paired is not None and (start + j) % 2 == 1
-        if paired_first:
-            await paired.serve([item], train=False)
-        await loop.serve([item], on_point, train=not is_heldout(start + j))
-        if paired is not None and not paired_first:
-            await paired.serve([item], train=False)
+def trained(position: int) -> bool:
+    return not is_heldout(position)
 
 
 async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=None, static: str = "offline",
                              paired: OnlineLoop | None = None, fits: StaticFits | None = None, at_shift=None):
-    """The loop over the stream (snapshot at the shift), then the static drafter after the shift:
-    ``offline``: the same kind trained offline on the target's pre-shift responses
-    (``static_drafter``, trained once per ``fits``); ``snapshot``: the loop's own drafter frozen at
-    the shift. ``paired``: a target-only loop that serves each request beside the loop's
-    (``serve_stream``). ``at_shift(loop)``: called once the pre-shift requests are served."""
+    """The loop over the stream (snapshot at the shift) and, from the shift on, the static drafter
+    beside it, request by request: ``offline``: the same kind trained offline on the target's
+    pre-shift responses (``static_drafter``, trained once per ``fits``; a fit nobody started in
+    the background is trained here at the shift, pausing the stream while the loop's trainer goes
+    on: ``static_fit.paused_stream_s``); ``snapshot``: the loop's own drafter frozen at the shift.
+    ``paired``: a target-only loop that serves every request beside the loop's. Paired serving
+    (infra/paired_serving.py) keeps the machine's drift out of both comparisons.
+    ``at_shift(loop)``: called once the pre-shift requests are served. Returns the loop and the
+    static drafter's points on the post-shift requests."""
     shift = shift_index([d for _, d in stream])
     loop = OnlineLoop(target, stack, cfg, tag=uuid.uuid4().hex[:8])
+    beside = [paired] if paired is not None else []
+    frozen = None
     await loop.start()
     try:
-        await serve_stream(loop, stream[:shift], 0, on_point, paired)
+        await serve_paired(loop, stream[:shift], 0, on_point, beside, train=trained)
         loop.snapshot()
         if at_shift is not None:
             at_shift(loop)
-        await serve_stream(loop, stream[shift:], shift, on_point, paired)
+        t0 = time.perf_counter()
+        if static == "offline" and cfg.drafter != "suffix":
+            fixed, fit = static_drafter(target, loop, cfg, fits=fits)
+            loop.static_fit = {**fit, "paused_stream_s": round(time.perf_counter() - t0, 1)}
+        else:
+            fixed = loop.frozen_drafter()
+        frozen_cfg = LoopConfig(**{**cfg.__dict__, "train": False})
+        frozen = await warmed(OnlineLoop(target, None, frozen_cfg, tag=loop.tag, drafter=fixed), stream)
+        await serve_paired(loop, stream[shift:], shift, on_point, [*beside, frozen], train=trained)
     finally:
+        if frozen is not None:
+            await frozen.stop()
         await loop.stop()
-    frozen_cfg = LoopConfig(**{**cfg.__dict__, "train": False})
-    if static == "offline" and cfg.drafter != "suffix":
-        fixed, loop.static_fit = static_drafter(target, loop, cfg, fits=fits)
-    else:
-        fixed = loop.frozen_drafter()
-    frozen = OnlineLoop(target, None, frozen_cfg, tag=loop.tag, drafter=fixed)
-    await frozen.start()
-    try:
-        frozen_points = await frozen.serve(stream[shift:], train=False)
-    finally:
-        await frozen.stop()
-    return loop, frozen_points
+    return loop, frozen.points
 
 
 def learned_model(drafter):
@@ -157,7 +157,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds
 
     try:
         for kind in kinds:
-            log.info("bench online: the %s drafter, each request also target-only", kind)
+            log.info("bench online: the %s drafter, each request also target-only (after the shift: and static)", kind)
             started = time.perf_counter()
             background = kind == "suffix" and learned and load_target is not None and static == "offline"
             at_shift = fit_in_background if background else None
@@ -178,9 +178,8 @@ async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds
             by_drafter[kind]["static_baseline"] = static if kind != "suffix" else "snapshot"
             by_drafter[kind]["target_only_tok_s"] = tok_s(baseline)
             by_drafter[kind].update(trainer_figures(loop))
-            # the kind's whole share of the run: its stream and the paired target-only requests, the
-            # offline static baseline's training (unless it trained in the background), the frozen
-            # drafter's replay
+            # the kind's whole share of the run: its stream with the paired target-only and static
+            # requests, and the offline static baseline's training unless it trained in the background
             by_drafter[kind]["wall_s"] = round(time.perf_counter() - started, 1)
     finally:
         fits.close()

@@ -1,10 +1,12 @@
 """``specloop demo`` (``make demo``): the whole closed loop on CPU, live, in one command.
 
-Starts the local stack (tansu, Redis, MLflow; stopped at the end, also on Ctrl-C), measures a short
-target-only baseline, then serves a domain-shift stream (MT-Bench chat, then HumanEval code) through
-TorchEngine + a day-0 hybrid drafter (suffix + standalone), traces to Kafka, the trainer (a
-TrainerLoop thread, see infra/loop.py) registering in MLflow, and the Swapper. Prints a
-summary table, writes a plot and the summary JSON under the run directory.
+Starts the local stack (tansu, Redis, MLflow; stopped at the end, also on Ctrl-C), then serves a
+domain-shift stream (MT-Bench chat, then HumanEval code) through TorchEngine + a day-0 hybrid drafter
+(suffix + learned), traces to Kafka, the trainer (a Ray actor process, see infra/loop.py)
+registering in MLflow, and the Swapper. A sample of the requests spread over the stream is also
+served target-only, each right beside the loop's (infra/paired_serving.py): the speedups compare
+the two on those requests. Prints a summary table, writes a plot and the summary JSON under the
+run directory.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def plot(points, events, shift: int, path: Path, baseline_tok_s: float | None = 
 class Progress:
     """The live display: one rich table, refreshed after each request."""
 
-    def __init__(self, total: int, baseline_tok_s: float, loop):
+    def __init__(self, total: int, baseline_tok_s, loop):
+        """``baseline_tok_s()``: target-only tok/s so far (0: none yet)."""
         from rich.live import Live
 
         self.total, self.baseline, self.loop = total, baseline_tok_s, loop
@@ -89,7 +92,7 @@ class Progress:
             ("requests", f"{len(pts)}/{self.total}" + (f"  ({pts[-1].domain})" if pts else "")),
             ("tokens / verify step", f"{accept:.2f}"),
             ("tokens/s", f"{tok_s:.1f}"),
-            ("speedup vs target-only", f"{tok_s / self.baseline:.2f}x" if self.baseline else "-"),
+            ("speedup vs target-only", f"{tok_s / base:.2f}x" if (base := self.baseline()) else "-"),
             ("drafter version", str(getattr(self.loop.engine.drafter, "version", "-"))),
             ("swaps / rollbacks", f"{self.loop.swaps} / {self.loop.rollbacks}"),
             ("acceptance drifts", _drift_row(self.loop.drifts)),
@@ -150,21 +153,25 @@ def matched_speedup(points, base: dict, indices: list[int]) -> float | None:
 
 async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: int, console) -> dict:
     from infra.loop import OnlineLoop
-    from infra.loop_metrics import shift_index, summarise, target_only, tok_s, trainer_figures
+    from infra.loop_metrics import shift_index, summarise, tok_s, trainer_figures
+    from infra.paired_serving import serve_paired, target_only_loop
 
     sampled = baseline_sample(len(stream), baseline_n)
-    console.print(f"target-only baseline on {len(sampled)} requests spread over the stream ...")
-    base = dict(zip(sampled, await target_only(target, [stream[i] for i in sampled], cfg.max_tokens)))
-    base_tok_s = tok_s(list(base.values()))
+    console.print(f"target-only baseline: {len(sampled)} requests spread over the stream, each served "
+                  "right beside the loop's")
     shift = shift_index([d for _, d in stream])
+    base_loop = await target_only_loop(target, stream, cfg.max_tokens)
     loop = OnlineLoop(target, stack_info, cfg, run_dir)
-    await loop.start()
-    progress = Progress(len(stream), base_tok_s, loop)
     try:
+        await loop.start()
+        progress = Progress(len(stream), lambda: tok_s(base_loop.points), loop)
         with progress.live:
-            await loop.serve(stream, progress.update)
+            await serve_paired(loop, stream, 0, progress.update, [base_loop], twin=set(sampled).__contains__)
     finally:
         await loop.stop()
+        await base_loop.stop()
+    base = {i: p for i, p in zip(sampled, base_loop.points)}
+    base_tok_s = tok_s(base_loop.points)
     summary = summarise(loop.points, shift, swaps=loop.swaps, rollbacks=loop.rollbacks,
                         freshness=loop.freshness_s(), drifts=loop.drifts)
 
@@ -174,6 +181,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     summary.update({
         "target_only_tok_s": base_tok_s,
         "baseline_requests": len(sampled),
+        "baseline_paired": True,
         "speedup_overall": matched(lambda i: True),
         "speedup_before_shift": matched(lambda i: i < shift),
         "speedup_after_shift": matched(lambda i: i >= shift),
@@ -196,7 +204,8 @@ def demo(
     adaptive_k: bool = typer.Option(True, help="Choose k per step (0 = off) by expected goodput from "
                                     "live acceptance and measured costs; --no-adaptive-k: fixed k."),
     baseline: int = typer.Option(16, min=1, help="Requests in the target-only baseline, spread over "
-                                 "the stream; the speedups compare the loop with it on the same requests."),
+                                 "the stream, each served right beside the loop's; the speedups compare the loop with it on "
+                                 "the same requests."),
     run_dir: Path = typer.Option(None, help="Where the plot, summary and stack data go "
                                  "(default: ./specloop-demo/<timestamp>)."),
     threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from infra.loop import LoopConfig, OnlineLoop
+from infra.loop import OnlineLoop
 
 
 def shift_index(domains: list[str]) -> int:
@@ -75,29 +75,6 @@ def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollba
     fresh = list(freshness or [])
     out["freshness_s_median"] = statistics.median(fresh) if fresh else None
     return out
-
-
-async def target_only_loop(target, stream, max_tokens: int) -> OnlineLoop:
-    """A started target-only loop (k = 0, no training), warmed up, with no points yet: the caller
-    serves on it and stops it."""
-    loop = OnlineLoop(target, None, LoopConfig(k=0, train=False, max_tokens=max_tokens))
-    await loop.start()
-    try:
-        await loop.serve([(stream[0][0][:8], stream[0][1])])  # warm-up (first forwards are slow)
-    except BaseException:
-        await loop.stop()
-        raise
-    loop.points.clear()
-    loop.served.clear()
-    return loop
-
-
-async def target_only(target, stream, max_tokens: int):
-    loop = await target_only_loop(target, stream, max_tokens)
-    try:
-        return await loop.serve(stream)
-    finally:
-        await loop.stop()
 
 
 def trainer_figures(loop: OnlineLoop, **extra) -> dict:

@@ -6,9 +6,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.bench_online import heldout_acceptance, is_heldout, kind_order, serve_stream
+from benchmarks.bench_online import (
+    adapted_and_frozen,
+    heldout_acceptance,
+    is_heldout,
+    kind_order,
+    trained,
+)
 from benchmarks.static_fits import StaticFits, static_drafter
 from infra.loop import LoopConfig, OnlineLoop
+from infra.paired_serving import serve_paired, target_only_loop
 from serving.target import tiny_target
 
 V = 256
@@ -34,7 +41,7 @@ def test_static_drafter_is_the_same_kind_trained_on_pre_shift_outputs(kind, targ
     async def run():
         await loop.start()
         try:
-            await serve_stream(loop, items, 0)
+            await serve_paired(loop, items, train=trained)
             loop.snapshot()
         finally:
             await loop.stop()
@@ -78,7 +85,7 @@ def test_the_hybrid_and_the_learned_only_kind_share_one_static_fit(target, tmp_p
     async def run():
         await loop.start()
         try:
-            await serve_stream(loop, stream(6, "chat", 1), 0)
+            await serve_paired(loop, stream(6, "chat", 1), train=trained)
             loop.snapshot()
         finally:
             await loop.stop()
@@ -105,7 +112,7 @@ def _served_loop(target, cfg, n=6, seed=1):
     async def run():
         await loop.start()
         try:
-            await serve_stream(loop, stream(n, "chat", seed), 0)
+            await serve_paired(loop, stream(n, "chat", seed), train=trained)
             loop.snapshot()
         finally:
             await loop.stop()
@@ -161,3 +168,35 @@ def test_a_background_fit_that_fails_is_done_here_and_unasked_ones_are_stopped(t
 def test_the_suffix_kind_goes_first_to_leave_the_learned_kinds_a_core_for_their_static_fit():
     assert kind_order(("hybrid", "suffix", "standalone")) == ["suffix", "hybrid", "standalone"]
     assert kind_order(("standalone", "hybrid")) == ["standalone", "hybrid"]
+
+
+@pytest.mark.parametrize("kind", ["suffix", "standalone"])
+def test_the_static_drafter_serves_each_post_shift_request_beside_the_adapted_one(kind, target):
+    """``static_vs_adapted_after_shift`` compares requests served one right after the other (the
+    machine's drift weighs on both), not a replay after the stream; the loop's own drafter frozen
+    at the shift serves beside the live one, which keeps learning, and both stay lossless."""
+    cfg = LoopConfig(drafter=kind, train=False, k=3, max_tokens=10, day0_init="selfspec", draft_vocab_size=128,
+                     selfspec_exit_layer=1)
+    items = stream(5, "chat", 2) + stream(4, "code", 3)
+
+    async def run():
+        base = await target_only_loop(target, items, cfg.max_tokens)
+        try:
+            return (*await adapted_and_frozen(target, None, items, cfg, static="snapshot", paired=base), base)
+        finally:
+            await base.stop()
+
+    loop, frozen, base = asyncio.run(run())
+    assert [p.domain for p in frozen] == ["code"] * 4 and not any(p.failed for p in frozen)
+    assert [p.output for p in frozen] == [p.output for p in base.points[5:]] == [p.output for p in loop.points[5:]]
+    assert len(base.points) == len(loop.points) == 9
+    # every post-shift position: its three requests finished one after the other, the loop's first
+    # on even positions and last on odd ones
+    done = sorted([(p.done_at, "loop", p.index) for p in loop.points[5:]]
+                  + [(p.done_at, "base", i + 5) for i, p in enumerate(base.points[5:])]
+                  + [(p.done_at, "static", i + 5) for i, p in enumerate(frozen)])
+    for n, position in enumerate(range(5, 9)):
+        group = done[3 * n: 3 * n + 3]
+        assert {g[2] for g in group} == {position}
+        assert [g[1] for g in group] == (["loop", "base", "static"] if position % 2 == 0
+                                         else ["static", "base", "loop"])

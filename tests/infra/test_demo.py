@@ -177,6 +177,8 @@ def test_run_demo_writes_its_summary_plot_and_per_request_points(kafka_broker, r
     summary = asyncio.run(run_demo(_walk_target(), stack, stream, cfg, tmp_path, 2, Console(file=io.StringIO())))
     assert summary["requests"] == len(stream) and summary["failed_requests"] == 0
     assert summary["target_only_tok_s"] > 0 and summary["trainer_records_polled"] <= len(stream)
+    assert summary["baseline_paired"] and summary["baseline_requests"] == 2
+    assert summary["speedup_before_shift"] > 0 and summary["speedup_after_shift"] > 0  # one each side
     points = json.loads((tmp_path / "points.json").read_text())
     assert [p["index"] for p in points] == list(range(len(stream)))
     assert [p["domain"] for p in points] == [d for _, d in stream]
