@@ -64,6 +64,7 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         distill=s.distill_config(),
         gate=GateConfig(k=s.k, acceptance_margin=s.acceptance_margin, speedup_margin=s.speedup_margin,
                         draft_cost=s.draft_cost, hybrid=s.hybrid, refresh_after_s=s.refresh_after_s,
+                        refresh_speedup_slack=s.refresh_speedup_slack,
                         **({"verify_cost": s.verify_cost} if s.verify_cost is not None else {}),
                         **({"verify_costs": tuple(s.verify_costs)} if s.verify_costs else {})),
         replay=ReplayBuffer(capacity=s.replay_capacity, heldout_fraction=s.heldout_fraction,

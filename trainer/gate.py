@@ -1,7 +1,8 @@
 """The promotion gate: candidate vs champion on held-out recent traces, never by loss.
 
-Two measures, both must beat the champion by a margin (or, for a refresh, merely match a champion
-older than ``GateConfig.refresh_after_s``: see ``judge``):
+Two measures, both must beat the champion by a margin (or, for a refresh of a champion older than
+``GateConfig.refresh_after_s``, merely match it, or predict better within a slack of its simulated
+speedup: see ``refresh_reason``):
 - expected acceptance ``sum_x min(p(x), q(x))`` over the target's top-k at every accepted-path row
   of the held-out traces (a lower bound: the tail outside the top-k counts as 0);
 - simulated speedup at the serving k: replay the held-out outputs step by step with the draft's
@@ -70,6 +71,14 @@ class GateConfig:
     once that champion has been live this long: small updates, promoted often, keep the live
     drafter trained on recent traffic (the median trace -> live time), not only on what it had
     when it last beat its predecessor by the margin. None: only a candidate that beats it."""
+    refresh_speedup_slack: float = 0.01
+    """A refresh may also simulate up to this fraction slower than its champion where it predicts
+    the target better (expected acceptance above the champion's by ``acceptance_margin``). The
+    hybrid simulation reads a better learned drafter a little slow: its flat-rate choice asks the
+    drafter on more steps and charges every draft it asks for, where serving's hybrid keeps only
+    the drafts the drafter's own probabilities still back (ARCHITECTURE.md, twenty-first session).
+    Three demos' refused refreshes that predicted better by 0.02-0.07 simulated 0.06-2.2 % slower,
+    most under 1 %. Serving's rollback watch still judges every swap live. 0: no slack."""
 
 
 @dataclass
@@ -327,9 +336,21 @@ def judge(
         return GateDecision(True, "candidate beats champion", cand, champ)
     stale = (champion is not None and cfg.refresh_after_s is not None and champion_age_s is not None
              and champion_age_s >= cfg.refresh_after_s)
-    if stale and cand.expected_acceptance >= champ.expected_acceptance and cand.sim_speedup >= champ.sim_speedup:
-        return GateDecision(True, f"refresh: candidate no worse than a champion live for {champion_age_s:.0f} s "
+    if stale and (why := refresh_reason(cand, champ, cfg)):
+        return GateDecision(True, f"refresh: {why} a champion live for {champion_age_s:.0f} s "
                             f"(expected acceptance {cand.expected_acceptance:.4f} vs "
                             f"{champ.expected_acceptance:.4f}, simulated speedup {cand.sim_speedup:.4f} vs "
                             f"{champ.sim_speedup:.4f})", cand, champ)
     return GateDecision(False, reason, cand, champ)
+
+
+def refresh_reason(cand: DrafterScore, champ: DrafterScore, cfg: GateConfig) -> str | None:
+    """Why ``cand`` may refresh ``champ`` (a champion live long enough), or None: no worse on both
+    measures, or a better predictor of the target within ``refresh_speedup_slack`` of its
+    simulated speedup."""
+    if cand.expected_acceptance >= champ.expected_acceptance and cand.sim_speedup >= champ.sim_speedup:
+        return "candidate no worse than"
+    if (cand.expected_acceptance > champ.expected_acceptance + cfg.acceptance_margin
+            and cand.sim_speedup >= champ.sim_speedup * (1.0 - cfg.refresh_speedup_slack)):
+        return f"candidate predicts better, simulated within {cfg.refresh_speedup_slack:.1%} of"
+    return None

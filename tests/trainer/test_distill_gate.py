@@ -149,3 +149,24 @@ def test_training_precision_is_bf16_only_where_native_or_asked():
     assert autocast_bf16("auto", cpu) == native_bf16()
     with pytest.raises(ValueError, match="precision"):
         autocast_bf16("fp16", cpu)
+
+
+def test_a_refresh_that_predicts_better_may_simulate_slightly_slower():
+    """The hybrid simulation reads a better learned drafter a little slow (it charges every draft
+    its flat-rate choice asks for): a refresh with higher expected acceptance passes within the
+    slack of the champion's simulated speedup, never beyond it, and never without predicting
+    better by the margin."""
+    from trainer.gate import DrafterScore, refresh_reason
+
+    cfg = GateConfig(acceptance_margin=0.005, refresh_speedup_slack=0.01)
+    champ = DrafterScore(expected_acceptance=0.19, sim_accept_len=1.2, sim_speedup=1.600)
+
+    def score(acceptance, speedup):
+        return DrafterScore(expected_acceptance=acceptance, sim_accept_len=1.2, sim_speedup=speedup)
+
+    assert refresh_reason(score(0.19, 1.600), champ, cfg).startswith("candidate no worse")
+    assert refresh_reason(score(0.22, 1.595), champ, cfg).startswith("candidate predicts better")
+    assert refresh_reason(score(0.22, 1.580), champ, cfg) is None  # 1.25 % slower: beyond the slack
+    assert refresh_reason(score(0.193, 1.595), champ, cfg) is None  # better, but not by the margin
+    assert refresh_reason(score(0.18, 1.700), champ, cfg) is None  # predicts worse
+    assert refresh_reason(score(0.22, 1.595), champ, dataclasses.replace(cfg, refresh_speedup_slack=0.0)) is None
