@@ -87,9 +87,9 @@ class TrainerSettings(BaseSettings):
         "freshness); None = only a candidate that beats the champion by the margins.")
     refresh_speedup_slack: float = Field(
         0.01, ge=0, lt=1, description="A refresh may also simulate up to this fraction slower than the "
-        "champion where its expected acceptance beats the champion's by acceptance_margin (the hybrid "
-        "simulation reads a better learned drafter a little slow; serving's rollback watch judges "
-        "every swap); 0 = no slack.")
+        "champion where its expected acceptance beats the champion's by acceptance_margin (a deficit "
+        "within what the hybrid simulation can tell; serving's rollback watch judges every swap); "
+        "0 = no slack.")
     draft_cost: float = Field(0.16, description="Learned draft token cost relative to a target step.")
     verify_cost: float | None = Field(None, description="Verify cost of k+1 tokens relative to a target step "
                                       "(as measured where serving runs); None = the gate's default.")
