@@ -29,7 +29,6 @@ run (so the before/after ratio is measured on the same machine at the same time)
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import sys
@@ -40,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import typer
 
+from benchmarks.output import json_option, print_json
 from kernels import packed_linear
 from kernels.cpu import cpu_info
 from kernels.threads import serial_torch
@@ -302,7 +302,7 @@ def _speedup(other: dict, fast: dict) -> dict:
 
 
 def bench_engine(
-    json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
+    json_out: bool = json_option(),
     threads: int = typer.Option(2, min=1, help="torch threads."),
     context: int = typer.Option(256, min=1, help="Tokens already in the cache when timing."),
     reps: int = typer.Option(9, min=1, help="Timed forwards per width and path (median)."),
@@ -315,4 +315,4 @@ def bench_engine(
     """Decode step vs the memory bound, and verify cost by width: fast path vs HF reference."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     out = run(threads, context, reps, device, tiny, lossless_tokens, prefix_prompts)
-    print(json.dumps(out, indent=None if json_out else 2))
+    print_json(out, json_out)

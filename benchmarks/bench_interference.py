@@ -26,7 +26,6 @@ in ABBA order, so that a slow period of the machine weighs on both. Prints one J
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import signal
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import typer
 
+from benchmarks.output import json_option, print_json
 from benchmarks.runner import check_precision
 
 
@@ -173,7 +173,7 @@ async def _rounds(target, prompts, max_tokens, rounds, pid, steps, config, engin
 
 
 def bench_interference(
-    json_out: bool = typer.Option(False, "--json", help="Print the JSON object only."),
+    json_out: bool = json_option(),
     prompts: str = typer.Option(None, help="Prompt set: None (MT-Bench + HumanEval), \"sharegpt\" or a JSONL file."),
     limit: int = typer.Option(4, min=1, help="Prompts per domain served in each round."),
     max_tokens: int = typer.Option(48, min=1, help="New tokens per prompt."),
@@ -185,4 +185,4 @@ def bench_interference(
 ) -> None:
     """Serving tok/s with a training drafter beside it vs without; print serving_slowdown."""
     result = run(prompts, limit, max_tokens, rounds, drafter, threads, precision)
-    typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
+    print_json(result, json_out)

@@ -11,7 +11,6 @@ is). Client and server share this machine's cores: the client's own CPU use is p
 from __future__ import annotations
 
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -21,6 +20,7 @@ import time
 
 import typer
 
+from benchmarks.output import json_option, print_json
 from kernels.cpu import cpu_model
 
 
@@ -184,7 +184,8 @@ def bench_load(
     k: int = typer.Option(4, min=0, help="Drafted tokens per step (suffix drafter)."),
     threads: int = typer.Option(1, min=1, help="Server torch threads."),
     calibrate: float = typer.Option(10.0, min=1, help="Seconds of closed-loop capacity measurement."),
+    json_out: bool = json_option(),
 ) -> None:
     """Overload a loopback server at FACTOR x its capacity: 429s, not errors or unbounded memory."""
-    print(json.dumps(run(tiny, duration, factor, max_tokens, max_batch_size, max_waiting, k,
-                         threads, calibrate)))
+    print_json(run(tiny, duration, factor, max_tokens, max_batch_size, max_waiting, k, threads, calibrate),
+               json_out)

@@ -18,7 +18,6 @@ The top-level figures are the hybrid's.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import uuid
 
 import typer
 
+from benchmarks.output import json_option, print_json
 from benchmarks.static_fits import StaticFits, static_drafter
 from infra.loop import LoopConfig, OnlineLoop
 from infra.loop_metrics import shift_index, summarise
@@ -190,7 +190,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds
 
 
 def bench_online(
-    json_out: bool = typer.Option(True, "--json/--no-json", help="One JSON object on stdout."),
+    json_out: bool = json_option(),
     prompts: str = typer.Option(None, help="JSONL stream (prompt or messages, domain), served in file order; or \"sharegpt\" (held-out real user prompts: --chat chat then --code code)."),
     max_tokens: int = typer.Option(48, min=1, help="New tokens per request."),
     chat: int = typer.Option(24, min=1, help="Chat requests before the shift (MT-Bench, or ShareGPT with --prompts sharegpt)."),
@@ -230,4 +230,4 @@ def bench_online(
             out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
         finally:
             stack.down()
-    print(json.dumps(out, indent=None if json_out else 2, default=float))
+    print_json(out, json_out)

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import typer
+
+from benchmarks.output import json_option, print_json
 
 _TEXT_PROMPTS = [
     "Write a short poem about the sea.",
@@ -332,7 +333,7 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
 
 
 def bench_swap(
-    json_out: bool = typer.Option(False, "--json", help="Print the JSON object only."),
+    json_out: bool = json_option(),
     tiny: bool = typer.Option(False, "--tiny", help="Tiny random Llama instead of SmolLM2-135M."),
     swaps: int = typer.Option(10, help="Swaps to perform (alternating two versions)."),
     concurrency: int = typer.Option(4, help="Concurrent clients (= engine batch size)."),
@@ -342,4 +343,4 @@ def bench_swap(
 ) -> None:
     """Swap drafters repeatedly under concurrent load; print swaps, failed_requests, stall_p99_ms."""
     result = run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s)
-    typer.echo(json.dumps(result) if json_out else json.dumps(result, indent=2))
+    print_json(result, json_out)

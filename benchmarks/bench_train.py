@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typer
 
+from benchmarks.output import json_option, print_json
 from benchmarks.runner import check_precision, median_ms
 from feedback.bus.trace import TraceRecord
 from feedback.bus.trace_file import load_traces, save_traces
@@ -223,7 +224,7 @@ def run(args) -> dict:
 
 
 def bench_train(
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    json_out: bool = json_option(),
     model: str = typer.Option("SmolLM2-135M-Instruct", help="Target model."),
     student: str = typer.Option("eagle", help="eagle | standalone | selfspec"),
     domain: str = typer.Option("chat", help="chat (MT-Bench) | code (HumanEval)."),
@@ -254,12 +255,7 @@ def bench_train(
                                                  help="Trace cache (re-runs skip generation)."),
 ) -> None:
     """Generate (or reuse) TorchEngine traces on MT-Bench, distil a drafter, report held-out gains."""
-    import json
     from types import SimpleNamespace
 
     out = run(SimpleNamespace(**{k_: v for k_, v in locals().items() if k_ != "json_out"}))
-    if json_out:
-        print(json.dumps(out))
-    else:
-        for key, v in out.items():
-            print(f"{key}: {v}")
+    print_json(out, json_out)

@@ -1,12 +1,13 @@
-"""``specloop bench ...`` commands that live in benchmarks/ (each prints one JSON object)."""
+"""``specloop bench ...`` commands that live in benchmarks/ (each prints one JSON object, benchmarks/output.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
 import typer
+
+from benchmarks.output import json_option, print_json
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -15,7 +16,7 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def spec(
-    json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
+    json_out: bool = json_option(),
     prompts: str = typer.Option(None, help="JSONL prompt file (lines with prompt or messages, optional domain), or \"sharegpt\" (held-out real user prompts)."),
     limit: int = typer.Option(8, min=1, help="Evaluation prompts per domain."),
     max_tokens: int = typer.Option(96, min=1, help="New tokens per prompt."),
@@ -45,11 +46,11 @@ def spec(
     batches = tuple(int(b) for b in batch.split(",") if b.strip())
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
               tree, batches, batch_repeats, device, cuda_graphs)
-    print(json.dumps(out, indent=None if json_out else 2))
+    print_json(out, json_out)
 
 
 def capture(
-    json_out: bool = typer.Option(True, "--json/--no-json", help="Print one JSON object on stdout."),
+    json_out: bool = json_option(),
     tiny: bool = typer.Option(False, "--tiny", help="A tiny random model instead of SmolLM2 (smoke runs)."),
     prompts: str = typer.Option(None, help="JSONL prompt file or \"sharegpt\" (default: MT-Bench + HumanEval)."),
     limit: int = typer.Option(8, min=1, help="Prompts per run (round-robin over domains)."),
@@ -68,4 +69,4 @@ def capture(
     from benchmarks.bench_capture import run
 
     out = run(prompts, tiny, limit, max_tokens, k, concurrency, repeats, features, threads, dtype)
-    print(json.dumps(out, indent=None if json_out else 2))
+    print_json(out, json_out)

@@ -13,7 +13,8 @@ app = typer.Typer(help="specloop: speculative decoding whose drafter learns from
                   no_args_is_help=True, pretty_exceptions_show_locals=False)
 stack_app = typer.Typer(help="Start, check and stop the local service stack (broker, Redis, MLflow).",
                         no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks; each prints one JSON object on stdout.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks; each prints one JSON object on stdout, compact (--json, the "
+                        "default) or indented (--no-json).", no_args_is_help=True)
 app.add_typer(stack_app, name="stack")
 app.add_typer(bench_app, name="bench")
 

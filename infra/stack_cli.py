@@ -20,22 +20,28 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.
 def cmd_up(
     services: Annotated[str, typer.Option(help="Comma-separated: broker, redis, mlflow, s3.")]
     = "broker,redis,mlflow",
-    storage: Annotated[str, typer.Option(help="Broker storage: memory or s3.")] = "memory",
+    storage: Annotated[str | None, typer.Option(
+        help="Broker storage: memory or s3 (default: $SPECLOOP_STACK_STORAGE or memory).")] = None,
     run_dir: RunDirOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Start the services on free loopback ports (those already running are kept)."""
     names = tuple(s.strip() for s in services.split(",") if s.strip())
     unknown = [n for n in names if n not in SERVICES]
-    if unknown or storage not in ("memory", "s3"):
+    if unknown or storage not in (None, "memory", "s3"):
         raise typer.BadParameter(f"unknown service(s) {unknown} or storage {storage!r}")
-    stack = Stack(run_dir, StackSettings(storage=storage))
+    stack = Stack(run_dir, stack_settings(storage))
     try:
         info = stack.up(names)
     except ServiceStartError as e:
         typer.echo(f"stack up failed: {e}", err=True)
         raise typer.Exit(1) from e
     _print_info(info, json_out)
+
+
+def stack_settings(storage: str | None) -> StackSettings:
+    """The stack's settings: ``--storage`` when given, else the environment's ($SPECLOOP_STACK_STORAGE)."""
+    return StackSettings() if storage is None else StackSettings(storage=storage)
 
 
 def cmd_down(run_dir: RunDirOption = None) -> None:

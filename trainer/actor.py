@@ -20,9 +20,20 @@ from trainer.loop import LoopStats
 log = logging.getLogger(__name__)
 
 
+def check_source(settings: TrainerSettings, given: bool) -> None:
+    """Refuse a trace source that contradicts ``settings.source`` (``given``: the caller hands one in)."""
+    if settings.source == "inprocess" and not given:
+        raise ValueError("SPECLOOP_TRAINER_SOURCE=inprocess needs a trace source handed in by the caller "
+                         "(tests, embedding code); `specloop train` reads Kafka: use source=kafka")
+    if settings.source == "kafka" and given:
+        raise ValueError("a trace source was handed in, but SPECLOOP_TRAINER_SOURCE=kafka: use source=inprocess")
+
+
 def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **kw):
-    """TrainerLoop from settings; ``source`` defaults to the Kafka source of feedback/. What
-    ``specloop train``, the demo and ``bench online`` all run (inside the trainer's Ray worker)."""
+    """TrainerLoop from settings; ``source`` defaults to the Kafka source of feedback/ (the caller's
+    must agree with ``settings.source``: ``check_source``). What ``specloop train``, the demo and
+    ``bench online`` all run (inside the trainer's Ray worker)."""
+    check_source(settings, source is not None)
     from trainer.gate import GateConfig
     from trainer.loop import LoopConfig, TrainerLoop
     from trainer.replay import ReplayBuffer
@@ -204,7 +215,9 @@ def init_ray(address: str | None = None, num_cpus: int = 2):
 
 
 def start_actor(settings: TrainerSettings, student_factory, fingerprint, source_factory=None, **kw):
-    """Start the actor (local Ray unless ``settings.ray_address``); returns its handle."""
+    """Start the actor (local Ray unless ``settings.ray_address``); returns its handle. A source
+    contradicting ``settings.source`` is refused here, before Ray starts (``check_source``)."""
+    check_source(settings, source_factory is not None)
     init_ray(settings.ray_address, settings.num_cpus)
     factory = functools.partial(_loop_from_settings, settings, student_factory, fingerprint, source_factory, kw)
     return spawn_actor(factory)

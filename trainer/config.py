@@ -33,7 +33,10 @@ class TrainerSettings(BaseSettings):
     exit_layer: int = Field(2, description="selfspec: target layers shared before the trainable adapter.")
     adapter_layers: int = Field(1, description="selfspec: trainable adapter layers after the shared ones.")
     draft_vocab_size: int | None = Field(8192, description="selfspec: lm_head rows read (lowest ids + specials); None = all.")
-    source: Literal["kafka", "inprocess"] = Field("kafka", description="Where traces come from.")
+    source: Literal["kafka", "inprocess"] = Field(
+        "kafka", description="Where traces come from: kafka (the trace topic below) or inprocess (a source "
+        "the caller hands the trainer: tests, code embedding it; `specloop train` has none). The trainer "
+        "refuses to start when the caller disagrees, so the lineage that records it is true.")
     bootstrap_servers: str = Field(ep.DEFAULT_KAFKA_BOOTSTRAP_SERVERS, validation_alias=ep.shared("bootstrap_servers", ep.KAFKA_BOOTSTRAP_SERVERS, _OWN), description="Kafka bootstrap servers.")
     topic: str = Field(ep.DEFAULT_KAFKA_TOPIC, validation_alias=ep.shared("topic", ep.KAFKA_TOPIC, _OWN), description="Trace topic.")
     group_id: str = Field("specloop-trainer", validation_alias=ep.shared("group_id", ep.KAFKA_GROUP, _OWN), description="Kafka consumer group (offsets are committed per group).")

@@ -20,6 +20,24 @@ def _source():
     return ListTraceSource([make_trace("a", seed=i) for i in range(60)])
 
 
+def test_the_source_setting_is_what_the_trainer_reads_or_it_refuses_to_start(tmp_path):
+    """SPECLOOP_TRAINER_SOURCE: inprocess needs the caller's source (`specloop train` has none), kafka
+    refuses one handed in; refused before Ray starts, and the lineage records the source used."""
+    from trainer_tracegen import FP
+
+    from trainer.actor import build_loop, start_actor
+
+    inprocess = TrainerSettings(source="inprocess", tracking_uri="", checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="SPECLOOP_TRAINER_SOURCE=inprocess needs a trace source"):
+        start_actor(inprocess, _student, FP)  # what `specloop train` calls: no source factory
+    with pytest.raises(ValueError, match="SPECLOOP_TRAINER_SOURCE=inprocess needs a trace source"):
+        build_loop(inprocess, _student(), FP)
+    with pytest.raises(ValueError, match="handed in, but SPECLOOP_TRAINER_SOURCE=kafka"):
+        build_loop(TrainerSettings(source="kafka", tracking_uri=""), _student(), FP, _source())
+    loop = build_loop(inprocess, _student(), FP, _source())
+    assert loop.lineage.static["source"] == "inprocess"
+
+
 @pytest.mark.integration
 def test_ray_actor_trains_and_promotes(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")

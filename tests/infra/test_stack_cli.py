@@ -1,0 +1,23 @@
+"""`specloop stack up --storage`: the option wins when given, else $SPECLOOP_STACK_STORAGE does."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from infra.stack_cli import stack_settings
+
+
+def test_storage_comes_from_the_environment_unless_the_option_is_given(monkeypatch):
+    monkeypatch.delenv("SPECLOOP_STACK_STORAGE", raising=False)
+    assert stack_settings(None).storage == "memory"
+    monkeypatch.setenv("SPECLOOP_STACK_STORAGE", "s3")
+    assert stack_settings(None).storage == "s3"  # `stack up` without --storage
+    assert stack_settings("memory").storage == "memory"  # `stack up --storage memory`
+
+
+def test_an_unknown_storage_is_refused_before_anything_starts(tmp_path):
+    from infra.cli import app
+
+    out = CliRunner().invoke(app, ["stack", "up", "--storage", "disk", "--run-dir", str(tmp_path)])
+    assert out.exit_code == 2 and "storage 'disk'" in out.output, out.output
+    assert not (tmp_path / "stack.json").exists()
