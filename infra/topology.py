@@ -3,15 +3,20 @@
 What docker-compose.yml runs, for a user without Docker or GPUs: the stack (broker, Redis, MLflow;
 infra/stack.py), ``replicas`` serving processes and one trainer, each started with the command and
 environment that docker-compose.yml gives its service. The file is read, not copied, so the two
-cannot drift apart. Differences, all forced by the machine:
+cannot drift apart. Its ``${NAME:-default}`` are interpolated as compose does: ``NAME`` from the
+shell's environment, else from the ``.env`` file next to docker-compose.yml, else the default (so
+``SPECLOOP_K``, ``SPECLOOP_API_KEYS``, ``SPECLOOP_DEV_MODE``, ... set there reach the processes). A
+service gets only what the file gives it, like a container: the caller's other ``SPECLOOP_*``
+variables are not passed on. Differences, all forced by the machine:
 
 - service names become loopback addresses of the local stack (``kafka:9092`` -> tansu's port, ...);
 - TorchEngine in place of SGLang: ``SPECLOOP_ENGINE``, ``SPECLOOP_DRAFTER_DIR``, ``SPECLOOP_DEVICE``
   and ``SGLANG_PLUGINS`` are dropped, and the drafter is ``hybrid`` (suffix index + a learned
   standalone drafter, which the trainer trains because it reads the same ``SPECLOOP_DRAFTER``);
 - ``SPECLOOP_MODEL`` is the model given (default SmolLM2-135M-Instruct from its wheel);
-- each replica gets a free port and its own ``SPECLOOP_REPLICA_ID``; the admin token is generated
-  once per run directory (``admin-token``, mode 0600) instead of compose's refused default;
+- each replica gets a free port and its own ``SPECLOOP_REPLICA_ID``; unless ``SPECLOOP_ADMIN_TOKEN``
+  is set (shell or ``.env``), the admin token is generated once per run directory (``admin-token``,
+  mode 0600) instead of compose's refused default;
 - the trainer checkpoints under the run directory;
 - compose's ``restart: unless-stopped`` becomes ``specloop restart-policy unless-stopped -- CMD``
   (infra/restart.py): a trainer or replica that dies is started again.
@@ -28,6 +33,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -44,18 +50,50 @@ SGLANG_ONLY = ("SPECLOOP_ENGINE", "SPECLOOP_DRAFTER_DIR", "SPECLOOP_DEVICE", "SG
 LOCAL_DRAFTER = "hybrid"
 
 
-def interpolate(text: str) -> str:
-    """Compose's ``${NAME:-default}`` with an empty environment (defaults only), ``$$`` -> ``$``."""
-    text = re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
-    if "${" in text:
-        raise ValueError("docker-compose.yml: only ${NAME:-default} is supported, so defaults always resolve")
-    return text.replace("$$", "$")
+_INTERPOLATION = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*):-([^}]*)\}|\$\{?[A-Za-z_]")
+"""``$$``, ``${NAME:-default}``, or any other interpolation (unsupported: an error)."""
 
 
-def compose_service(name: str, path: Path = COMPOSE_FILE) -> tuple[list[str], dict[str, str]]:
-    """(command, environment) that docker-compose.yml gives service ``name``; the command wrapped
-    in ``specloop restart-policy`` when the service has a ``restart:`` policy (infra/restart.py)."""
-    svc = yaml.safe_load(interpolate(path.read_text()))["services"][name]
+def interpolate(value, env: Mapping[str, str] | None = None):
+    """Compose's interpolation of ``value``: a string, or every string inside parsed YAML (dicts and
+    lists). ``${NAME:-default}`` is ``env[NAME]`` when set and not empty, else ``default``; ``$$`` is
+    ``$``. ``env``: None = defaults only (the file as written). The file uses no other form, so any
+    other is refused rather than left uninterpolated."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def resolve(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        if m.group(1) is None:
+            raise ValueError(f"docker-compose.yml: only ${{NAME:-default}} is supported: {value!r}")
+        return (env or {}).get(m.group(1)) or m.group(2)
+
+    return _INTERPOLATION.sub(resolve, value)
+
+
+def compose_environment(path: Path = COMPOSE_FILE, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What compose interpolates ``path`` with: the shell's environment (``environ``, default
+    ``os.environ``) over the ``.env`` file next to it."""
+    from dotenv import dotenv_values
+
+    dotenv = path.parent / ".env"
+    values = dotenv_values(dotenv) if dotenv.is_file() else {}
+    return {**{k: v for k, v in values.items() if v is not None},
+            **(os.environ if environ is None else environ)}
+
+
+def compose_service(name: str, path: Path = COMPOSE_FILE,
+                    env: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) that docker-compose.yml gives service ``name``, interpolated with
+    ``env`` (default: ``compose_environment(path)``); the command wrapped in ``specloop
+    restart-policy`` when the service has a ``restart:`` policy (infra/restart.py)."""
+    env = compose_environment(path) if env is None else env
+    svc = interpolate(yaml.safe_load(path.read_text()), env)["services"][name]
     cmd = list(svc["command"])
     policy = str(svc.get("restart", "no"))
     if policy != "no":
@@ -103,7 +141,8 @@ class TopologyInfo(BaseModel):
     stack: StackInfo
     replicas: list[str]
     """Base URLs of the serving replicas (``/v1``, ``/health``, ``/metrics``)."""
-    admin_token_file: str
+    admin_token_file: str | None
+    """Where the generated admin token is; None when SPECLOOP_ADMIN_TOKEN was set (shell or .env)."""
 
 
 class Topology:
@@ -118,8 +157,13 @@ class Topology:
         self.replicas, self.model, self.drafter = replicas, model, drafter
         self.extra_env = dict(extra_env or {})
         """Added last to every process's environment (tests: small training rounds)."""
+        self.compose_env = compose_environment()
+        """What docker-compose.yml is interpolated with: the shell's environment over ``.env``."""
 
     def admin_token(self) -> str:
+        """SPECLOOP_ADMIN_TOKEN when set (shell or .env), else one generated once per run directory."""
+        if self.compose_env.get("SPECLOOP_ADMIN_TOKEN"):
+            return self.compose_env["SPECLOOP_ADMIN_TOKEN"]
         path = self.run_dir / "admin-token"
         if not path.exists():
             path.write_text(secrets.token_urlsafe(32))
@@ -128,8 +172,10 @@ class Topology:
 
     def up(self) -> TopologyInfo:
         stack = self.stack.up()
+        # Like a container, a service gets the SPECLOOP_* variables compose gives it and no others
+        # (the ones the file interpolates arrive through compose_service).
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECLOOP_")}
-        cmd, env = compose_service("serving")
+        cmd, env = compose_service("serving", env=self.compose_env)
         urls = []
         for i in range(self.replicas):
             name = f"serving-{i}"
@@ -146,15 +192,16 @@ class Topology:
                                      ready=lambda u=url: _http_ok(f"{u}/health"))
             urls.append(url)
         if not self.stack.healthy("trainer"):
-            cmd, env = compose_service("trainer")
+            cmd, env = compose_service("trainer", env=self.compose_env)
             proc_env = {**base_env, **local_env(env, stack, self.model, self.drafter),
                         "SPECLOOP_TRAINER_CHECKPOINT_DIR": str(self.run_dir / "trainer-ckpt"),
                         **self.extra_env}
             started = time.monotonic()
             self.stack.start_process("trainer", specloop_command(cmd), 0, "", proc_env,
                                      ready=lambda: time.monotonic() - started > 3.0)  # still alive after 3 s
+        generated = not self.compose_env.get("SPECLOOP_ADMIN_TOKEN")
         return TopologyInfo(stack=self.stack.info(), replicas=urls,
-                            admin_token_file=str(self.run_dir / "admin-token"))
+                            admin_token_file=str(self.run_dir / "admin-token") if generated else None)
 
     def down(self) -> list[str]:
         return self.stack.down()
@@ -181,7 +228,8 @@ def cmd_up(
         typer.echo(f"serving  {url}/v1  ({url}/health, {url}/metrics)")
     typer.echo(f"trainer  log: {topo.run_dir / 'trainer.log'}")
     typer.echo(f"mlflow   {info.stack.mlflow_uri}")
-    typer.echo(f"admin token in {info.admin_token_file}; `specloop down` stops everything")
+    where = f"in {info.admin_token_file}" if info.admin_token_file else "as set (SPECLOOP_ADMIN_TOKEN)"
+    typer.echo(f"admin token {where}; `specloop down` stops everything")
 
 
 def cmd_down(run_dir: RunDirOption = None) -> None:

@@ -208,6 +208,7 @@ def sglang_config(settings: ServingSettings):
         trace_top_k=settings.trace_top_k,
         self_test=settings.sglang_self_test,
         server_args=server_args,
+        max_waiting=settings.max_waiting,
     )
 
 

@@ -81,7 +81,10 @@ class ServingSettings(EngineChoice):
     max_batch_size: int = Field(8, ge=1, description="Most requests decoded together in one step.")
     max_waiting: int | None = Field(
         64, ge=0, description="Admission control: most requests queued beyond the running batch; "
-        "more get HTTP 429 with Retry-After (None = unbounded)."
+        "more get HTTP 429 with Retry-After (None = unbounded). engine=sglang: SGLang queues in its "
+        "own scheduler, so requests in flight (running or queued there) are bounded at its running "
+        "batch, max_running_requests (max_batch_size when set explicitly, else SGLang's own choice, "
+        "read at start), + max_waiting; with no running-batch size known, unbounded (logged)."
     )
     prefix_cache_tokens: int = Field(
         2048, ge=0, description="TorchEngine: keys and values of up to this many prompt tokens kept, "

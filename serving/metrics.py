@@ -10,7 +10,8 @@ Series (``row`` = one request in one verify step):
     specloop_spec_verify_steps_total       rows verified (one per request per step)
     specloop_spec_verify_batches_total     target forwards (one per step, whole batch)
     specloop_spec_accept_length            histogram of accepted drafts per row
-    specloop_spec_draft_ms / _verify_ms    histograms, per step (whole batch)
+    specloop_spec_draft_ms / _verify_ms    histograms, per step (whole batch); TorchEngine only (SGLang's
+                                           steps carry no timings: nothing is observed)
     specloop_spec_batch_size               histogram of rows per step
     specloop_requests_finished_total{reason}   finished requests (stop, length, abort, error)
     specloop_drafter_info{kind, version}   1 for the active drafter
@@ -26,6 +27,10 @@ Series (``row`` = one request in one verify step):
     _live_acceptance_rate{version} in serving/live_acceptance.py, specloop_acceptance_drift_total{domain} in
     serving/ops_observer.py, specloop_loop_errors_total{loop} in feedback/background/supervise.py,
     specloop_traces_followed_total{result} in serving/trace_follow.py)
+
+engine=sglang: the per-step series (all but specloop_requests_finished_total and specloop_drafter_info)
+cover only the requests SPECLOOP_TRACE_SAMPLE_RATE samples, and only their rows of a step: SGLang's
+plugin (serving/sglang/plugin.py) reports the verify steps of sampled requests only.
 
 PromQL:
     acceptance rate       rate(specloop_spec_accepted_tokens_total[5m])
@@ -189,8 +194,10 @@ class SpecMetrics(BaseObserver):
         c.verify_batches.inc()
         for n in batch.num_accepted.tolist():
             c.accept_length.observe(n)
-        c.draft_ms.observe(batch.draft_ms)
-        c.verify_ms.observe(batch.verify_ms)
+        if batch.draft_ms is not None:  # None: not measured (SGLang), not 0 ms
+            c.draft_ms.observe(batch.draft_ms)
+        if batch.verify_ms is not None:
+            c.verify_ms.observe(batch.verify_ms)
         c.batch_size.observe(rows)
         for n, a in zip(batch.num_drafted.tolist(), batch.num_accepted.tolist()):
             c.draft_length.observe(n)

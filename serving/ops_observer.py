@@ -6,10 +6,12 @@ queues one batch of metrics on the OpsRun (feedback/ops/ops_log.py), whose own t
     acceptance.<domain>          accepted / drafted tokens since the last flush
     tokens_per_verify.<domain>   tokens emitted per row-step (1.0 = plain decoding)
     k_mean, spec_off_fraction    drafted tokens per row-step; row-steps that drafted nothing
-    step_ms                      wall ms of a verify step (draft + verify)
+    step_ms                      wall ms of a verify step (draft + verify), over the steps whose
+                                 engine measured both (TorchEngine; SGLang's steps carry no timings,
+                                 so under SGLang step_ms and est_speedup are absent)
     est_speedup                  tokens per verify x plain step ms / step ms, where plain step ms is
-                                 the running average of steps that drafted nothing (probes and
-                                 k = 0 steps); absent until one was seen
+                                 the running average of timed steps that drafted nothing (probes
+                                 and k = 0 steps); absent until one was seen
     drift.<domain>               1 at a drift (feedback/ops/drift.py), also an ``event.drift``
 plus events for drafter changes (swaps, rollbacks: ``event.drafter_change`` with kind/version).
 Requests with ``train: false`` are counted like any other (no content reaches MLflow).
@@ -52,6 +54,7 @@ class LiveOpsObserver(BaseObserver):
         self._off = 0
         self._rows = 0
         self._steps = 0
+        self._timed_steps = 0
         self._step_ms = 0.0
 
     def on_request_start(self, request, prefill_features=None) -> None:
@@ -66,7 +69,8 @@ class LiveOpsObserver(BaseObserver):
 
     def on_step(self, batch) -> None:
         self.step += 1
-        step_ms = float(batch.draft_ms + batch.verify_ms)
+        timed = batch.draft_ms is not None and batch.verify_ms is not None
+        step_ms = float(batch.draft_ms + batch.verify_ms) if timed else 0.0
         drafted_any = False
         for i, rid in enumerate(batch.request_ids):
             dom = self._domain.get(rid, "default")
@@ -87,10 +91,12 @@ class LiveOpsObserver(BaseObserver):
                                now=round(ev.now, 4))
                 if self.on_drift is not None:
                     self.on_drift(ev)
-        if not drafted_any:
+        if timed and not drafted_any:
             self._plain_ms = step_ms if self._plain_ms is None else 0.9 * self._plain_ms + 0.1 * step_ms
         self._steps += 1
-        self._step_ms += step_ms
+        if timed:
+            self._timed_steps += 1
+            self._step_ms += step_ms
         if time.monotonic() - self._last >= self.every_s:
             self.flush()
 
@@ -105,11 +111,13 @@ class LiveOpsObserver(BaseObserver):
             m[f"tokens_per_verify.{dom}"] = self._emitted[dom] / rs
         rows = max(1, self._rows)
         tpv = sum(self._emitted.values()) / rows
-        step_ms = self._step_ms / self._steps
         m |= {"tokens_per_verify": tpv, "k_mean": sum(self._drafted.values()) / rows,
-              "spec_off_fraction": self._off / rows, "step_ms": step_ms}
-        if self._plain_ms:
-            m["est_speedup"] = tpv * self._plain_ms / step_ms
+              "spec_off_fraction": self._off / rows}
+        if self._timed_steps:
+            step_ms = self._step_ms / self._timed_steps
+            m["step_ms"] = step_ms
+            if self._plain_ms and step_ms:
+                m["est_speedup"] = tpv * self._plain_ms / step_ms
         self.run.metrics(m, self.step)
         self.flushes += 1
         self._reset()

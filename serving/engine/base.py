@@ -92,8 +92,10 @@ class VerifyBatch:
     target_topk_logprobs: np.ndarray | None = None  # [B, K+1, T] float16
     features: list[np.ndarray] | None = None
     """Per row [num_accepted+1, F] uint16 (bf16 bits): target features of kept inputs."""
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    """Wall time of the step's draft and verify; None: not measured by this engine (SGLang's
+    steps come from its scheduler without timings). Consumers skip what is None."""
     drafter_version: str = "day0"
     feature_layers: tuple[int, ...] = ()
     """HF hidden_states indices concatenated into each ``features`` row (empty when none)."""

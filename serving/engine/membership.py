@@ -50,7 +50,7 @@ class RowMembership:
 
     def _forget(self, request_id: str) -> None:
         with self._cv:
-            self._in_flight.discard(request_id)
+            self.admission.release(request_id)
 
     # ---- joining and leaving --------------------------------------------------------------------------
 

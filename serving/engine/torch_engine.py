@@ -39,10 +39,10 @@ import torch
 from kernels.threads import serial_torch
 from kernels.tree_verify import tree_ancestors, tree_depths
 from serving.drafters.base import Drafter
+from serving.engine.admission import AdmissionGate
 from serving.engine.base import (
     GenerationChunk,
     GenerationRequest,
-    Overloaded,
     RequestError,
     VerifyBatch,
 )
@@ -102,7 +102,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
         self._cv = threading.Condition()
         self._inbox: list[Submission] = []
         self._abort_ids: set[str] = set()
-        self._in_flight: set[str] = set()
+        self.admission = AdmissionGate(cfg.max_batch_size, cfg.max_waiting, cfg.retry_after_s)
+        """Requests in flight (running or waiting for a row), bounded (HTTP 429 beyond)."""
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -112,7 +113,6 @@ class TorchEngine(DrafterSwaps, RowMembership):
         self._cache = self._new_cache()
         self.steps = 0
         self.drafter_errors = 0
-        self.refused_overload = 0  # requests refused by admission control (HTTP 429)
 
     # ---- Engine protocol ---------------------------------------------------------------------
 
@@ -140,19 +140,7 @@ class TorchEngine(DrafterSwaps, RowMembership):
         with self._cv:
             if self._stopping:
                 raise RequestError("the engine is stopping")
-            if request.request_id in self._in_flight:
-                raise RequestError(
-                    f"request id {request.request_id!r} is already running", invalid=True
-                )
-            cap = self.config.max_waiting
-            if cap is not None and len(self._in_flight) >= self.config.max_batch_size + cap:
-                self.refused_overload += 1
-                raise Overloaded(
-                    f"the engine is at capacity ({len(self._in_flight)} requests running or "
-                    f"queued); retry after {self.config.retry_after_s:g}s",
-                    self.config.retry_after_s,
-                )
-            self._in_flight.add(request.request_id)
+            self.admission.admit(request.request_id)
             self._inbox.append(Submission(request, client))
             self._cv.notify_all()
         finished = False
@@ -194,7 +182,7 @@ class TorchEngine(DrafterSwaps, RowMembership):
 
     def _request_abort(self, request_id: str) -> None:
         with self._cv:
-            if request_id in self._in_flight:
+            if request_id in self.admission:
                 self._abort_ids.add(request_id)
                 self._cv.notify_all()
 

@@ -29,6 +29,18 @@ class SGLangConfig:
     """At start: check that a draft update changes the draft and not the target."""
     server_args: dict = field(default_factory=dict)
     """Further sglang ServerArgs, e.g. mem_fraction_static, tp_size, dtype."""
+    max_waiting: int | None = None
+    """Admission bound (serving/engine/admission.py): SGLang queues requests in its own scheduler,
+    out of our sight, so the bound counts requests in flight (admitted by ``generate`` and not
+    finished: running or queued in SGLang) and refuses one more (HTTP 429) beyond
+    ``max_running + max_waiting``. None = unbounded."""
+
+    @property
+    def max_running(self) -> int | None:
+        """SGLang's running-batch size when configured (``max_running_requests``), else None
+        (SGLang chooses; the engine reads its choice at start)."""
+        value = self.server_args.get("max_running_requests")
+        return int(value) if value is not None else None
 
     @property
     def drafter_kind(self) -> str:

@@ -9,7 +9,10 @@ with TorchEngine:
     steps: SGLang gets the stop token ids (it stops on them itself), not the stop strings; when the
     shared rule ends a request that SGLang would continue, the engine aborts it in SGLang;
   - drafter swaps come from the shared Swapper through ``swap_drafter`` (draft-only weight session,
-    draft_weights.py; drafters are SGLangDraft, drafts.py).
+    draft_weights.py; drafters are SGLangDraft, drafts.py);
+  - admission control is the AdmissionGate TorchEngine uses too (serving/engine/admission.py):
+    requests in flight, running or queued inside SGLang, are at most SGLang's
+    ``max_running_requests`` + ``max_waiting``; one more gets Overloaded (HTTP 429).
 
 SGLang samples a request's first output token in the prefill, not in a verify step, so the verify
 steps cover ``output[1:]``. Observers therefore see each request with that first token appended to
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from feedback.bus.trace import DrafterKind
 from feedback.target.fingerprint import TargetFingerprint
+from serving.engine.admission import AdmissionGate
 from serving.engine.base import (
     GenerationChunk,
     GenerationRequest,
@@ -82,6 +86,7 @@ class SGLangEngine:
         """Traced request id -> output tokens its verify steps received so far cover."""
         self._covered_lock = threading.Lock()
         self._finishing: set[asyncio.Task] = set()
+        self.admission = AdmissionGate(config.max_running, config.max_waiting)
 
     # ---- Engine protocol ---------------------------------------------------------------------
 
@@ -97,6 +102,7 @@ class SGLangEngine:
 
         with self._trace_env():  # inherited by the spawned scheduler processes
             self._engine = Engine(**self.config.sglang_kwargs())
+        self._bound_admission()
         if self.config.self_test:
             try:
                 await verify_draft_only_update(self._engine, self.config.draft_path,
@@ -122,7 +128,12 @@ class SGLangEngine:
         p = request.params
         text = OutputText(self.tokenizer, request.prompt_ids, p.stop)
         stop_ids = stop_token_set(p.stop_token_ids, self.eos_ids, p.ignore_eos)
-        observed = self._open(request)
+        self.admission.admit(request.request_id)  # Overloaded beyond the bound; _close releases
+        try:
+            observed = self._open(request)
+        except BaseException:
+            self.admission.release(request.request_id)
+            raise
         kept: list[int] = []
         stats = SpecStats()
         reason = None
@@ -243,6 +254,7 @@ class SGLangEngine:
 
     def _close(self, observed: GenerationRequest, kept: list[int], reason: str,
                stats: SpecStats) -> None:
+        self.admission.release(observed.request_id)  # before the last chunk reaches the client
         if kept:
             observed.prompt_ids.append(kept[0])  # sampled in the prefill, not by a verify step
         output = kept[1:]
@@ -280,6 +292,17 @@ class SGLangEngine:
                     self._covered[rid] += int(accepted) + 1
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _bound_admission(self) -> None:
+        """Without a configured running-batch size, the admission bound uses the one SGLang
+        resolved (its server_args after launch); none known: unbounded, and said so."""
+        gate = self.admission
+        if gate.max_running is None:
+            resolved = getattr(self._engine.server_args, "max_running_requests", None)
+            gate.max_running = int(resolved) if resolved else None
+        if gate.limit is None and gate.max_waiting is not None:
+            log.warning("max_waiting=%d is not enforced: SGLang's running-batch size is unknown "
+                        "(set SPECLOOP_MAX_BATCH_SIZE, its max_running_requests)", gate.max_waiting)
 
     def _chunk(self, request: GenerationRequest, tokens: list[int], text: str,
                reason: str | None, kept: list[int], stats: SpecStats) -> GenerationChunk:

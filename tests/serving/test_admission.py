@@ -13,10 +13,35 @@ from prometheus_client import CollectorRegistry
 from serving.api.app import create_app
 from serving.builder import build_engine
 from serving.config import ServingSettings
-from serving.engine.base import GenerationRequest, Overloaded, SamplingParams
+from serving.engine.admission import AdmissionGate
+from serving.engine.base import GenerationRequest, Overloaded, RequestError, SamplingParams
 from serving.engine.config import EngineConfig
 from serving.engine.torch_engine import TorchEngine
 from serving.target import tiny_target
+
+
+def test_the_gate_bounds_requests_in_flight_at_running_plus_waiting():
+    gate = AdmissionGate(max_running=2, max_waiting=1, retry_after_s=3.0)
+    for rid in ("a", "b", "c"):
+        gate.admit(rid)
+    with pytest.raises(Overloaded, match="capacity") as err:
+        gate.admit("d")
+    assert err.value.retry_after_s == 3.0 and gate.refused == 1 and "d" not in gate
+    gate.release("a")  # a finished request frees its place
+    gate.admit("d")
+    assert gate.in_flight == {"b", "c", "d"}
+    with pytest.raises(RequestError, match="already running") as dup:
+        gate.admit("b")
+    assert dup.value.invalid and not isinstance(dup.value, Overloaded)
+    gate.release("unknown")  # releasing twice, or what was never admitted, is harmless
+
+
+@pytest.mark.parametrize("running, waiting", [(4, None), (None, 2)])
+def test_the_gate_is_unbounded_without_both_sizes(running, waiting):
+    gate = AdmissionGate(max_running=running, max_waiting=waiting)
+    for i in range(100):
+        gate.admit(f"r{i}")
+    assert gate.limit is None and gate.refused == 0
 
 
 def test_engine_refuses_beyond_batch_plus_waiting(ids_target):
@@ -39,8 +64,8 @@ def test_engine_refuses_beyond_batch_plus_waiting(ids_target):
     done = [o for o in out if isinstance(o, list)]
     assert len(refused) == 2 and len(done) == 2, out  # one running + one waiting admitted
     assert all(sum(len(c.token_ids) for c in chunks) == 32 for chunks in done)
-    assert engine.refused_overload == 2
-    assert engine._in_flight == set()  # nothing of the refused requests is kept
+    assert engine.admission.refused == 2
+    assert engine.admission.in_flight == set()  # nothing of the refused requests is kept
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -56,7 +81,7 @@ def test_http_429_with_retry_after_when_the_engine_is_full(stream):
         async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
             first = asyncio.ensure_future(c.post("/v1/completions", json=body))
-            while not engine._in_flight:
+            while not engine.admission.in_flight:
                 await asyncio.sleep(0.005)
             second = await c.post("/v1/completions", json={**body, "max_tokens": 4, "stream": stream})
             ok = await first

@@ -123,6 +123,7 @@ def test_the_http_layer_and_swapper_are_the_shared_ones(model_dir, tmp_path,
 def test_server_args_follow_explicit_settings_only(model_dir, tmp_path):
     defaults = sglang_config(sglang_settings(model_dir, tmp_path))
     assert defaults.server_args == {"tp_size": 1}  # dtype, batch size and GPU: SGLang's choice
+    assert (defaults.max_running, defaults.max_waiting) == (None, 64)  # admission: SGLang's size
 
     chosen = sglang_config(sglang_settings(
         model_dir, tmp_path, dtype="bfloat16", max_batch_size=64, device="cuda:1",
@@ -133,6 +134,7 @@ def test_server_args_follow_explicit_settings_only(model_dir, tmp_path):
                                   "max_running_requests": 64, "base_gpu_id": 1,
                                   "context_length": 2048}
     assert (chosen.eagle_topk, chosen.num_draft_tokens) == (4, 8)
+    assert chosen.max_running == 64  # the admission bound's running batch
     assert (chosen.trace_sample_rate, chosen.trace_top_k, chosen.self_test) == (0.5, 8, False)
 
 

@@ -39,8 +39,6 @@ def test_serving_figures_reach_mlflow_from_the_first_requests(tmp_path, run):
     assert len(history) >= 2 and all(h.value >= 1.0 for h in history)
 
 
-
-
 def test_prometheus_acceptance_by_position_k_and_speculation_off():
     from types import SimpleNamespace
 
@@ -64,6 +62,75 @@ def test_prometheus_acceptance_by_position_k_and_speculation_off():
     assert val("specloop_spec_position_accepted_total", position="3") is None
     assert val("specloop_spec_off_rows_total") == 1
     assert val("specloop_spec_draft_length_count") == 3 and val("specloop_spec_draft_length_sum") == 5
+
+
+def _step(draft_ms=None, verify_ms=None, drafted=2, accepted=1):
+    """A one-row VerifyBatch; without timings as SGLang's steps arrive (the defaults)."""
+    import numpy as np
+
+    from serving.engine.base import VerifyBatch
+
+    timings = {} if draft_ms is None else {"draft_ms": draft_ms, "verify_ms": verify_ms}
+    return VerifyBatch(request_ids=["a"], positions=np.array([0], np.int32),
+                       num_drafted=np.array([drafted], np.int16),
+                       num_accepted=np.array([accepted], np.int16), source=np.array([1], np.uint8),
+                       draft_ids=np.zeros((1, drafted), np.int32),
+                       draft_probs=np.zeros((1, drafted), np.float32),
+                       emitted=[[7] * (accepted + 1)], **timings)
+
+
+def test_draft_and_verify_time_are_observed_only_when_the_engine_measured_them():
+    from prometheus_client import CollectorRegistry
+
+    from serving.metrics import SpecMetrics
+
+    reg = CollectorRegistry()
+    m = SpecMetrics(reg)
+    m.on_step(_step())  # not measured: no observation, not a 0 ms one
+    for name in ("specloop_spec_draft_ms_count", "specloop_spec_verify_ms_count"):
+        assert reg.get_sample_value(name) == 0, name
+    assert reg.get_sample_value("specloop_spec_verify_batches_total") == 1  # the step still counts
+
+    m.on_step(_step(draft_ms=2.0, verify_ms=12.0))
+    assert reg.get_sample_value("specloop_spec_draft_ms_count") == 1
+    assert reg.get_sample_value("specloop_spec_draft_ms_sum") == 2.0
+    assert reg.get_sample_value("specloop_spec_verify_ms_count") == 1
+    assert reg.get_sample_value("specloop_spec_verify_ms_sum") == 12.0
+
+
+class _Run:
+    def __init__(self):
+        self.points: list[dict] = []
+
+    def metrics(self, values, step):
+        self.points.append(values)
+
+    def event(self, *args, **kwargs):
+        pass
+
+    def tag(self, *args):
+        pass
+
+
+def test_ops_step_ms_and_speedup_come_from_timed_steps_only():
+    untimed = _Run()
+    obs = LiveOpsObserver(untimed, every_s=3600)
+    obs.on_step(_step(drafted=0, accepted=0))
+    obs.on_step(_step())
+    obs.flush()
+    (point,) = untimed.points
+    assert point["tokens_per_verify"] == 1.5
+    assert "step_ms" not in point and "est_speedup" not in point
+
+    timed = _Run()
+    obs = LiveOpsObserver(timed, every_s=3600)
+    obs.on_step(_step(draft_ms=0.0, verify_ms=10.0, drafted=0, accepted=0))  # plain step: 10 ms
+    obs.on_step(_step(draft_ms=2.0, verify_ms=12.0))
+    obs.on_step(_step())  # an untimed step counts for tokens, not for time
+    obs.flush()
+    (point,) = timed.points
+    assert point["step_ms"] == 12.0
+    assert point["est_speedup"] == (5 / 3) * 10.0 / 12.0
 
 
 def test_specloop_serve_opens_its_replicas_ops_run(tmp_path):

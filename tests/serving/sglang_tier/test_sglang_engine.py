@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from serving.engine.base import GenerationRequest, RequestError, SamplingParams
+from serving.engine.base import GenerationRequest, Overloaded, RequestError, SamplingParams
 from serving.sglang import contract
 from serving.sglang.config import SGLangConfig
 from serving.sglang.draft_weights import (
@@ -375,6 +375,68 @@ def test_observers_see_the_prefill_token_as_prompt_and_aborts_on_disconnect():
     asyncio.run(leave_after_two())
     assert rec.events == [("start", "r1", [1, 2, 3], False),  # no collector: no trace
                           ("finish", "r1", [1, 2, 3, 10], [11, 12], "abort")]
+    assert engine.admission.in_flight == set()  # the request that was left frees its place
+
+
+class HeldStream(FakeStream):
+    """Every stream waits for ``go`` before its one (final) output: requests stay in flight."""
+
+    def __init__(self):
+        super().__init__([])
+        self.go = asyncio.Event()
+        self.started: list[str] = []
+
+    async def async_generate(self, **kwargs):
+        self.started.append(kwargs["rid"])
+
+        async def stream():
+            await self.go.wait()
+            yield {"output_ids": [5], "meta_info": {"finish_reason": {"type": "length"}}}
+        return stream()
+
+
+def test_requests_beyond_running_plus_waiting_are_refused_and_admitted_once_others_finish():
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path="/d", max_waiting=1,
+                                       server_args={"max_running_requests": 1}))
+    fake = engine._engine = HeldStream()
+
+    async def collect(rid):
+        request = GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=1))
+        return [c async for c in engine.generate(request)]
+
+    async def main():
+        held = [asyncio.ensure_future(collect(rid)) for rid in ("a", "b")]  # 1 running + 1 waiting
+        while len(fake.started) < 2:
+            await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="capacity"):
+            await collect("c")
+        fake.go.set()
+        done = await asyncio.gather(*held)
+        again = await collect("c")  # the finished ones freed their places
+        await engine.stop()
+        return done, again
+
+    done, again = asyncio.run(main())
+    assert [chunks[-1].finish_reason for chunks in done] == ["length", "length"]
+    assert again[-1].finish_reason == "length"
+    assert fake.started == ["a", "b", "c"]  # the refused request never reached SGLang
+    assert engine.admission.refused == 1 and engine.admission.in_flight == set()
+
+
+@pytest.mark.parametrize("configured, resolved, limit", [
+    ({"max_running_requests": 4}, 48, 6),  # SPECLOOP_MAX_BATCH_SIZE (or server args) wins
+    ({}, 48, 50),  # else the running-batch size SGLang resolved
+    ({}, None, None),  # none known: unbounded, with a warning
+])
+def test_the_admission_bound_uses_sglangs_running_batch_size(configured, resolved, limit, caplog):
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path="/d", max_waiting=2,
+                                       server_args=configured))
+    engine._engine = types.SimpleNamespace(
+        server_args=types.SimpleNamespace(max_running_requests=resolved))
+    with caplog.at_level("WARNING"):
+        engine._bound_admission()
+    assert engine.admission.limit == limit
+    assert ("not enforced" in caplog.text) == (limit is None)
 
 
 def step_message(rid, prompt_len, root_pos, drafts, accepted, emitted, top_k=2):

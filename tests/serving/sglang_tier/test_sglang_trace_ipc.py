@@ -56,6 +56,7 @@ def test_steps_arrive_as_verify_batches():
     assert batch.target_topk_ids.shape == (2, 4, 4)
     assert batch.target_topk_logprobs.dtype == np.float16
     assert batch.drafter_version == "v3"
+    assert batch.draft_ms is None and batch.verify_ms is None  # not measured: no fake 0 ms
     assert exporter.sent == 1 and exporter.shed == 0
 
 

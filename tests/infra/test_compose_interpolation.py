@@ -1,0 +1,65 @@
+"""`specloop up` reads docker-compose.yml as compose does: ``${NAME:-default}`` takes NAME from the
+shell, else from the ``.env`` next to the file, else the default (infra/topology.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from infra.topology import COMPOSE_FILE, Topology, compose_environment, compose_service, interpolate
+
+
+@pytest.fixture
+def compose_dir(tmp_path):
+    """A copy of docker-compose.yml in a directory of its own, for a ``.env`` next to it."""
+    shutil.copy(COMPOSE_FILE, tmp_path / "docker-compose.yml")
+    return tmp_path
+
+
+def _env(compose_dir, service: str, shell: dict[str, str]) -> dict[str, str]:
+    path = compose_dir / "docker-compose.yml"
+    return compose_service(service, path, env=compose_environment(path, environ=shell))[1]
+
+
+def test_unset_variables_keep_compose_defaults(compose_dir):
+    env = _env(compose_dir, "serving", {})
+    assert env["SPECLOOP_K"] == "4" and env["SPECLOOP_DEV_MODE"] == "0"
+    assert env["SPECLOOP_API_KEYS"] == "" and env["SPECLOOP_ADMIN_TOKEN"] == "change-me"
+
+
+def test_a_dotenv_value_overrides_the_default(compose_dir):
+    keys = json.dumps({"a-long-random-key": "acme"})
+    (compose_dir / ".env").write_text(f"SPECLOOP_K=6\nSPECLOOP_DEV_MODE=1\nSPECLOOP_API_KEYS='{keys}'\n")
+    serving, trainer = _env(compose_dir, "serving", {}), _env(compose_dir, "trainer", {})
+    assert serving["SPECLOOP_K"] == trainer["SPECLOOP_TRAINER_K"] == "6"
+    assert serving["SPECLOOP_DEV_MODE"] == trainer["SPECLOOP_DEV_MODE"] == "1"
+    assert json.loads(serving["SPECLOOP_API_KEYS"]) == {"a-long-random-key": "acme"}  # quotes intact
+    assert serving["SPECLOOP_ADMIN_TOKEN"] == "change-me"  # not in .env: still the default
+
+
+def test_a_shell_value_overrides_dotenv(compose_dir):
+    (compose_dir / ".env").write_text("SPECLOOP_K=6\n")
+    assert _env(compose_dir, "serving", {"SPECLOOP_K": "7"})["SPECLOOP_K"] == "7"
+    assert _env(compose_dir, "serving", {"SPECLOOP_K": ""})["SPECLOOP_K"] == "4"  # :- treats empty as unset
+
+
+def test_only_the_forms_the_file_uses_are_interpolated():
+    assert interpolate("a ${X:-1} $$b", {"X": "2"}) == "a 2 $b"
+    assert interpolate({"k": ["${X:-1}", 3]}) == {"k": ["1", 3]}
+    assert interpolate("$${X:-1}", {"X": "2"}) == "${X:-1}"  # escaped: left for the shell
+    for unsupported in ("${X}", "${X-1}", "${X:?missing}", "$X"):
+        with pytest.raises(ValueError, match="only"):
+            interpolate(unsupported, {"X": "2"})
+
+
+def test_an_operator_admin_token_is_used_instead_of_a_generated_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLOOP_ADMIN_TOKEN", "an-operator-chosen-token")
+    assert Topology(tmp_path / "run").admin_token() == "an-operator-chosen-token"
+    assert not (tmp_path / "run" / "admin-token").exists()
+    topo = Topology(tmp_path / "run")
+    topo.compose_env = {}  # none set: generated once per run directory
+    token = topo.admin_token()
+    assert token != "an-operator-chosen-token" and token == topo.admin_token()
+    assert (tmp_path / "run" / "admin-token").stat().st_mode & 0o777 == 0o600
