@@ -17,12 +17,20 @@ from kernels.threads import kernel_threads
 def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.argmax_rows.restype = ctypes.c_int
+    lib.greedy_tree_walk.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    lib.greedy_tree_walk.restype = ctypes.c_int
+
+
+def native_lib() -> ctypes.CDLL | None:
+    """``native/argmax_rows.c`` loaded (``argmax_rows`` and the greedy verify's ``greedy_tree_walk``,
+    kernels/tree_verify.py), or None where it does not build."""
+    return load_native("argmax_rows", _declare)
 
 
 def argmax_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """x [R, V], rows [n] int64 -> [n] int64: the argmax of each chosen row."""
     native = x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-    lib = load_native("argmax_rows", _declare) if native else None
+    lib = native_lib() if native else None
     if lib is None:
         return x.index_select(0, rows.to(x.device)).argmax(-1)
     rows = rows.to(torch.long).contiguous()

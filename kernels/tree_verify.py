@@ -24,7 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels.argmax_rows import native_lib
 from kernels.sampling import sample_from_uniform
+from kernels.threads import kernel_threads
 
 
 @dataclass
@@ -151,6 +153,36 @@ def _tree_accept_lists(tokens: Tensor, parents: Tensor, target_tokens: Tensor) -
         torch.tensor(num, dtype=torch.long), torch.tensor(nxt, dtype=torch.long),
         torch.tensor(path, dtype=torch.long).view(b, n),
     )
+
+
+def greedy_tree_walk(logits: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor) -> TreeVerifyResult | None:
+    """The greedy verify in one native call (``kernels/native/argmax_rows.c``): ``tree_accept``
+    following the target's argmax, read at the nodes the walk reaches only (accepted + 1 per row).
+
+    ``logits`` [R, V] fp32, ``node_row`` [B, N] each node's row of it (-1 at padding), ``drafts``
+    [B, N-1] node i's drafted token at [b, i - 1], ``parents`` [B, N]. Same result as
+    ``tree_accept(tokens, parents, argmax of every node's row)``; None where the kernel does not
+    apply (off the CPU, other dtypes, no compiler): the caller then computes the targets."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return None
+    lib = native_lib()
+    if lib is None:
+        return None
+    b, n = parents.shape
+    node_row, parents = node_row.to(torch.long).contiguous(), parents.to(torch.long).contiguous()
+    drafts = drafts.to(torch.long).contiguous()
+    if tuple(node_row.shape) != (b, n) or tuple(drafts.shape) != (b, n - 1):
+        raise ValueError(f"node_row {tuple(node_row.shape)} and drafts {tuple(drafts.shape)} do not fit "
+                         f"parents {(b, n)}")
+    out = torch.empty(b * (2 + n), dtype=torch.long)  # num [B], next [B], path [B, N]: one allocation
+    num, nxt, path = out[:b], out[b : 2 * b], out[2 * b :].view(b, n)
+    threads = min(kernel_threads(), b // 2) or 1  # a worker per row walk; not woken for one or two
+    rc = lib.greedy_tree_walk(logits.data_ptr(), node_row.data_ptr(), drafts.data_ptr(),
+                              parents.data_ptr(), num.data_ptr(), nxt.data_ptr(), path.data_ptr(),
+                              logits.shape[0], logits.shape[1], b, n, threads)
+    if rc != 0:
+        raise ValueError("greedy_tree_walk reached a node without a row of logits")
+    return TreeVerifyResult(num, nxt, path)
 
 
 def greedy_tree_verify(tokens: Tensor, parents: Tensor, target_logits: Tensor) -> TreeVerifyResult:

@@ -52,3 +52,67 @@ int argmax_rows(const float *x, const int64_t *rows, int64_t *out, long n, long 
     spl_parallel(run, &j, threads);
     return 0;
 }
+
+/* greedy_tree_walk: a greedy verify's accept walk (kernels/tree_verify.py, ``tree_accept``) fused
+ * with the argmax it reads, for each row b of a token tree of N nodes (node 0 = the root):
+ * y = the argmax of node `cur`'s logits; the first child i of `cur` (parents[b, i] == cur) that
+ * drafted y is accepted and the walk moves there; else the step ends and y is the next token.
+ *
+ * Why: the walk reads the argmax of the nodes on its path only (accepted + 1 per row), where
+ * computing the greedy targets first read every verified node; and one call replaces the ~15 small
+ * torch and numpy ops of targets, masks and walk, each of which costs 20-40 us on the step thread
+ * right after a forward has streamed the weights through the caches.
+ *
+ * x [R, V] fp32 logits; node_row [B, N]: each node's row of x (-1: a padding node, never reached);
+ * tokens [B, N - 1]: node i's drafted token is tokens[b, i - 1]; parents [B, N] (-1 for the root
+ * and padding). Out: num [B] accepted nodes, next [B] the target's token after them, path [B, N]
+ * (0, the accepted nodes, then -1). Returns 0, or -1 when the walk reaches a node without a row. */
+struct walk_job {
+    const float *x;
+    const int64_t *node_row, *tokens, *parents;
+    int64_t *num, *next, *path;
+    long R, V, B, N;
+    int bad;
+};
+
+static void walk_rows(void *ctx, int id, int n) {
+    struct walk_job *j = ctx;
+    long lo, hi;
+    spl_range(j->B, id, n, &lo, &hi);
+    for (long b = lo; b < hi; b++) {
+        const int64_t *rows = j->node_row + b * j->N, *par = j->parents + b * j->N;
+        const int64_t *tok = j->tokens + b * (j->N - 1);
+        int64_t *path = j->path + b * j->N;
+        for (long i = 0; i < j->N; i++) path[i] = -1;
+        long cur = 0, depth = 0;
+        int64_t y = 0;
+        path[0] = 0;
+        for (;;) {
+            if (rows[cur] < 0 || rows[cur] >= j->R) {
+                j->bad = 1;
+                break;
+            }
+            y = one_row(j->x + rows[cur] * j->V, j->V);
+            long child = 0;
+            for (long i = 1; i < j->N; i++)
+                if (par[i] == cur && tok[i - 1] == y) {
+                    child = i;
+                    break;
+                }
+            if (!child) break;
+            cur = child;
+            path[++depth] = cur;
+        }
+        j->num[b] = depth;
+        j->next[b] = y;
+    }
+}
+
+int greedy_tree_walk(const float *x, const int64_t *node_row, const int64_t *tokens,
+                     const int64_t *parents, int64_t *num, int64_t *next, int64_t *path, long R,
+                     long V, long B, long N, int threads) {
+    if (R < 1 || V < 1 || B < 0 || N < 1 || threads < 1) return -1;
+    struct walk_job j = {x, node_row, tokens, parents, num, next, path, R, V, B, N, 0};
+    spl_parallel(walk_rows, &j, threads);
+    return j.bad ? -1 : 0;
+}

@@ -16,6 +16,7 @@ from kernels.sampling import probs_from_logits
 from kernels.topk_logprobs import topk_logprobs
 from kernels.tree_verify import (
     TreeVerifyResult,
+    greedy_tree_walk,
     sampled_tree_verify,
     tree_accept,
     tree_depths,
@@ -56,6 +57,10 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
     batch, n = parents.shape
     sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
     if not sampled:
+        matrix, node_row = logit_rows(out)  # [R, V], [B, K+1]
+        walked = greedy_tree_walk(matrix, node_row, plan.tokens, parents)  # native, on the CPU
+        if walked is not None:
+            return walked
         target = greedy_targets(out, plan.lengths)  # [B, K+1]
         device = target.device
         tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)

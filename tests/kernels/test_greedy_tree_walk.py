@@ -1,0 +1,70 @@
+"""greedy_tree_walk (native: argmax fused with the accept walk) against tree_accept over the argmax
+of every node: random trees and chains, rejected siblings, ties, padding, batches that wake the
+kernel's workers."""
+
+import pytest
+import torch
+
+from kernels.argmax_rows import native_lib
+from kernels.tree_verify import greedy_tree_walk, tree_accept
+
+pytestmark = pytest.mark.skipif(native_lib() is None, reason="the native kernels do not build here")
+
+
+def random_case(g: torch.Generator, b: int, n: int, vocab: int, follow: float):
+    """Random trees whose drafts follow the target's argmax with probability ``follow``, with
+    padding nodes past each row's length and logits laid out as the forward returns them when it
+    skips padding (the real nodes' rows only)."""
+    logits = torch.randn(b, n, vocab, generator=g)
+    logits[0, 0, :3] = 10.0  # a three-way tie: the first maximum wins, as torch's argmax
+    target = logits.argmax(-1)  # [B, N]
+    lengths = torch.randint(0, n, (b,), generator=g)
+    parents = torch.full((b, n), -1, dtype=torch.long)
+    tokens = torch.zeros(b, n, dtype=torch.long)
+    for row in range(b):
+        for i in range(1, int(lengths[row]) + 1):
+            p = int(torch.randint(0, i, (1,), generator=g))
+            parents[row, i] = p
+            hit = float(torch.rand(1, generator=g)) < follow
+            tokens[row, i] = target[row, p] if hit else int(torch.randint(0, vocab, (1,), generator=g))
+    real = torch.arange(n)[None, :] <= lengths[:, None]  # [B, N]
+    node_row = torch.full((b, n), -1, dtype=torch.long)
+    node_row[real] = torch.arange(int(real.sum()))
+    return logits, target, tokens, parents, logits[real].contiguous(), node_row
+
+
+@pytest.mark.parametrize("b", [1, 2, 8])
+def test_walk_equals_the_reference(b):
+    g = torch.Generator().manual_seed(b)
+    accepted = 0
+    for trial in range(40):
+        logits, target, tokens, parents, matrix, node_row = random_case(g, b, 9, 64, follow=0.8)
+        want = tree_accept(tokens, parents, target)
+        got = greedy_tree_walk(matrix, node_row, tokens[:, 1:], parents)
+        assert torch.equal(got.num_accepted, want.num_accepted), trial
+        assert torch.equal(got.next_tokens, want.next_tokens), trial
+        assert torch.equal(got.path, want.path), trial
+        accepted += int(want.num_accepted.sum())
+    assert accepted > 0  # the cases do accept drafts
+
+
+def test_a_chain_and_its_first_rejection():
+    vocab = 16
+    logits = torch.full((4, vocab), -1.0)
+    for i, t in enumerate([5, 6, 7, 8]):
+        logits[i, t] = 1.0
+    tokens = torch.tensor([[5, 6, 9]])  # node 3 (token 9) is rejected: the target wanted 7
+    parents = torch.tensor([[-1, 0, 1, 2]])
+    got = greedy_tree_walk(logits, torch.arange(4)[None], tokens, parents)
+    assert got.num_accepted.tolist() == [2] and got.next_tokens.tolist() == [7]
+    assert got.path.tolist() == [[0, 1, 2, -1]]
+
+
+def test_refusals():
+    logits = torch.zeros(2, 8)
+    parents = torch.tensor([[-1, 0]])
+    with pytest.raises(ValueError):  # the root has no row
+        greedy_tree_walk(logits, torch.tensor([[-1, 1]]), torch.tensor([[0]]), parents)
+    with pytest.raises(ValueError):  # shapes that do not fit the tree
+        greedy_tree_walk(logits, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), parents)
+    assert greedy_tree_walk(logits.double(), torch.tensor([[0, 1]]), torch.tensor([[0]]), parents) is None
