@@ -30,7 +30,7 @@ def random_case(g: torch.Generator, b: int, n: int, vocab: int, follow: float):
     real = torch.arange(n)[None, :] <= lengths[:, None]  # [B, N]
     node_row = torch.full((b, n), -1, dtype=torch.long)
     node_row[real] = torch.arange(int(real.sum()))
-    return logits, target, tokens, parents, logits[real].contiguous(), node_row
+    return target, tokens, parents, logits[real].contiguous(), node_row
 
 
 @pytest.mark.parametrize("b", [1, 2, 8])
@@ -38,7 +38,7 @@ def test_walk_equals_the_reference(b):
     g = torch.Generator().manual_seed(b)
     accepted = 0
     for trial in range(40):
-        logits, target, tokens, parents, matrix, node_row = random_case(g, b, 9, 64, follow=0.8)
+        target, tokens, parents, matrix, node_row = random_case(g, b, 9, 64, follow=0.8)
         want = tree_accept(tokens, parents, target)
         got = greedy_tree_walk(matrix, node_row, tokens[:, 1:], parents)
         assert torch.equal(got.num_accepted, want.num_accepted), trial
