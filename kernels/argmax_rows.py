@@ -17,12 +17,12 @@ from kernels.threads import kernel_threads
 def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.argmax_rows.restype = ctypes.c_int
-    lib.greedy_tree_walk.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_long] * 4 + [ctypes.c_int]
-    lib.greedy_tree_walk.restype = ctypes.c_int
+    lib.tree_walk.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    lib.tree_walk.restype = ctypes.c_int
 
 
 def native_lib() -> ctypes.CDLL | None:
-    """``native/argmax_rows.c`` loaded (``argmax_rows`` and the greedy verify's ``greedy_tree_walk``,
+    """``native/argmax_rows.c`` loaded (``argmax_rows`` and the verify's ``tree_walk``,
     kernels/tree_verify.py), or None where it does not build."""
     return load_native("argmax_rows", _declare)
 

@@ -156,14 +156,32 @@ def _tree_accept_lists(tokens: Tensor, parents: Tensor, target_tokens: Tensor) -
 
 
 def greedy_tree_walk(logits: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor) -> TreeVerifyResult | None:
-    """The greedy verify in one native call (``kernels/native/argmax_rows.c``): ``tree_accept``
-    following the target's argmax, read at the nodes the walk reaches only (accepted + 1 per row).
+    """The greedy verify in one native call (``kernels/native/argmax_rows.c``, ``tree_walk``):
+    ``tree_accept`` following the target's argmax, read at the nodes the walk reaches only
+    (accepted + 1 per row).
 
     ``logits`` [R, V] fp32, ``node_row`` [B, N] each node's row of it (-1 at padding), ``drafts``
     [B, N-1] node i's drafted token at [b, i - 1], ``parents`` [B, N]. Same result as
     ``tree_accept(tokens, parents, argmax of every node's row)``; None where the kernel does not
     apply (off the CPU, other dtypes, no compiler): the caller then computes the targets."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous():
+    return _native_walk(logits, node_row, drafts, parents, None)
+
+
+def sampled_tree_walk(probs: Tensor, drafts: Tensor, parents: Tensor, uniforms: Tensor) -> TreeVerifyResult | None:
+    """``sampled_tree_verify`` in one native call: the target's sample (``sample_from_uniform``, the
+    same running sum in double precision, so the same token) drawn at the nodes the walk reaches
+    only. ``probs`` [B, N, V] fp32, ``drafts`` [B, N-1], ``parents`` [B, N], ``uniforms`` [B, N].
+    None where the kernel does not apply: the caller then samples every node."""
+    b, n = parents.shape
+    if probs.dim() != 3 or tuple(probs.shape[:2]) != (b, n):
+        raise ValueError(f"probs {tuple(probs.shape)} do not fit parents {(b, n)}")
+    node_row = torch.arange(b * n, device=probs.device).view(b, n)
+    return _native_walk(probs.reshape(b * n, -1), node_row, drafts, parents, uniforms)
+
+
+def _native_walk(x: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor,
+                 uniforms: Tensor | None) -> TreeVerifyResult | None:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     lib = native_lib()
     if lib is None:
@@ -174,14 +192,19 @@ def greedy_tree_walk(logits: Tensor, node_row: Tensor, drafts: Tensor, parents: 
     if tuple(node_row.shape) != (b, n) or tuple(drafts.shape) != (b, n - 1):
         raise ValueError(f"node_row {tuple(node_row.shape)} and drafts {tuple(drafts.shape)} do not fit "
                          f"parents {(b, n)}")
+    u = None
+    if uniforms is not None:
+        u = uniforms.to(torch.float64).contiguous()
+        if tuple(u.shape) != (b, n):
+            raise ValueError(f"uniforms {tuple(u.shape)} do not fit parents {(b, n)}")
     out = torch.empty(b * (2 + n), dtype=torch.long)  # num [B], next [B], path [B, N]: one allocation
     num, nxt, path = out[:b], out[b : 2 * b], out[2 * b :].view(b, n)
     threads = min(kernel_threads(), b // 2) or 1  # a worker per row walk; not woken for one or two
-    rc = lib.greedy_tree_walk(logits.data_ptr(), node_row.data_ptr(), drafts.data_ptr(),
-                              parents.data_ptr(), num.data_ptr(), nxt.data_ptr(), path.data_ptr(),
-                              logits.shape[0], logits.shape[1], b, n, threads)
+    rc = lib.tree_walk(x.data_ptr(), node_row.data_ptr(), drafts.data_ptr(), parents.data_ptr(),
+                       None if u is None else u.data_ptr(), num.data_ptr(), nxt.data_ptr(),
+                       path.data_ptr(), x.shape[0], x.shape[1], b, n, threads)
     if rc != 0:
-        raise ValueError("greedy_tree_walk reached a node without a row of logits")
+        raise ValueError("tree_walk reached a node without a row")
     return TreeVerifyResult(num, nxt, path)
 
 

@@ -53,23 +53,44 @@ int argmax_rows(const float *x, const int64_t *rows, int64_t *out, long n, long 
     return 0;
 }
 
-/* greedy_tree_walk: a greedy verify's accept walk (kernels/tree_verify.py, ``tree_accept``) fused
- * with the argmax it reads, for each row b of a token tree of N nodes (node 0 = the root):
- * y = the argmax of node `cur`'s logits; the first child i of `cur` (parents[b, i] == cur) that
- * drafted y is accepted and the walk moves there; else the step ends and y is the next token.
+/* tree_walk: a verify's accept walk (kernels/tree_verify.py, ``tree_accept``) fused with the
+ * target's token at each node it reaches, for each row b of a token tree of N nodes (node 0 = the
+ * root): y = the target's token at node `cur`; the first child i of `cur` (parents[b, i] == cur)
+ * that drafted y is accepted and the walk moves there; else the step ends and y is the next token.
+ * The target's token is the argmax of the node's logits (greedy, u == NULL), or the inverse-CDF
+ * sample of the node's probabilities at the uniform u[b, cur] (``sample_from_uniform``: the same
+ * double-precision running sum, so the same token).
  *
- * Why: the walk reads the argmax of the nodes on its path only (accepted + 1 per row), where
- * computing the greedy targets first read every verified node; and one call replaces the ~15 small
- * torch and numpy ops of targets, masks and walk, each of which costs 20-40 us on the step thread
- * right after a forward has streamed the weights through the caches.
+ * Why: the walk reads the nodes on its path only (accepted + 1 per row), where the torch path
+ * computed every verified node's token first; and one call replaces the ~15 small torch and numpy
+ * ops of targets, masks and walk, each of which costs 20-40 us on the step thread right after a
+ * forward has streamed the weights through the caches.
  *
- * x [R, V] fp32 logits; node_row [B, N]: each node's row of x (-1: a padding node, never reached);
- * tokens [B, N - 1]: node i's drafted token is tokens[b, i - 1]; parents [B, N] (-1 for the root
- * and padding). Out: num [B] accepted nodes, next [B] the target's token after them, path [B, N]
- * (0, the accepted nodes, then -1). Returns 0, or -1 when the walk reaches a node without a row. */
+ * x [R, V] fp32 (logits, or probabilities when u is given); node_row [B, N]: each node's row of x
+ * (-1: a padding node, never reached); tokens [B, N - 1]: node i's drafted token is
+ * tokens[b, i - 1]; parents [B, N] (-1 for the root and padding); u [B, N] or NULL. Out: num [B]
+ * accepted nodes, next [B] the target's token after them, path [B, N] (0, the accepted nodes, then
+ * -1). Returns 0, or -1 when the walk reaches a node without a row. */
+
+/* sample_from_uniform of one row: the first token whose running sum exceeds u * total; when
+ * u * total rounds up to the total, the last token with positive mass. */
+static int64_t sample_row(const float *p, long V, double u) {
+    double total = 0.0;
+    for (long j = 0; j < V; j++) total += (double)p[j];
+    double target = u * total, cdf = 0.0;
+    for (long j = 0; j < V; j++) {
+        cdf += (double)p[j];
+        if (cdf > target) return j;
+    }
+    for (long j = V - 1; j >= 0; j--)
+        if (p[j] > 0) return j;
+    return V - 1; /* no mass at all (never given): what torch's lookup returns */
+}
+
 struct walk_job {
     const float *x;
     const int64_t *node_row, *tokens, *parents;
+    const double *u;
     int64_t *num, *next, *path;
     long R, V, B, N;
     int bad;
@@ -92,7 +113,8 @@ static void walk_rows(void *ctx, int id, int n) {
                 j->bad = 1;
                 break;
             }
-            y = one_row(j->x + rows[cur] * j->V, j->V);
+            const float *x = j->x + rows[cur] * j->V;
+            y = j->u ? sample_row(x, j->V, j->u[b * j->N + cur]) : one_row(x, j->V);
             long child = 0;
             for (long i = 1; i < j->N; i++)
                 if (par[i] == cur && tok[i - 1] == y) {
@@ -108,11 +130,11 @@ static void walk_rows(void *ctx, int id, int n) {
     }
 }
 
-int greedy_tree_walk(const float *x, const int64_t *node_row, const int64_t *tokens,
-                     const int64_t *parents, int64_t *num, int64_t *next, int64_t *path, long R,
-                     long V, long B, long N, int threads) {
+int tree_walk(const float *x, const int64_t *node_row, const int64_t *tokens,
+              const int64_t *parents, const double *u, int64_t *num, int64_t *next, int64_t *path,
+              long R, long V, long B, long N, int threads) {
     if (R < 1 || V < 1 || B < 0 || N < 1 || threads < 1) return -1;
-    struct walk_job j = {x, node_row, tokens, parents, num, next, path, R, V, B, N, 0};
+    struct walk_job j = {x, node_row, tokens, parents, u, num, next, path, R, V, B, N, 0};
     spl_parallel(walk_rows, &j, threads);
     return j.bad ? -1 : 0;
 }

@@ -1,5 +1,6 @@
-"""greedy_tree_walk (native: argmax fused with the accept walk) against tree_accept over the argmax
-of every node: random trees and chains, rejected siblings, ties, padding, batches that wake the
+"""The native tree walks against the torch reference: greedy_tree_walk (argmax fused with the accept
+walk) against tree_accept over the argmax of every node, sampled_tree_walk against
+sampled_tree_verify: random trees and chains, rejected siblings, ties, padding, batches that wake the
 kernel's workers."""
 
 import pytest
@@ -68,3 +69,42 @@ def test_refusals():
     with pytest.raises(ValueError):  # shapes that do not fit the tree
         greedy_tree_walk(logits, torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), parents)
     assert greedy_tree_walk(logits.double(), torch.tensor([[0, 1]]), torch.tensor([[0]]), parents) is None
+
+
+@pytest.mark.parametrize("b", [1, 3, 8])
+def test_sampled_walk_draws_the_same_tokens_as_sampling_every_node(b):
+    """The native sampled walk equals sample_from_uniform at every node + tree_accept, token for
+    token: probabilities with zero mass (top-k cuts), drafts that follow the sample or not, and
+    uniforms that round up to the total."""
+    from kernels.tree_verify import sampled_tree_verify, sampled_tree_walk
+
+    g = torch.Generator().manual_seed(10 + b)
+    n, vocab, accepted = 7, 300, 0
+    for trial in range(30):
+        probs = torch.rand(b, n, vocab, generator=g) ** 4
+        probs[probs < 0.05] = 0.0
+        probs = probs / probs.sum(-1, keepdim=True)
+        u = torch.rand(b, n, generator=g, dtype=torch.float64)
+        u[0, 0] = 1.0 - 1e-17
+        parents = torch.full((b, n), -1, dtype=torch.long)
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        for row in range(b):
+            for i in range(1, n):
+                p = int(torch.randint(0, i, (1,), generator=g))
+                parents[row, i] = p
+                tokens[row, i] = int(torch.randint(0, vocab, (1,), generator=g))
+        # drafts that follow the target's sample along a random branch, so that walks go deep
+        for _ in range(n):
+            reference = sampled_tree_verify(tokens, parents, probs, u)
+            for row in range(b):
+                last = int(reference.path[row, int(reference.num_accepted[row])])
+                kids = [i for i in range(1, n) if int(parents[row, i]) == last]
+                if kids and float(torch.rand(1, generator=g)) < 0.8:
+                    tokens[row, kids[0]] = reference.next_tokens[row]
+        want = sampled_tree_verify(tokens, parents, probs, u)
+        got = sampled_tree_walk(probs.contiguous(), tokens[:, 1:], parents, u)
+        assert torch.equal(got.num_accepted, want.num_accepted), trial
+        assert torch.equal(got.next_tokens, want.next_tokens), trial
+        assert torch.equal(got.path, want.path), trial
+        accepted += int(want.num_accepted.sum())
+    assert accepted > 0

@@ -103,3 +103,20 @@ def test_seeded_rows_reproducible_regardless_of_batch():
     # and a different seed can give a different token (the generator is actually used)
     draws = {sample(probs[2:3], [torch.Generator().manual_seed(s)]).item() for s in range(50)}
     assert len(draws) > 1
+
+
+def test_only_rows_that_run_off_the_cdf_are_read_again():
+    """On the CPU the last positive token is looked up only for rows whose target reached the total;
+    the tokens are those of clamping every row to it."""
+    g = torch.Generator().manual_seed(4)
+    probs = torch.rand(64, 50, generator=g)
+    probs[probs < 0.5] = 0.0  # zero mass anywhere, the tail included
+    probs[:, -5:] = 0.0
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[:8] = 1.0 - 1e-17  # these round up to the total
+    cdf = probs.double().cumsum(-1)
+    every = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    last_positive = 49 - (probs > 0).flip(-1).int().argmax(-1)
+    got = sample_from_uniform(probs, u)
+    assert torch.equal(got, torch.minimum(every, last_positive))
+    assert bool((probs[torch.arange(64), got] > 0).all())
