@@ -17,7 +17,7 @@ from kernels.threads import kernel_threads
 def _declare(lib: ctypes.CDLL) -> None:
     lib.argmax_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     lib.argmax_rows.restype = ctypes.c_int
-    lib.tree_walk.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_long] * 4 + [ctypes.c_int]
+    lib.tree_walk.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_long] * 4 + [ctypes.c_int]
     lib.tree_walk.restype = ctypes.c_int
 
 

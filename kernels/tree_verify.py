@@ -179,8 +179,22 @@ def sampled_tree_walk(probs: Tensor, drafts: Tensor, parents: Tensor, uniforms: 
     return _native_walk(probs.reshape(b * n, -1), node_row, drafts, parents, uniforms)
 
 
+def sampled_tree_walk_from_logits(logits: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor,
+                                  temperature: Tensor, uniforms: Tensor) -> TreeVerifyResult | None:
+    """``sampled_tree_walk`` for rows sampled at a temperature alone (no top-k, no top-p): the
+    softmax of a node's logits / temperature (``probs_from_logits``, with the kernels' vector exp: the
+    same distribution to ~2e-7) is computed for the nodes the walk reaches only, not for every
+    verified node. ``logits`` [R, V] and ``node_row`` [B, N] as ``greedy_tree_walk`` takes them,
+    ``temperature`` [B] (> 0), ``uniforms`` [B, N]. None where the kernel does not apply."""
+    b = parents.shape[0]
+    temp = temperature.to(torch.float32).contiguous()
+    if tuple(temp.shape) != (b,) or not bool((temp > 0).all()):
+        raise ValueError(f"temperature must be [{b}] and positive, got {temp.tolist()}")
+    return _native_walk(logits, node_row, drafts, parents, uniforms, temp)
+
+
 def _native_walk(x: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor,
-                 uniforms: Tensor | None) -> TreeVerifyResult | None:
+                 uniforms: Tensor | None, temperature: Tensor | None = None) -> TreeVerifyResult | None:
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         return None
     lib = native_lib()
@@ -201,8 +215,9 @@ def _native_walk(x: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor,
     num, nxt, path = out[:b], out[b : 2 * b], out[2 * b :].view(b, n)
     threads = min(kernel_threads(), b // 2) or 1  # a worker per row walk; not woken for one or two
     rc = lib.tree_walk(x.data_ptr(), node_row.data_ptr(), drafts.data_ptr(), parents.data_ptr(),
-                       None if u is None else u.data_ptr(), num.data_ptr(), nxt.data_ptr(),
-                       path.data_ptr(), x.shape[0], x.shape[1], b, n, threads)
+                       None if u is None else u.data_ptr(),
+                       None if temperature is None else temperature.data_ptr(), num.data_ptr(),
+                       nxt.data_ptr(), path.data_ptr(), x.shape[0], x.shape[1], b, n, threads)
     if rc != 0:
         raise ValueError("tree_walk reached a node without a row")
     return TreeVerifyResult(num, nxt, path)

@@ -8,6 +8,7 @@
  * NaN is never the answer here (torch would return it); logits are finite.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 #include "pool.h"
@@ -58,17 +59,20 @@ int argmax_rows(const float *x, const int64_t *rows, int64_t *out, long n, long 
  * root): y = the target's token at node `cur`; the first child i of `cur` (parents[b, i] == cur)
  * that drafted y is accepted and the walk moves there; else the step ends and y is the next token.
  * The target's token is the argmax of the node's logits (greedy, u == NULL), or the inverse-CDF
- * sample of the node's probabilities at the uniform u[b, cur] (``sample_from_uniform``: the same
- * double-precision running sum, so the same token).
+ * sample at the uniform u[b, cur] of the node's probabilities (temp == NULL: x holds them;
+ * ``sample_from_uniform``: the same double-precision running sum, so the same token) or of the
+ * softmax of its logits at temperature temp[b] (``probs_from_logits`` without top-k / top-p, with
+ * simd.h's exp: the same distribution to ~2e-7, computed for the reached nodes only).
  *
  * Why: the walk reads the nodes on its path only (accepted + 1 per row), where the torch path
  * computed every verified node's token first; and one call replaces the ~15 small torch and numpy
  * ops of targets, masks and walk, each of which costs 20-40 us on the step thread right after a
  * forward has streamed the weights through the caches.
  *
- * x [R, V] fp32 (logits, or probabilities when u is given); node_row [B, N]: each node's row of x
- * (-1: a padding node, never reached); tokens [B, N - 1]: node i's drafted token is
- * tokens[b, i - 1]; parents [B, N] (-1 for the root and padding); u [B, N] or NULL. Out: num [B]
+ * x [R, V] fp32 (logits, or probabilities when u is given without temp); node_row [B, N]: each
+ * node's row of x (-1: a padding node, never reached); tokens [B, N - 1]: node i's drafted token is
+ * tokens[b, i - 1]; parents [B, N] (-1 for the root and padding); u [B, N] or NULL; temp [B] or
+ * NULL. Out: num [B]
  * accepted nodes, next [B] the target's token after them, path [B, N] (0, the accepted nodes, then
  * -1). Returns 0, or -1 when the walk reaches a node without a row. */
 
@@ -87,10 +91,25 @@ static int64_t sample_row(const float *p, long V, double u) {
     return V - 1; /* no mass at all (never given): what torch's lookup returns */
 }
 
+/* The sample of softmax(x / t) at u: e = exp(x / t - max) into `e` [V] (scratch), then
+ * sample_row's running sum over e (an unnormalised distribution samples alike). */
+static int64_t sample_softmax_row(const float *x, long V, float t, double u, float *e) {
+    float m = -INFINITY;
+    for (long j = 0; j < V; j++) {
+        e[j] = x[j] / t;
+        m = e[j] > m ? e[j] : m;
+    }
+    long j = 0;
+    for (; j + VW <= V; j += VW) *(vf *)(e + j) = vexp_nonpos(*(const vf *)(e + j) - m);
+    for (; j < V; j++) e[j] = expf(e[j] - m);
+    return sample_row(e, V, u);
+}
+
 struct walk_job {
     const float *x;
     const int64_t *node_row, *tokens, *parents;
     const double *u;
+    const float *temp;
     int64_t *num, *next, *path;
     long R, V, B, N;
     int bad;
@@ -100,6 +119,11 @@ static void walk_rows(void *ctx, int id, int n) {
     struct walk_job *j = ctx;
     long lo, hi;
     spl_range(j->B, id, n, &lo, &hi);
+    float *scratch = j->temp ? malloc(j->V * sizeof(float)) : NULL;
+    if (j->temp && !scratch) {
+        j->bad = 1;
+        return;
+    }
     for (long b = lo; b < hi; b++) {
         const int64_t *rows = j->node_row + b * j->N, *par = j->parents + b * j->N;
         const int64_t *tok = j->tokens + b * (j->N - 1);
@@ -114,7 +138,12 @@ static void walk_rows(void *ctx, int id, int n) {
                 break;
             }
             const float *x = j->x + rows[cur] * j->V;
-            y = j->u ? sample_row(x, j->V, j->u[b * j->N + cur]) : one_row(x, j->V);
+            if (!j->u)
+                y = one_row(x, j->V);
+            else if (j->temp)
+                y = sample_softmax_row(x, j->V, j->temp[b], j->u[b * j->N + cur], scratch);
+            else
+                y = sample_row(x, j->V, j->u[b * j->N + cur]);
             long child = 0;
             for (long i = 1; i < j->N; i++)
                 if (par[i] == cur && tok[i - 1] == y) {
@@ -128,13 +157,16 @@ static void walk_rows(void *ctx, int id, int n) {
         j->num[b] = depth;
         j->next[b] = y;
     }
+    free(scratch);
 }
 
 int tree_walk(const float *x, const int64_t *node_row, const int64_t *tokens,
-              const int64_t *parents, const double *u, int64_t *num, int64_t *next, int64_t *path,
-              long R, long V, long B, long N, int threads) {
-    if (R < 1 || V < 1 || B < 0 || N < 1 || threads < 1) return -1;
-    struct walk_job j = {x, node_row, tokens, parents, u, num, next, path, R, V, B, N, 0};
+              const int64_t *parents, const double *u, const float *temp, int64_t *num,
+              int64_t *next, int64_t *path, long R, long V, long B, long N, int threads) {
+    if (R < 1 || V < 1 || B < 0 || N < 1 || threads < 1 || (temp && !u)) return -1;
+    for (long b = 0; temp && b < B; b++)
+        if (!(temp[b] > 0)) return -1;
+    struct walk_job j = {x, node_row, tokens, parents, u, temp, num, next, path, R, V, B, N, 0};
     spl_parallel(walk_rows, &j, threads);
     return j.bad ? -1 : 0;
 }

@@ -19,6 +19,7 @@ from kernels.tree_verify import (
     greedy_tree_walk,
     sampled_tree_verify,
     sampled_tree_walk,
+    sampled_tree_walk_from_logits,
     tree_accept,
     tree_depths,
 )
@@ -80,6 +81,25 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
         target = greedy_targets(out, plan.lengths, only=is_greedy)  # [B, K+1]
         res = tree_accept(tokens[g], parents[g], target[g])
         num_accepted[g], next_tokens[g], path[g] = res.num_accepted, res.next_tokens, res.path
+    if plan.dists is None and matrix.device.type == "cpu":
+        # rows sampled at a temperature alone: the softmax and the sample at the nodes the walk
+        # reaches only, natively; always so for such a row, whatever else is in the batch, so
+        # that its tokens do not depend on the batch it runs in
+        plain = [b for b in sampled if rows[b].params.top_k == 0 and rows[b].params.top_p >= 1.0]
+        if plain:
+            p = torch.tensor(plain)
+            prows = [rows[b] for b in plain]
+            res = sampled_tree_walk_from_logits(
+                matrix, node_row[p], plan.tokens[p], parents[p],
+                torch.tensor([r.params.temperature for r in prows], dtype=torch.float32),
+                torch.from_numpy(_uniforms(prows, parents[p])),
+            )
+            if res is not None:
+                num_accepted[p], next_tokens[p], path[p] = res.num_accepted, res.next_tokens, res.path
+                taken = set(plain)
+                sampled = [b for b in sampled if b not in taken]
+                if not sampled:
+                    return TreeVerifyResult(num_accepted, next_tokens, path)
     s = torch.tensor(sampled, device=device)
     srows = [rows[b] for b in sampled]
     # the sampled rows' logits read from the forward's own rows: no padded [B, K+1, V] layout
@@ -92,9 +112,7 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
         torch.tensor([r.params.top_p for r in srows], device=device),
     )  # [Bs, K+1, V]
     if plan.dists is None:
-        depth = tree_depths(parents[s]).cpu().numpy()  # [Bs, K+1]
-        first = np.array([r.num_output for r in srows], dtype=np.int64)[:, None]
-        u = torch.from_numpy(position_uniforms([r.seed for r in srows], first + depth))  # [Bs, K+1]
+        u = torch.from_numpy(_uniforms(srows, parents[s]))  # [Bs, K+1]
         res = sampled_tree_walk(probs, plan.tokens[s.cpu()], parents[s], u)  # native, on the CPU
         if res is None:
             res = sampled_tree_verify(tokens[s], parents[s], probs, u.to(device))
@@ -112,6 +130,14 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
         num_accepted[s], next_tokens[s] = chain.num_accepted, chain.next_tokens
         path[s] = torch.where(steps <= chain.num_accepted[:, None], steps, -1)
     return TreeVerifyResult(num_accepted, next_tokens, path)
+
+
+def _uniforms(srows: list[Row], parents: torch.Tensor) -> np.ndarray:
+    """[Bs, K+1] the uniform behind each node's sample: its row's position-keyed uniform at the
+    output position the node's token would take (same depth, same uniform)."""
+    depth = tree_depths(parents).cpu().numpy()  # [Bs, K+1]
+    first = np.array([r.num_output for r in srows], dtype=np.int64)[:, None]
+    return position_uniforms([r.seed for r in srows], first + depth)
 
 
 def logit_rows(out) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,3 +108,43 @@ def test_sampled_walk_draws_the_same_tokens_as_sampling_every_node(b):
         assert torch.equal(got.path, want.path), trial
         accepted += int(want.num_accepted.sum())
     assert accepted > 0
+
+
+@pytest.mark.parametrize("b", [1, 8])
+def test_sampled_walk_from_logits_samples_the_softmax_at_its_temperature(b):
+    """At a temperature alone, the walk's own softmax (the kernels' vector exp, ~2e-7 from torch's)
+    draws the tokens sampled_tree_verify draws from probs_from_logits: equal here, where no uniform
+    falls within ~1e-6 of a boundary of the CDF."""
+    from kernels.sampling import probs_from_logits
+    from kernels.tree_verify import sampled_tree_verify, sampled_tree_walk_from_logits
+
+    g = torch.Generator().manual_seed(20 + b)
+    n, vocab, accepted = 6, 500, 0
+    for trial in range(20):
+        logits = 3 * torch.randn(b, n, vocab, generator=g)
+        temp = 0.3 + torch.rand(b, generator=g)
+        u = torch.rand(b, n, generator=g, dtype=torch.float64)
+        probs = probs_from_logits(logits, temp)  # [B, N, V]
+        parents = torch.full((b, n), -1, dtype=torch.long)
+        tokens = torch.zeros(b, n, dtype=torch.long)
+        for row in range(b):
+            for i in range(1, n):
+                parents[row, i] = int(torch.randint(0, i, (1,), generator=g))
+        for _ in range(n):  # drafts that follow the target's samples, so that walks go deep
+            reference = sampled_tree_verify(tokens, parents, probs, u)
+            for row in range(b):
+                last = int(reference.path[row, int(reference.num_accepted[row])])
+                kids = [i for i in range(1, n) if int(parents[row, i]) == last]
+                if kids and float(torch.rand(1, generator=g)) < 0.8:
+                    tokens[row, kids[0]] = reference.next_tokens[row]
+        want = sampled_tree_verify(tokens, parents, probs, u)
+        node_row = torch.arange(b * n).view(b, n)
+        got = sampled_tree_walk_from_logits(logits.reshape(b * n, vocab).contiguous(), node_row,
+                                            tokens[:, 1:], parents, temp, u)
+        assert torch.equal(got.next_tokens, want.next_tokens), trial
+        assert torch.equal(got.path, want.path), trial
+        accepted += int(want.num_accepted.sum())
+    assert accepted > 0
+    with pytest.raises(ValueError):
+        sampled_tree_walk_from_logits(torch.zeros(2, 4), torch.tensor([[0, 1]]), torch.tensor([[0]]),
+                                      torch.tensor([[-1, 0]]), torch.tensor([0.0]), torch.zeros(1, 2))

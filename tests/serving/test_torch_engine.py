@@ -202,6 +202,15 @@ def _tv_threshold(joint, n, trials=400, seed=0):
             "k": 3,
             "seeded": True,
         },
+        # the same at a temperature alone (the native walk's softmax at the reached nodes)
+        {
+            "temperature": 0.4,
+            "top_p": 1.0,
+            "top_k": 0,
+            "drafter": "garbage",
+            "k": 3,
+            "seeded": True,
+        },
         # stochastic drafts with reported dists: rejection sampling; top-p cut
         {
             "temperature": 1.0,
@@ -221,7 +230,7 @@ def _tv_threshold(joint, n, trials=400, seed=0):
             "seeded": False,
         },
     ],
-    ids=["match-seeded", "rejection-top_p", "rejection-unseeded-top_k"],
+    ids=["match-seeded", "match-seeded-temperature", "rejection-top_p", "rejection-unseeded-top_k"],
 )
 def test_sampled_output_distribution_equals_target(peaked, run, drafters, case):
     target = peaked(vocab_size=8)
