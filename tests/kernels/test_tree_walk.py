@@ -71,6 +71,21 @@ def test_refusals():
     assert greedy_tree_walk(logits.double(), torch.tensor([[0, 1]]), torch.tensor([[0]]), parents) is None
 
 
+def follow_samples(tokens, parents, probs, u, g, follow: float = 0.8) -> None:
+    """Rewrite ``tokens`` in place so that, with probability ``follow`` per level, a child of each
+    row's last accepted node drafts the target's sample there: walks then go deep."""
+    from kernels.tree_verify import sampled_tree_verify
+
+    b, n = parents.shape
+    for _ in range(n):
+        reference = sampled_tree_verify(tokens, parents, probs, u)
+        for row in range(b):
+            last = int(reference.path[row, int(reference.num_accepted[row])])
+            kids = [i for i in range(1, n) if int(parents[row, i]) == last]
+            if kids and float(torch.rand(1, generator=g)) < follow:
+                tokens[row, kids[0]] = reference.next_tokens[row]
+
+
 @pytest.mark.parametrize("b", [1, 3, 8])
 def test_sampled_walk_draws_the_same_tokens_as_sampling_every_node(b):
     """The native sampled walk equals sample_from_uniform at every node + tree_accept, token for
@@ -93,14 +108,7 @@ def test_sampled_walk_draws_the_same_tokens_as_sampling_every_node(b):
                 p = int(torch.randint(0, i, (1,), generator=g))
                 parents[row, i] = p
                 tokens[row, i] = int(torch.randint(0, vocab, (1,), generator=g))
-        # drafts that follow the target's sample along a random branch, so that walks go deep
-        for _ in range(n):
-            reference = sampled_tree_verify(tokens, parents, probs, u)
-            for row in range(b):
-                last = int(reference.path[row, int(reference.num_accepted[row])])
-                kids = [i for i in range(1, n) if int(parents[row, i]) == last]
-                if kids and float(torch.rand(1, generator=g)) < 0.8:
-                    tokens[row, kids[0]] = reference.next_tokens[row]
+        follow_samples(tokens, parents, probs, u, g)
         want = sampled_tree_verify(tokens, parents, probs, u)
         got = sampled_tree_walk(probs.contiguous(), tokens[:, 1:], parents, u)
         assert torch.equal(got.num_accepted, want.num_accepted), trial
@@ -130,13 +138,7 @@ def test_sampled_walk_from_logits_samples_the_softmax_at_its_temperature(b):
         for row in range(b):
             for i in range(1, n):
                 parents[row, i] = int(torch.randint(0, i, (1,), generator=g))
-        for _ in range(n):  # drafts that follow the target's samples, so that walks go deep
-            reference = sampled_tree_verify(tokens, parents, probs, u)
-            for row in range(b):
-                last = int(reference.path[row, int(reference.num_accepted[row])])
-                kids = [i for i in range(1, n) if int(parents[row, i]) == last]
-                if kids and float(torch.rand(1, generator=g)) < 0.8:
-                    tokens[row, kids[0]] = reference.next_tokens[row]
+        follow_samples(tokens, parents, probs, u, g)
         want = sampled_tree_verify(tokens, parents, probs, u)
         node_row = torch.arange(b * n).view(b, n)
         got = sampled_tree_walk_from_logits(logits.reshape(b * n, vocab).contiguous(), node_row,
