@@ -60,15 +60,8 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
     sampled = [b for b, r in enumerate(rows) if r.params.temperature > 0]
     matrix, node_row = logit_rows(out)  # [R, V], [B, K+1]
     if not sampled:
-        walked = greedy_tree_walk(matrix, node_row, plan.tokens, parents)  # native, on the CPU
-        if walked is not None:
-            return walked
-        target = greedy_targets(out, plan.lengths)  # [B, K+1]
-        device = target.device
-        tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)
-        return tree_accept(tokens, parents.to(device), target)
+        return _greedy_rows(out, matrix, node_row, plan, parents)
     device = matrix.device
-    tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)  # [B, K+1]
     parents = parents.to(device)  # [B, K+1]
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
@@ -76,10 +69,7 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
     greedy = [b for b in range(batch) if rows[b].params.temperature == 0]
     if greedy:
         g = torch.tensor(greedy, device=device)
-        is_greedy = torch.zeros(batch, dtype=torch.bool)
-        is_greedy[greedy] = True
-        target = greedy_targets(out, plan.lengths, only=is_greedy)  # [B, K+1]
-        res = tree_accept(tokens[g], parents[g], target[g])
+        res = _greedy_rows(out, matrix, node_row, plan, parents, greedy)
         num_accepted[g], next_tokens[g], path[g] = res.num_accepted, res.next_tokens, res.path
     if plan.dists is None and matrix.device.type == "cpu":
         # rows sampled at a temperature alone: the softmax and the sample at the nodes the walk
@@ -115,6 +105,7 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
         u = torch.from_numpy(_uniforms(srows, parents[s]))  # [Bs, K+1]
         res = sampled_tree_walk(probs, plan.tokens[s.cpu()], parents[s], u)  # native, on the CPU
         if res is None:
+            tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)  # [B, K+1]
             res = sampled_tree_verify(tokens[s], parents[s], probs, u.to(device))
         num_accepted[s], next_tokens[s], path[s] = res.num_accepted, res.next_tokens, res.path
     else:  # chains of drafts with distributions: lossless rejection sampling
@@ -130,6 +121,28 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
         num_accepted[s], next_tokens[s] = chain.num_accepted, chain.next_tokens
         path[s] = torch.where(steps <= chain.num_accepted[:, None], steps, -1)
     return TreeVerifyResult(num_accepted, next_tokens, path)
+
+
+def _greedy_rows(out, matrix: torch.Tensor, node_row: torch.Tensor, plan: DraftPlan,
+                 parents: torch.Tensor, rows: list[int] | None = None) -> TreeVerifyResult:
+    """The verify of the greedy ``rows`` (None: every row), in their order: the native walk on the
+    CPU, else the target's argmax at their verified nodes (``greedy_targets``) and ``tree_accept``."""
+    pick = slice(None) if rows is None else torch.tensor(rows)
+    walked = greedy_tree_walk(matrix, node_row[pick], plan.tokens[pick], parents[pick])
+    if walked is not None:
+        return walked
+    only = None
+    if rows is not None:
+        only = torch.zeros(len(plan.lengths), dtype=torch.bool)
+        only[rows] = True
+    target = greedy_targets(out, plan.lengths, only=only)  # [B, K+1]
+    device = target.device
+    tokens = torch.cat([torch.zeros(len(plan.lengths), 1, dtype=torch.long), plan.tokens], 1).to(device)
+    parents = parents.to(device)  # [B, K+1]
+    if rows is not None:
+        keep = torch.tensor(rows, device=device)
+        tokens, parents, target = tokens[keep], parents[keep], target[keep]
+    return tree_accept(tokens, parents, target)
 
 
 def _uniforms(srows: list[Row], parents: torch.Tensor) -> np.ndarray:

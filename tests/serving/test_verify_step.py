@@ -34,3 +34,39 @@ def test_greedy_targets_read_only_verified_positions_and_agree():
     assert full.num_accepted.tolist() == [4, 2, 0, 5]
     only = torch.tensor([True, False, True, True])  # rows left out get no argmax at all
     assert greedy_targets(ForwardOutput(logits), lengths, only=only)[1].eq(0).all()
+
+
+def test_greedy_rows_of_a_mixed_batch_verify_as_a_greedy_batch_does():
+    """Greedy rows beside sampled ones take the same walk as an all-greedy batch (native where it
+    applies, else the argmax at their verified nodes): the same paths on both, and the sampled row
+    is verified by its own sampler."""
+    from types import SimpleNamespace
+
+    from serving.engine.drafting import DraftPlan
+    from serving.engine.verify_step import verify_rows
+
+    g = torch.Generator().manual_seed(3)
+    b, k, vocab = 3, 4, 40
+    logits = torch.randn(b, k + 1, vocab, generator=g)
+    target = logits.argmax(-1)  # [B, K+1]
+    tokens = target[:, :-1].clone()  # chains that follow the target ...
+    tokens[0, 2] = (tokens[0, 2] + 1) % vocab  # ... but row 0's third draft
+    plan = DraftPlan(tokens=tokens, lengths=torch.full((b,), k), probs=torch.ones(b, k),
+                     source=torch.zeros(b, dtype=torch.uint8).numpy())
+    parents = plan.node_parents()
+
+    def row(temperature):
+        return SimpleNamespace(params=SimpleNamespace(temperature=temperature, top_k=0, top_p=1.0),
+                               num_output=5, seed=11)
+
+    mixed = [row(0.0), row(1.0), row(0.0)]
+    for dtype in (torch.float32, torch.float64):  # native walk, then the torch path
+        out = ForwardOutput(logits.to(dtype))
+        alone = verify_rows([row(0.0)] * b, plan, parents, out)
+        assert alone.num_accepted.tolist() == [2, k, k]
+        both = verify_rows(mixed, plan, parents, out)
+        for r in (0, 2):
+            assert both.num_accepted[r] == alone.num_accepted[r]
+            assert both.next_tokens[r] == alone.next_tokens[r]
+            assert torch.equal(both.path[r], alone.path[r])
+        assert 0 <= int(both.num_accepted[1]) <= k
