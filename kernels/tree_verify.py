@@ -219,7 +219,7 @@ def _native_walk(x: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor,
                        None if temperature is None else temperature.data_ptr(), num.data_ptr(),
                        nxt.data_ptr(), path.data_ptr(), x.shape[0], x.shape[1], b, n, threads)
     if rc != 0:
-        raise ValueError("tree_walk reached a node without a row")
+        raise ValueError("tree_walk reached a node without a row (or could not allocate its scratch row)")
     return TreeVerifyResult(num, nxt, path)
 
 

@@ -72,9 +72,9 @@ int argmax_rows(const float *x, const int64_t *rows, int64_t *out, long n, long 
  * x [R, V] fp32 (logits, or probabilities when u is given without temp); node_row [B, N]: each
  * node's row of x (-1: a padding node, never reached); tokens [B, N - 1]: node i's drafted token is
  * tokens[b, i - 1]; parents [B, N] (-1 for the root and padding); u [B, N] or NULL; temp [B] or
- * NULL. Out: num [B]
- * accepted nodes, next [B] the target's token after them, path [B, N] (0, the accepted nodes, then
- * -1). Returns 0, or -1 when the walk reaches a node without a row. */
+ * NULL. Out: num [B] accepted nodes, next [B] the target's token after them, path [B, N] (0, the
+ * accepted nodes, then -1). Returns 0, or -1 on bad arguments or when the walk reaches a node
+ * without a row. */
 
 /* sample_from_uniform of one row: the first token whose running sum exceeds u * total; when
  * u * total rounds up to the total, the last token with positive mass. */
