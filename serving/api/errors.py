@@ -72,9 +72,12 @@ def _json(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(
+    exc: RequestValidationError, content_type: str | None = None
+) -> tuple[str, str | None]:
     """A readable message, e.g. ``temperature: Input should be less than or equal to 2``, and the
-    param of the first problem."""
+    param of the first problem. ``content_type``: the request's; a body sent without a JSON one
+    (``curl -d`` sends form encoding) is never parsed, whatever it holds, so the message says so."""
     by_loc: dict[str, list[str]] = {}
     for err in exc.errors():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -84,6 +87,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             at = f" (at character {loc[0]})" if loc else ""
             return f"Invalid JSON in request body: {detail}{at}", None
         if not loc and kind in ("model_attributes_type", "dict_type"):
+            if "json" not in (content_type or "").lower():
+                return (f"Request body must be a JSON object sent with Content-Type: "
+                        f"application/json (got {content_type or 'no Content-Type'})"), None
             return "Request body must be a JSON object", None
         if not loc and kind == "missing":
             return "Request body is missing (send a JSON object)", None
@@ -106,8 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return _json(exc.status, exc.body(), exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
-        message, param = validation_message(exc)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = validation_message(exc, request.headers.get("content-type"))
         return _json(400, error_body(message, "invalid_request_error", param))
 
     @app.exception_handler(StarletteHTTPException)

@@ -13,6 +13,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from functools import partial
 
 import anyio
 from fastapi import Request
@@ -34,6 +35,13 @@ from serving.engine.base import (
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# The sampler computes in float32: a temperature or top_p below its range arrives as 0 (an error
+# that fails the whole batch) or as a denormal (garbage tokens). Near 0 both mean greedy: below
+# GREEDY_TEMPERATURE sampling is greedy (vLLM's rule), and any top_p under 1/vocab keeps the most
+# likely token alone, as MIN_TOP_P does for vocabularies under a million.
+GREEDY_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 def sse(payload: dict | str) -> str:
@@ -99,14 +107,15 @@ class OpenAIServing:
             raise bad_request(f"messages do not fit the chat template: {exc}", "messages") from exc
         return list(tok.encode(text, add_special_tokens=False))
 
-    def max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+    def max_tokens(
+        self, requested: int | None, prompt_len: int, prompt_param: str, name: str = "max_tokens"
+    ) -> int:
         """Validate ``max_tokens`` against the server limit and the context left after the prompt.
-        Unset, it defaults to the server default, shortened to fit the context."""
+        Unset, it defaults to the server default, shortened to fit the context. ``name``: the
+        field the client sent (chat's ``max_completion_tokens``), for the error messages."""
         ctx, limit = self.engine.max_context, self.settings.max_tokens_limit
         if requested is not None and requested > limit:
-            raise bad_request(
-                f"max_tokens={requested} exceeds this server's limit of {limit}", "max_tokens"
-            )
+            raise bad_request(f"{name}={requested} exceeds this server's limit of {limit}", name)
         if prompt_len >= ctx:
             raise bad_request(
                 f"This model's maximum context length is {ctx} tokens, and the prompt has "
@@ -119,9 +128,9 @@ class OpenAIServing:
         if prompt_len + requested > ctx:
             raise bad_request(
                 f"This model's maximum context length is {ctx} tokens, but the request asks for "
-                f"{prompt_len + requested} ({prompt_len} prompt tokens + max_tokens={requested}). "
-                "Shorten the prompt or lower max_tokens.",
-                "max_tokens",
+                f"{prompt_len + requested} ({prompt_len} prompt tokens + {name}={requested}). "
+                f"Shorten the prompt or lower {name}.",
+                name,
                 "context_length_exceeded",
             )
         return requested
@@ -135,11 +144,18 @@ class OpenAIServing:
         tenant: str | None = None,
     ) -> GenerationRequest:
         """``tenant``: who the request is (``resolve_tenant``); None = the body's, as given."""
+        temperature = req.temperature or 0.0
+        top_k = req.top_k or 0
+        fingerprint = getattr(self.engine, "fingerprint", None)  # SGLang's: None until it knows
+        vocab = fingerprint.vocab_size if fingerprint is not None else 2**31
+        if top_k < 0 or top_k >= vocab:
+            top_k = 0  # no cut (a value past int64 would fail the engine step)
+        sent = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         params = SamplingParams(
-            temperature=0.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(req.top_k or 0, 0),
-            max_tokens=self.max_tokens(req.max_tokens, len(prompt_ids), prompt_param),
+            temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
+            top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
+            top_k=top_k,
+            max_tokens=self.max_tokens(req.max_tokens, len(prompt_ids), prompt_param, sent),
             stop=req.stop,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
@@ -160,13 +176,15 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         tenant = self.tenant_of(req, raw)
         greq = self.engine_request(req, self.encode_prompt(req.prompt), "prompt", rid, tenant)
+        # one id and one ``created`` for the response or every chunk of its stream
+        response = partial(p.CompletionResponse, id=rid, created=p.now_s(), model=model)
 
         def chunk(text: str, finish: str | None) -> dict:
             choice = p.CompletionChoice(text=text, finish_reason=finish)
-            return p.CompletionResponse(id=rid, model=model, choices=[choice]).model_dump()
+            return response(choices=[choice]).model_dump()
 
         def usage_chunk(usage: p.Usage) -> dict:
-            return p.CompletionResponse(id=rid, model=model, choices=[], usage=usage).model_dump()
+            return response(choices=[], usage=usage).model_dump()
 
         if req.stream:
             opened = await self._open(greq)
@@ -174,23 +192,22 @@ class OpenAIServing:
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         text, last = await self._collect(greq, raw)
         choice = p.CompletionChoice(text=text, finish_reason=last.finish_reason)
-        return _json(
-            p.CompletionResponse(id=rid, model=model, choices=[choice], usage=_usage(last, greq))
-        )
+        return _json(response(choices=[choice], usage=_usage(last, greq)))
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", p.now_s()
         tenant = self.tenant_of(req, raw)
         greq = self.engine_request(req, self.encode_chat(req.messages), "messages", rid, tenant)
+        stream_chunk = partial(p.ChatCompletionChunk, id=rid, created=created, model=model)
 
         def chunk(text: str | None, finish: str | None, role: str | None = None) -> dict:
             delta = p.DeltaMessage(role=role, content=text)
             choice = p.ChatChunkChoice(delta=delta, finish_reason=finish)
-            return p.ChatCompletionChunk(id=rid, model=model, choices=[choice]).model_dump()
+            return stream_chunk(choices=[choice]).model_dump()
 
         def usage_chunk(usage: p.Usage) -> dict:
-            return p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage).model_dump()
+            return stream_chunk(choices=[], usage=usage).model_dump()
 
         if req.stream:
             first = chunk("", None, role="assistant")
@@ -203,7 +220,7 @@ class OpenAIServing:
         )
         return _json(
             p.ChatCompletionResponse(
-                id=rid, model=model, choices=[choice], usage=_usage(last, greq)
+                id=rid, created=created, model=model, choices=[choice], usage=_usage(last, greq)
             )
         )
 

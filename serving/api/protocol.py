@@ -23,8 +23,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _unicode(text: str) -> str:
+    """Reject text that is not Unicode: a lone UTF-16 surrogate (JSON's ``"\\ud83d"``, what a
+    client sends after cutting a string inside an emoji) cannot be tokenised."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise ValueError(
+            f"contains a lone UTF-16 surrogate (\\u{ord(bad):04x}) at character {exc.start}: "
+            "not valid Unicode text"
+        ) from None
+    return text
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """OpenAI's schema makes nearly every field nullable and some clients send them all:
+        ``"n": null`` or ``"stream": null`` means the default, not a type error."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     model: str | None = Field(None, description="None = the served model")
     max_tokens: int | None = Field(None, ge=1, description="None = server default")
@@ -94,7 +117,7 @@ class CompletionRequest(_Request):
             prompt = prompt[0]
         if len(prompt) == 0:
             raise ValueError("prompt must not be empty")
-        return prompt
+        return _unicode(prompt) if isinstance(prompt, str) else prompt
 
     @field_validator("echo")
     @classmethod
@@ -121,6 +144,11 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _text_is_unicode(cls, text: str) -> str:
+        return _unicode(text)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -128,6 +156,11 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_is_unicode(cls, content):
+        return _unicode(content) if isinstance(content, str) else content
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -195,7 +228,8 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
-def _now() -> int:
+def now_s() -> int:
+    """The ``created`` stamp: taken once per request (every chunk of a stream carries it)."""
     return int(time.time())
 
 
@@ -209,7 +243,7 @@ class CompletionChoice(BaseModel):
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
@@ -230,7 +264,7 @@ class ChatChoice(BaseModel):
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatChoice]
     usage: Usage
@@ -254,7 +288,7 @@ class ChatCompletionChunk(BaseModel):
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
@@ -263,7 +297,7 @@ class ChatCompletionChunk(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=now_s)
     owned_by: str = "specloop"
     root: str
     max_model_len: int

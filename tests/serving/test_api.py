@@ -4,10 +4,13 @@ real SmolLM2 tokenizer. One server per module."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import socket
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -16,6 +19,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from feedback.bus.sink import InProcessTraceSink
+from serving.api import protocol
 from serving.api.app import create_app
 from serving.builder import build_engine
 from serving.config import ServingSettings
@@ -436,3 +440,100 @@ def test_sampled_request_with_seed_is_reproducible(live):
     a = live.client.completions.create(**kw).choices[0].text
     b = live.client.completions.create(**kw).choices[0].text
     assert a == b
+
+
+# ---------------------------------------------------------------------------- edge values (audit)
+
+
+def _post_json(live, path: str, body: dict | bytes):
+    if isinstance(body, bytes):
+        return live.http.post(path, content=body, headers={"Content-Type": "application/json"})
+    return live.http.post(path, json=body)
+
+
+def test_explicit_nulls_mean_the_default(live):
+    """OpenAI's schema makes these fields nullable and some clients send every field: a null is
+    the default (n=1, no stream, no echo, no logprobs), not a 400."""
+    common = {"model": SERVED, "max_tokens": 2, "n": None, "stream": None, "user": None}
+    out = _post_json(live, "/v1/completions", {**common, "prompt": "hi", "echo": None})
+    assert out.status_code == 200, out.text
+    assert out.json()["object"] == "text_completion"
+    chat = {**common, "messages": [{"role": "user", "content": "hi"}], "logprobs": None}
+    out = _post_json(live, "/v1/chat/completions", chat)
+    assert out.status_code == 200, out.text
+    assert out.json()["object"] == "chat.completion"
+
+
+def test_a_huge_top_k_is_no_cut_not_a_500(live):
+    """top_k at or above the vocabulary cuts nothing; a value past int64 used to fail the engine
+    step (and with it every request in the batch)."""
+    kw = {"model": SERVED, "prompt": "Random words:", "max_tokens": 6, "temperature": 0.8,
+          "seed": 5, "ignore_eos": True}
+    uncut = live.http.post("/v1/completions", json=kw).json()["choices"][0]["text"]
+    for top_k in (live.engine.vocab_size, 2**70):
+        out = live.http.post("/v1/completions", json={**kw, "top_k": top_k})
+        assert out.status_code == 200, (top_k, out.text)
+        assert out.json()["choices"][0]["text"] == uncut, top_k
+
+
+def test_vanishing_temperature_and_top_p_are_greedy(live):
+    """Temperatures and top_p below float32's range used to reach the sampler as 0 (a 500 that
+    failed the whole batch) or as denormals (garbage tokens); near 0 both mean greedy."""
+    kw = {"model": SERVED, "prompt": "Some words here", "max_tokens": 6, "ignore_eos": True}
+    greedy = live.http.post("/v1/completions", json=kw).json()["choices"][0]["text"]
+    for extra in ({"temperature": 1e-40}, {"temperature": 1e-50}, {"temperature": 1e-6},
+                  {"temperature": 1.0, "top_p": 1e-50, "seed": 1}):
+        out = live.http.post("/v1/completions", json={**kw, **extra})
+        assert out.status_code == 200, (extra, out.text)
+        assert out.json()["choices"][0]["text"] == greedy, extra
+
+
+def test_text_that_is_not_unicode_is_400(live):
+    """A lone UTF-16 surrogate (a JSON string cut in the middle of an emoji) cannot be tokenised:
+    400 naming the field, not a 500."""
+    cases = [
+        ("/v1/completions", b'{"prompt": "hi \\ud83d", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["\\ud800"], "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": "x\\ud83d"}], "max_tokens": 2}', "messages"),
+        ("/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+         "messages"),
+    ]
+    for path, raw, param in cases:
+        out = _post_json(live, path, raw)
+        assert out.status_code == 400, (raw, out.text)
+        error = out.json()["error"]
+        assert error["param"] == param and "surrogate" in error["message"], error
+
+
+def test_max_completion_tokens_errors_name_it(live):
+    err = _bad(lambda: _chat(live, max_completion_tokens=LIMIT + 1), str(LIMIT + 1),
+               "max_completion_tokens", param="max_completion_tokens")
+    assert "max_tokens=" not in err["message"]
+
+
+def test_a_stream_has_one_created_time(live):
+    """Every chunk of a stream carries the same ``id`` and ``created`` (as OpenAI's do)."""
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    now, ticks = time.time(), itertools.count()
+    clock = pytest.MonkeyPatch()
+    # the API's clock jumps a second per reading: chunks stamped one by one would differ
+    clock.setattr(protocol, "time", SimpleNamespace(time=lambda: now + next(ticks)))
+    try:
+        resp = live.http.post("/v1/chat/completions", json=body)
+    finally:
+        clock.undo()
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {")]
+    assert len(events) >= 3
+    assert len({e["created"] for e in events}) == 1 and len({e["id"] for e in events}) == 1
+
+
+def test_a_body_without_the_json_content_type_says_so(live):
+    """``curl -d '{...}'`` sends form encoding: the 400 should point at the header."""
+    resp = live.http.post("/v1/completions", content=b'{"prompt": "hi"}',
+                          headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert resp.status_code == 400
+    assert "Content-Type: application/json" in resp.json()["error"]["message"]

@@ -62,6 +62,28 @@ def test_requests_need_a_known_key(served):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_every_v1_route_needs_the_key_before_anything_else(served):
+    """README: with keys set, every /v1 request needs one: the model list too, and a request
+    without a key is a 401 whatever its body or model says (no 400/404 that probes the server)."""
+    app, _, _ = served
+
+    async def go(method, path, body=None, key=None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=60) as c:
+            return await c.request(method, path, json=body, headers=headers)
+
+    for method, path, body in [("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None),
+                               ("POST", "/v1/completions", {"prompt": 5}),
+                               ("POST", "/v1/completions", {**BODY, "model": "nope"}),
+                               ("POST", "/v1/chat/completions", {"messages": []})]:
+        r = asyncio.run(go(method, path, body))
+        assert r.status_code == 401, (path, body, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert asyncio.run(go("GET", "/v1/models", key="key-acme-123")).status_code == 200
+    assert asyncio.run(go("GET", "/health")).status_code == 200  # probes and metrics stay open
+
+
 def test_a_key_cannot_claim_another_tenant(served):
     app, _, _ = served
     r = _post(app, {**BODY, "tenant": "beta"}, "key-acme-123")
