@@ -54,6 +54,13 @@ def overloaded(message: str, retry_after_s: float) -> APIError:
                     headers={"Retry-After": retry})
 
 
+def unavailable(message: str, retry_after_s: float) -> APIError:
+    """503 with Retry-After: the engine is stopping or not running; the request was not served."""
+    retry = str(max(1, math.ceil(retry_after_s)))
+    return APIError(message, 503, "server_error", code="engine_unavailable",
+                    headers={"Retry-After": retry})
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
         f"The model {model!r} does not exist", 404, param="model", code="model_not_found"

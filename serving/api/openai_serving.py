@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import protocol as p
-from serving.api.errors import APIError, bad_request, model_not_found, overloaded
+from serving.api.errors import APIError, bad_request, model_not_found, overloaded, unavailable
 from serving.api.tenants import resolve_tenant
 from serving.config import ServingSettings
 from serving.engine.base import (
@@ -30,6 +30,7 @@ from serving.engine.base import (
     Overloaded,
     RequestError,
     SamplingParams,
+    Unavailable,
 )
 
 log = logging.getLogger(__name__)
@@ -341,6 +342,8 @@ def _api_error(exc: Exception) -> APIError:
         return exc
     if isinstance(exc, Overloaded):
         return overloaded(str(exc), exc.retry_after_s)
+    if isinstance(exc, Unavailable):
+        return unavailable(str(exc), exc.retry_after_s)
     if isinstance(exc, RequestError):
         if exc.invalid:
             return bad_request(str(exc))

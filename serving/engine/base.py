@@ -127,6 +127,16 @@ class Overloaded(RequestError):
         self.retry_after_s = retry_after_s
 
 
+class Unavailable(RequestError):
+    """Raised from ``generate()`` when the engine is stopping or not running (HTTP 503 with
+    ``Retry-After``): nothing of the request was served; another replica, or this one after its
+    restart, can take it (what a load balancer retries, unlike a 500)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @runtime_checkable
 class Engine(Protocol):
     model_name: str

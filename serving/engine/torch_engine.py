@@ -44,6 +44,7 @@ from serving.engine.base import (
     GenerationChunk,
     GenerationRequest,
     RequestError,
+    Unavailable,
     VerifyBatch,
 )
 from serving.engine.config import EngineConfig
@@ -139,7 +140,7 @@ class TorchEngine(DrafterSwaps, RowMembership):
         client = Client(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:
             if self._stopping:
-                raise RequestError("the engine is stopping")
+                raise Unavailable("the engine is stopping")
             self.admission.admit(request.request_id)
             self._inbox.append(Submission(request, client))
             self._cv.notify_all()
@@ -232,7 +233,7 @@ class TorchEngine(DrafterSwaps, RowMembership):
         while self._waiting:
             sub = self._waiting.popleft()
             self._forget(sub.request.request_id)
-            sub.client.send(RequestError("the engine stopped"))
+            sub.client.send(Unavailable("the engine stopped before serving this request"))
 
     # ---- one step ----------------------------------------------------------------------------
 

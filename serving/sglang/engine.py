@@ -42,6 +42,7 @@ from serving.engine.base import (
     GenerationRequest,
     RequestError,
     SpecStats,
+    Unavailable,
 )
 from serving.observers import notify
 from serving.output import OutputText, apply_stops, eos_token_ids, stop_token_set
@@ -124,7 +125,7 @@ class SGLangEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if self._engine is None:
-            raise RequestError("the SGLang engine is not running")
+            raise Unavailable("the SGLang engine is not running")
         p = request.params
         text = OutputText(self.tokenizer, request.prompt_ids, p.stop)
         stop_ids = stop_token_set(p.stop_token_ids, self.eos_ids, p.ignore_eos)

@@ -95,3 +95,28 @@ def test_http_429_with_retry_after_when_the_engine_is_full(stream):
     err = refused.json()["error"]
     assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
     assert "capacity" in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_503_with_retry_after_once_the_engine_is_stopping(stream):
+    """A stopping replica refuses with 503 + Retry-After (a load balancer retries it elsewhere),
+    not a 500; requests it had finished stay 200."""
+    settings = ServingSettings(served_model_name="tiny", drafter="suffix", max_tokens_limit=400)
+    registry = CollectorRegistry()
+    engine = build_engine(settings, target=tiny_target(), registry=registry)
+    app = create_app(engine, settings, registry)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": stream}
+            before = await c.post("/v1/completions", json=body)
+            await engine.stop()
+            return before, await c.post("/v1/completions", json=body)
+
+    before, after = asyncio.run(main())
+    assert before.status_code == 200
+    assert after.status_code == 503, after.text
+    assert int(after.headers["retry-after"]) >= 1
+    err = after.json()["error"]
+    assert err["code"] == "engine_unavailable" and "stopping" in err["message"]
