@@ -188,7 +188,7 @@ class OpenAIServing:
             return response(choices=[], usage=usage).model_dump()
 
         if req.stream:
-            opened = await self._open(greq)
+            opened = await self._open(greq, raw)
             events = self._stream(opened, greq, chunk, usage_chunk, None, _include_usage(req))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         text, last = await self._collect(greq, raw)
@@ -212,7 +212,7 @@ class OpenAIServing:
 
         if req.stream:
             first = chunk("", None, role="assistant")
-            opened = await self._open(greq)
+            opened = await self._open(greq, raw)
             events = self._stream(opened, greq, chunk, usage_chunk, first, _include_usage(req))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         text, last = await self._collect(greq, raw)
@@ -277,13 +277,26 @@ class OpenAIServing:
         except RequestError as exc:
             raise _api_error(exc) from exc
 
-    async def _open(self, greq: GenerationRequest) -> tuple[AsyncIterator[GenerationChunk], list]:
+    async def _open(self, greq: GenerationRequest, raw: Request) -> tuple[AsyncIterator[GenerationChunk], list]:
         """Start a streamed request and wait for its first chunk, so that a refusal (429 when
         overloaded, 400 for a bad request) is a real HTTP status, not an error inside a 200 stream.
-        Returns the open generator and the chunk(s) already read."""
+        Returns the open generator and the chunk(s) already read. A client that leaves while the
+        request waits for a row (a full engine) aborts it there, before it is prefilled."""
         chunks = self.generate(greq)
+        first = asyncio.ensure_future(anext(chunks))
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
         try:
-            return chunks, [await anext(chunks)]
+            await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not first.done():
+                first.cancel()  # generate's finally aborts the engine request
+                with anyio.CancelScope(shield=True):
+                    await asyncio.gather(first, return_exceptions=True)
+        try:
+            if first.cancelled():
+                raise ClientDisconnected()
+            return chunks, [first.result()]
         except StopAsyncIteration:
             return chunks, []
         except BaseException as exc:

@@ -4,6 +4,8 @@ real SmolLM2 tokenizer. One server per module."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import socket
@@ -23,7 +25,9 @@ from serving.api import protocol
 from serving.api.app import create_app
 from serving.builder import build_engine
 from serving.config import ServingSettings
+from serving.engine.config import EngineConfig
 from serving.engine.reference import target_greedy_reference
+from serving.engine.torch_engine import TorchEngine
 from serving.target import Target, tiny_target
 
 SERVED = "tiny-smol"
@@ -326,6 +330,70 @@ def test_non_streamed_disconnect_aborts_the_request(live):
     with pytest.raises(httpx.ReadTimeout):
         live.http.post("/v1/completions", json=body, timeout=httpx.Timeout(120, read=0.5))
     _wait_for(lambda: _aborts(live) > before, "the engine to abort the request")
+
+
+@contextlib.contextmanager
+def _served(app):
+    """``app`` on a real uvicorn server on a free port (clients can really disconnect); its URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    _wait_for(lambda: server.started or not thread.is_alive(), "the server to start")
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def test_a_stream_left_while_it_waits_for_a_row_is_aborted_there(drafters):
+    """A full engine queues a streamed request; its client gives up before the first token: the
+    request is aborted while it waits, never admitted (no prefill, no row), not after a row
+    frees up and it has run a step."""
+    gate, asked = threading.Event(), threading.Event()
+
+    class Gated(drafters.Recording):  # the step thread waits here from the second step on
+        def propose(self, views, k):
+            if self.proposed_steps >= 1:
+                asked.set()
+                assert gate.wait(60)
+            return super().propose(views, k)
+
+    drafter = Gated()
+    settings = ServingSettings(served_model_name=SERVED, drafter="suffix", k=2, max_batch_size=1,
+                               max_tokens_limit=LIMIT)
+    engine = TorchEngine(tiny_target(), drafter, EngineConfig(k=2, max_batch_size=1))
+    aborted = threading.Event()
+    abort = engine.abort
+
+    async def recorded_abort(request_id):
+        aborted.set()
+        await abort(request_id)
+
+    engine.abort = recorded_abort
+    body = {"model": SERVED, "prompt": "Tell me", "max_tokens": 6, "ignore_eos": True,
+            "stream": True}
+    try:
+        with _served(create_app(engine, settings, CollectorRegistry())) as url, \
+                httpx.Client(base_url=url, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json=body) as holder:
+                lines = holder.iter_lines()
+                assert holder.status_code == 200 and next(lines).startswith("data: ")
+                assert asked.wait(60)  # the holder's row is mid-step: the engine is full
+                with pytest.raises(httpx.ReadTimeout):  # no status line while it waits
+                    http.post("/v1/completions", json=body, timeout=httpx.Timeout(120, read=0.5))
+                assert aborted.wait(20), "the server did not abort the request its client left"
+                gate.set()
+                rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]" and len(rest) == 6  # the holder's other 5 tokens
+            _wait_for(lambda: engine.load() == (0, 0), "the engine to drain")
+    finally:
+        gate.set()
+        asyncio.run(engine.stop())
+    assert len(drafter.added) == 1, drafter.added.keys()  # the left request never got a row
 
 
 # ---------------------------------------------------------------------------- bad input
