@@ -1,7 +1,9 @@
 """Request and response models of the OpenAI-compatible API, plus specloop's extension fields.
 
 Requests ignore unknown fields (clients send many optional ones) but reject the ones whose meaning
-we would silently change (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``). Range checks that
+we would silently change (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, non-zero penalties, a
+``logit_bias``, tools, a JSON ``response_format``); their defaults, which many clients send on
+every request, are accepted. Range checks that
 depend on the deployment (max_tokens limit, context length, model name) live in
 openai_serving.py.
 
@@ -67,6 +69,20 @@ class _Request(BaseModel):
     tenant: str | None = Field(None, min_length=1, max_length=128)
     domain: str | None = Field(None, max_length=128)
     ignore_eos: bool = False
+    # Sampling controls the engines do not implement: accepted at their no-op values only.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float, info):
+        return _reject_if(v, v != 0.0, f"{info.field_name} other than 0")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict):
+        return _reject_if(v, bool(v), "logit_bias")
 
     @field_validator("n")
     @classmethod
@@ -173,6 +189,25 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] = Field(default_factory=list)
+    functions: list[dict] = Field(default_factory=list)
+    response_format: dict | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, v: list, info):
+        return _reject_if(v, bool(v), f"{info.field_name} (function calling)")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: dict | None):
+        kind = (v or {}).get("type", "text")
+        return _reject_if(v, kind != "text", f"response_format {kind!r} (structured output)")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v: int | None):
+        return _reject_if(v, bool(v), "top_logprobs")
 
     @field_validator("messages")
     @classmethod

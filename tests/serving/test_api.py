@@ -442,6 +442,23 @@ def test_empty_messages_and_prompts(live):
     _bad(lambda: _completion(live, prompt=["a", "b"]), "batched prompts are not supported")
 
 
+def test_controls_the_engine_does_not_implement_are_400_unless_at_their_defaults(live):
+    """Penalties, logit_bias, tools and JSON output would be silently ignored: a 400 naming the
+    field. Their no-op values (what many clients send on every request) are served."""
+    _bad(lambda: _completion(live, presence_penalty=0.5), "presence_penalty", param="presence_penalty")
+    _bad(lambda: _chat(live, frequency_penalty=-1), "frequency_penalty", param="frequency_penalty")
+    _bad(lambda: _completion(live, logit_bias={"42": 100}), "logit_bias", param="logit_bias")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    _bad(lambda: _chat(live, tools=[tool]), "function calling", param="tools")
+    _bad(lambda: _chat(live, response_format={"type": "json_object"}), "json_object",
+         param="response_format")
+    _bad(lambda: _chat(live, top_logprobs=3), "top_logprobs", param="top_logprobs")
+    defaults = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+    assert _completion(live, max_tokens=2, **defaults).choices[0].text is not None
+    out = _chat(live, max_tokens=2, tools=[], response_format={"type": "text"}, **defaults)
+    assert out.choices[0].message.role == "assistant"
+
+
 def test_max_tokens_bounds(live):
     _bad(lambda: _completion(live, max_tokens=0), "max_tokens", "greater than or equal to 1")
     _bad(lambda: _chat(live, max_tokens=-3), "max_tokens")
