@@ -105,3 +105,47 @@ def assert_same_trace(a: TraceRecord, b: TraceRecord) -> None:
         assert a.hidden_states is None and b.hidden_states is None
     else:
         np.testing.assert_array_equal(a.hidden_states, b.hidden_states, strict=True)
+
+
+def _with_steps(record: TraceRecord, **arrays) -> TraceRecord:
+    """``record`` with some step arrays replaced, unvalidated (what a buggy producer could encode)."""
+    return record.model_copy(update={"steps": record.steps.model_copy(update=arrays)})
+
+
+def poisoned_trace(name: str, **trace_kw) -> TraceRecord:
+    """A record that encodes (the codec does not validate on the way out) but must not decode:
+    well framed, but its content would poison or crash training. ``POISONED`` lists the names;
+    ``trace_kw`` go to ``make_trace``."""
+    record = make_trace(**{"num_steps": 8, "k": 4, "topk": 6, "seed": 21, **trace_kw})
+    s = record.steps
+    drafting = int(np.argmax(s.num_drafted > 0))  # a step that drafted something
+    if name == "nan_logprob":
+        lp = s.target_topk_logprobs.copy()
+        lp[drafting, 0, 0] = np.nan
+        return _with_steps(record, target_topk_logprobs=lp)
+    if name == "posinf_logprob":
+        lp = s.target_topk_logprobs.copy()
+        lp[drafting, 0, 0] = np.inf
+        return _with_steps(record, target_topk_logprobs=lp)
+    if name == "misaligned_positions":  # in range, but not where each step's tokens are
+        return _with_steps(record, positions=np.full_like(s.positions, len(record.output_ids) - 1))
+    if name == "padding_as_drafted_id":  # -1 is padding: a drafted token must be a real id
+        ids = s.draft_ids.copy()
+        ids[drafting, : int(s.num_drafted[drafting])] = -1
+        return _with_steps(record, draft_ids=ids)
+    if name == "output_2d":
+        return record.model_copy(update={"output_ids": record.output_ids.reshape(-1, 1)})
+    if name == "prompt_2d":
+        return record.model_copy(update={"prompt_ids": record.prompt_ids.reshape(-1, 1)})
+    if name == "positions_2d":
+        return _with_steps(record, positions=s.positions.reshape(-1, 1))
+    if name == "empty_prompt":  # the first step's rows would have no context at all
+        return record.model_copy(update={"prompt_ids": record.prompt_ids[:0]})
+    if name == "nan_finished_at":  # never expires: retention would keep it forever
+        return record.model_copy(update={"finished_at": float("nan")})
+    raise KeyError(name)
+
+
+POISONED = ("nan_logprob", "posinf_logprob", "misaligned_positions",
+            "padding_as_drafted_id", "output_2d", "prompt_2d", "positions_2d", "empty_prompt",
+            "nan_finished_at")

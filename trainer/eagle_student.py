@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import TraceRecord
-from trainer.examples import SequenceExample, bf16_bits_to_float32, build_examples
+from trainer.examples import SequenceExample, bf16_bits_to_float32, build_examples, stack_topk
 from trainer.students import RecordEval, RowBatch, Student, top_candidates, topk_overlap
 
 
@@ -144,8 +144,8 @@ class EagleStudent(Student):
                 w.append(e.weights[keep] * self.depth_decay**d)
         return RowBatch(
             logits=torch.cat(logits),  # [N, Vd]
-            topk_ids=self.to_draft_ids(torch.from_numpy(np.concatenate(ids))),
-            topk_logprobs=torch.from_numpy(np.concatenate(lps)),
+            topk_ids=self.to_draft_ids(torch.from_numpy(stack_topk(ids, -1))),
+            topk_logprobs=torch.from_numpy(stack_topk(lps, -np.inf)),
             rejected_ids=self.to_draft_ids(torch.from_numpy(np.concatenate(rej))),
             weights=torch.from_numpy(np.concatenate(w).astype(np.float32)),
             discard=torch.zeros(sum(len(x) for x in w), dtype=torch.bool),

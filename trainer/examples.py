@@ -141,6 +141,15 @@ def trace_key(record: TraceRecord) -> bytes:
     return h.digest()
 
 
+def stack_topk(arrays: list[np.ndarray], fill: float) -> np.ndarray:
+    """Concatenate [M_i, T_i] top-k rows of traces that may differ in T (replicas tracing different
+    top-k widths), padding the narrower ones with ``fill`` (-1 for ids, -inf for log-probs)."""
+    width = max(a.shape[1] for a in arrays)
+    return np.concatenate([a if a.shape[1] == width else
+                           np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=fill)
+                           for a in arrays])  # the common case (one width) copies once
+
+
 def count_rows(examples: list[SequenceExample]) -> tuple[int, int]:
     """(accepted-path rows, discard-branch rows)."""
     main = sum(e.num_rows for e in examples if not e.discard)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ import numpy as np
 from feedback.bus.trace import TraceRecord
 from feedback.target.fingerprint import TargetFingerprint
 from trainer.examples import trace_key
+
+log = logging.getLogger(__name__)
 
 
 def is_heldout(request_id: str, fraction: float) -> bool:
@@ -66,7 +69,9 @@ class ReplayBuffer:
         """Until the held-out set has this many traces it keeps at least its fraction of arrivals."""
         self._seq = 0
         self.rejected = collections.Counter()
-        """Why records were not added: duplicate | fingerprint | tenant."""
+        """Why records were not added: duplicate | fingerprint | tenant | expired."""
+        self._foreign: set[TargetFingerprint] = set()
+        """The other targets whose traces arrived (each warned about once)."""
         self.tokens_seen = 0
         """Output tokens of every training trace ever added (the x-axis of the learning curve)."""
         self.focus: dict[str, float] = {}
@@ -79,6 +84,10 @@ class ReplayBuffer:
         """
         if self.fingerprint is not None and not self.fingerprint.matches(record.target):
             self.rejected["fingerprint"] += 1
+            if record.target not in self._foreign:  # else a misconfigured trainer idles unexplained
+                self._foreign.add(record.target)
+                log.warning("traces of target %s are not trained on: this trainer trains for %s",
+                            record.target, self.fingerprint)
             return False
         if self.tenant is not None and record.tenant != self.tenant:
             self.rejected["tenant"] += 1

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from feedback.bus.trace import TraceRecord
-from trainer.examples import SequenceExample, build_examples
+from trainer.examples import SequenceExample, build_examples, stack_topk
 from trainer.frozen_prefix import FrozenPrefixCache, padded
 from trainer.packing import PackedSequence, batch_tensors, pack_examples
 from trainer.partial_forward import layer_at_rows, llama_layers, run_layers
@@ -132,13 +132,13 @@ class Student:
 
     def _row_tensors(self, examples: list[SequenceExample], logits: torch.Tensor, keep=None) -> RowBatch:
         cat = lambda name: np.concatenate([getattr(e, name) for e in examples])
-        topk = torch.from_numpy(cat("topk_ids"))
+        topk = torch.from_numpy(stack_topk([e.topk_ids for e in examples], -1))
         rejected = torch.from_numpy(cat("rejected_ids"))
         discard = torch.from_numpy(np.concatenate([np.full(e.num_rows, e.discard) for e in examples]))
         out = RowBatch(
             logits=logits,
             topk_ids=self.to_draft_ids(topk),
-            topk_logprobs=torch.from_numpy(cat("topk_logprobs")),
+            topk_logprobs=torch.from_numpy(stack_topk([e.topk_logprobs for e in examples], -np.inf)),
             rejected_ids=self.to_draft_ids(rejected),
             weights=torch.from_numpy(cat("weights")),
             discard=discard,

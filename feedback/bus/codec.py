@@ -30,6 +30,7 @@ meaning, a new required field, a new flag bit) bumps MAJOR.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from typing import Any
@@ -153,7 +154,7 @@ def _read_arrays(body: memoryview, table: list) -> dict[str, np.ndarray]:
             raise TraceDecodeError(f"bad array table entry {entry!r}: {e}") from e
         if any(d < 0 for d in shape) or dtype.hasobject:
             raise TraceDecodeError(f"bad array {name!r}: shape {shape}, dtype {dtype}")
-        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        nbytes = dtype.itemsize * math.prod(shape)  # Python ints: a huge shape cannot wrap around
         if offset + nbytes > len(body):
             raise TraceDecodeError(f"truncated: array {name!r} needs {nbytes} bytes at {offset}")
         if name in _ARRAY_DTYPES:  # unknown arrays (a newer minor) are skipped
@@ -194,11 +195,18 @@ def _check_consistency(record: TraceRecord) -> None:
     """Checks the pydantic model leaves to producers: ranges that would poison training."""
     s = record.steps
     k = s.draft_ids.shape[1]
-    out = len(record.output_ids)
     if np.any(s.num_drafted < 0) or np.any(s.num_drafted > k) or np.any(s.num_accepted < 0):
         raise TraceDecodeError(f"num_drafted/num_accepted outside [0, {k}]")
-    if np.any(s.positions < 0) or np.any(s.positions >= max(out, 1)):
-        raise TraceDecodeError(f"step positions outside the output (length {out})")
+    emitted = s.num_accepted.astype(np.int64) + 1  # [S]
+    if not np.array_equal(s.positions, np.cumsum(emitted) - emitted):
+        raise TraceDecodeError("step positions are not where each step's tokens start in the output")
+    if s.num_steps and len(record.prompt_ids) == 0:
+        raise TraceDecodeError("steps without a prompt token: their first row has no context")
+    drafted = np.arange(k)[None, :] < s.num_drafted[:, None]  # [S, K]
+    if np.any(s.draft_ids[drafted] < 0):
+        raise TraceDecodeError("a drafted token id is padding (-1)")
+    if np.isnan(s.target_topk_logprobs).any() or np.isposinf(s.target_topk_logprobs).any():
+        raise TraceDecodeError("target_topk_logprobs holds NaN or +inf (-inf is padding)")
     vocab = record.target.vocab_size
     for name, ids, low in (
         ("prompt_ids", record.prompt_ids, 0),

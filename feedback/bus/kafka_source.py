@@ -7,7 +7,10 @@ commit replays exactly the uncommitted batches, never earlier ones.
 
 Messages that do not decode or validate go to the dead-letter topic with the original key and
 bytes, and the error in headers (``specloop-error``, ``specloop-error-type``, ``specloop-source``
-= ``topic/partition/offset``); consumption goes on.
+= ``topic/partition/offset``); consumption goes on. A dead letter the producer cannot take now
+(broker away) is retried by ``commit``, which commits nothing until it is written; one too large
+for the dead-letter producer (a message fetched past ``max_partition_fetch_bytes``) goes without
+its bytes, with ``specloop-value-omitted`` = their size (the original stays at ``specloop-source``).
 """
 
 from __future__ import annotations
@@ -104,8 +107,8 @@ class KafkaTraceSource:
         # Not idempotent: a restarted tansu forgets producer ids, which is fatal to kafka-python.
         self._dlq = KafkaProducer(bootstrap_servers=servers, client_id=f"{s.client_id}-dlq",
                                   acks="all", enable_idempotence=False,
-                                  max_request_size=s.max_partition_fetch_bytes)
-        self._dlq_unconfirmed: list[tuple] = []  # (future, send kwargs) until the commit checks
+                                  max_request_size=s.max_partition_fetch_bytes + (64 << 10))  # + headers
+        self._dlq_unconfirmed: list[tuple] = []  # (future or None, send kwargs) until the commit checks
         source = self
 
         class _DropRevoked(ConsumerRebalanceListener):
@@ -176,9 +179,9 @@ class KafkaTraceSource:
         self._dlq.flush(timeout=10)
         remaining = []
         for future, send in self._dlq_unconfirmed:
-            if future.failed():
+            if future is None or future.failed():
                 try:
-                    self._dlq.send(**send).get(timeout=10)
+                    self._send_dead_letter(send).get(timeout=10)
                 except Exception as e:  # noqa: BLE001
                     log.warning("dead letter not written (%s)", e)
                     remaining.append((future, send))
@@ -217,7 +220,23 @@ class KafkaTraceSource:
         ]
         send = {"topic": self.settings.dlq_topic, "key": msg.key, "value": msg.value or b"",
                 "headers": headers}
-        self._dlq_unconfirmed.append((self._dlq.send(**send), send))
+        try:
+            future = self._send_dead_letter(send)
+        except Exception as e:  # noqa: BLE001 - raising here would lose the rest of this poll's batch
+            log.warning("dead letter not handed to the producer (%s): the commit retries it", e)
+            future = None
+        self._dlq_unconfirmed.append((future, send))
         self.dead_lettered += 1
         TRACES_DEAD_LETTERED.labels(error_type=error_type).inc()
         return None
+
+    def _send_dead_letter(self, send: dict):
+        """Hand a dead letter to the producer (its future); raises when the producer cannot take it."""
+        from kafka.errors import MessageSizeTooLargeError
+
+        try:
+            return self._dlq.send(**send)
+        except MessageSizeTooLargeError:
+            send["headers"] = [*send["headers"], ("specloop-value-omitted", str(len(send["value"])).encode())]
+            send["value"] = b""
+            return self._dlq.send(**send)

@@ -11,7 +11,8 @@ Array layout (S = verify steps, K = max drafted tokens in any step of this reque
     step_num_accepted[S]        int16   accepted drafted tokens (0..num_drafted); emitted = accepted+1
     step_source      [S]        uint8   DrafterKind of the proposal (NONE when nothing was drafted)
     draft_ids        [S, K]     int32   drafted ids, -1 padded
-    draft_probs      [S, K]     float32 draft probability q(x) of each drafted id (1.0 for model-free)
+    draft_probs      [S, K]     float32 draft probability q(x) of each drafted id (1.0 for model-free,
+                                        NaN where the engine did not keep q: SGLang)
     target_topk_ids  [S, K+1, T] int32  target's top-k ids at each verified position, -1 padded
     target_topk_logprobs [S, K+1, T] float16 their log-probabilities (full-vocab log-softmax)
     hidden_states    [N, F] uint16 (bf16 bits) optional target features at prompt+output positions
@@ -76,6 +77,8 @@ class StepArrays(BaseModel):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> StepArrays:
+        if self.positions.ndim != 1:
+            raise ValueError(f"positions must be [S], got {self.positions.shape}")
         s = self.positions.shape[0]
         for name in ("num_drafted", "num_accepted", "source"):
             arr = getattr(self, name)
@@ -109,7 +112,7 @@ class StepArrays(BaseModel):
 class TraceRecord(BaseModel):
     """One finished request, as the trainer sees it."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, allow_inf_nan=False)
 
     schema_version: int = TRACE_SCHEMA_VERSION
     request_id: str
@@ -135,6 +138,9 @@ class TraceRecord(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> TraceRecord:
+        for name in ("prompt_ids", "output_ids"):
+            if getattr(self, name).ndim != 1:
+                raise ValueError(f"{name} must be one-dimensional, got {getattr(self, name).shape}")
         emitted = int((self.steps.num_accepted.astype(np.int64) + 1).sum())
         if emitted != len(self.output_ids):
             raise ValueError(

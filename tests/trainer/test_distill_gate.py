@@ -170,3 +170,32 @@ def test_a_refresh_that_predicts_better_may_simulate_slightly_slower():
     assert refresh_reason(score(0.193, 1.595), champ, cfg) is None  # better, but not by the margin
     assert refresh_reason(score(0.18, 1.700), champ, cfg) is None  # predicts worse
     assert refresh_reason(score(0.22, 1.595), champ, dataclasses.replace(cfg, refresh_speedup_slack=0.0)) is None
+
+
+def _topk_width(record, width: int):
+    """``record`` as a replica tracing the target's top-``width`` would have recorded it."""
+    s = record.steps
+    return record.model_copy(update={"steps": s.model_copy(update={
+        "target_topk_ids": s.target_topk_ids[:, :, :width].copy(),
+        "target_topk_logprobs": s.target_topk_logprobs[:, :, :width].copy()})})
+
+
+@pytest.mark.parametrize("kind", ["standalone", "eagle"])
+def test_traces_recorded_at_different_topk_widths_train_together(kind):
+    """Replicas may trace different top-k widths (a setting changed in a rolling restart): one batch
+    of both must train, not fail every round that samples both."""
+    if kind == "standalone":
+        student, hidden = StandaloneStudent(tiny_lm(seed=0)), 0
+    else:
+        from trainer_tracegen import VOCAB
+
+        from feedback.drafters.eagle_head import eagle_from_target
+        from serving.target import tiny_target
+        from trainer.eagle_student import EagleStudent
+
+        target = tiny_target(vocab_size=VOCAB, hidden_size=32, num_layers=3, seed=11)
+        student, hidden = EagleStudent(eagle_from_target(target.model, feature_layers=(0, 1, 2), seed=3), depth=2), 96
+    records = [make_trace("a", seed=1, hidden=hidden), _topk_width(make_trace("a", seed=2, hidden=hidden), 3)]
+    distiller = Distiller(student, DistillConfig(lr=3e-3))
+    parts = distiller.step(records)
+    assert math.isfinite(parts["loss"]) and distiller.global_step == 1

@@ -71,3 +71,15 @@ def test_small_stream_still_gets_its_heldout_share():
     rb.extend(recs)
     assert len(rb.heldout) == 2 and len(rb) == 18
     assert {r.request_id for r in rb.heldout}.isdisjoint(r.request_id for r in rb.train_records)
+
+
+def test_traces_of_another_target_are_refused_with_a_warning_once(caplog):
+    ours = make_trace("a", seed=0).target
+    rb = ReplayBuffer(heldout_fraction=0.0, fingerprint=ours)
+    theirs = TargetFingerprint(model_id="x", tokenizer_hash="f" * 16, vocab_size=48)
+    foreign = [make_trace("a", seed=i).model_copy(update={"target": theirs}) for i in range(3)]
+    with caplog.at_level("WARNING", logger="trainer.replay"):
+        assert rb.extend(foreign) == 0
+    assert rb.rejected["fingerprint"] == 3
+    (warning,) = [r for r in caplog.records if r.name == "trainer.replay"]
+    assert str(theirs) in warning.getMessage() and str(ours) in warning.getMessage()

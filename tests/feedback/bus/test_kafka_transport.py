@@ -239,3 +239,72 @@ def test_restarted_consumer_resumes_from_committed_offsets(kafka_broker, kafka_t
     assert ids(uncommitted_batch) <= ids(rest)  # the uncommitted batch is replayed
     assert ids(rest) | ids(committed_batch) == ids(records)  # nothing lost
     assert len(rest) == 22  # no duplicates beyond the uncommitted batch
+
+
+@pytest.mark.integration
+def test_poisoned_traces_are_dead_lettered_with_their_reason(kafka_broker, kafka_topic):
+    from trace_samples import POISONED, poisoned_trace
+
+    from feedback.bus.kafka_source import TRACES_DEAD_LETTERED
+
+    def dead_lettered() -> float:
+        return TRACES_DEAD_LETTERED.labels(error_type="TraceDecodeError")._value.get()
+
+    good = [make_trace(num_steps=6, seed=200 + i) for i in range(2)]
+    values = [encode(good[0]), *(encode(poisoned_trace(name)) for name in POISONED), encode(good[1])]
+    producer = raw_producer(kafka_broker.url)
+    for value in values:
+        producer.send(kafka_topic, key=b"t", value=value)
+    producer.flush()
+    producer.close()
+
+    before = dead_lettered()
+    source = fast_source(kafka_broker.url, kafka_topic)
+    try:
+        got = poll_until(source, 2)
+        assert [r.request_id for r in got] == [r.request_id for r in good]
+        assert source.dead_lettered == len(POISONED)
+        assert source.commit()
+        assert sum(o or 0 for o in source.committed().values()) == len(values)
+    finally:
+        source.close()
+    assert dead_lettered() - before == len(POISONED)
+
+    dead = read_raw(kafka_broker.url, f"{kafka_topic}.dlq", len(POISONED))
+    assert sorted(m.value for m in dead) == sorted(values[1:-1])  # the original bytes
+    reasons = [dict(m.headers)["specloop-error"].decode() for m in dead]
+    assert any("NaN" in r for r in reasons) and any("positions" in r for r in reasons), reasons
+
+
+@pytest.mark.integration
+def test_oversized_undecodable_messages_lose_none_of_their_neighbours(kafka_broker, kafka_topic):
+    """Messages over the consumer's fetch limit are still fetched (each is first in its batch). A
+    dead letter a little over it keeps its bytes; one too large for the dead-letter producer goes
+    without them (they stay at ``specloop-source``); the records polled with either are returned."""
+    from kafka import KafkaProducer
+
+    limit = 64 << 10
+    good = [make_trace(num_steps=4, seed=300 + i) for i in range(3)]
+    near, far = b"\x01" * (limit + 1000), b"\x02" * (4 * limit)
+    values = (encode(good[0]), near, encode(good[1]), far, encode(good[2]))
+    producer = KafkaProducer(bootstrap_servers=kafka_broker.url, acks="all", max_request_size=1 << 20)
+    for value in values:
+        producer.send(kafka_topic, key=b"t", value=value)
+    producer.flush()
+    producer.close()
+
+    source = fast_source(kafka_broker.url, kafka_topic, max_partition_fetch_bytes=limit)
+    try:
+        got = poll_until(source, 3, max_records=10)
+        assert [r.request_id for r in got] == [r.request_id for r in good]
+        assert source.dead_lettered == 2
+        assert source.commit()
+        assert sum(o or 0 for o in source.committed().values()) == len(values)
+    finally:
+        source.close()
+    dead = {dict(m.headers)["specloop-source"].decode().rpartition("/")[2]: m
+            for m in read_raw(kafka_broker.url, f"{kafka_topic}.dlq", 2)}
+    assert dead["1"].value == near and "specloop-value-omitted" not in dict(dead["1"].headers)
+    headers = dict(dead["3"].headers)
+    assert dead["3"].value == b"" and headers["specloop-value-omitted"] == str(len(far)).encode()
+    assert headers["specloop-error-type"] == b"TraceDecodeError"

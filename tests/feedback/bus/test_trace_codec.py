@@ -4,7 +4,7 @@ import zlib
 
 import numpy as np
 import pytest
-from trace_samples import assert_same_trace, make_trace
+from trace_samples import POISONED, assert_same_trace, make_trace, poisoned_trace
 
 from feedback.bus.codec import (
     CODEC_MAJOR,
@@ -202,3 +202,28 @@ def test_tree_arrays_round_trip_and_are_validated():
         "tree_ids": _np.full((5, 4), 10**6, _np.int32)})})
     with _pytest.raises(TraceDecodeError, match="tree_ids"):
         _decode(_encode(bad))
+
+
+# ---- well-framed messages whose content would poison or crash the trainer ----------------------
+
+
+@pytest.mark.parametrize("name", POISONED)
+def test_well_framed_but_poisoned_content_is_a_decode_error(name):
+    with pytest.raises(TraceDecodeError):
+        decode(encode(poisoned_trace(name)))
+
+
+def test_padding_logprobs_of_minus_inf_and_unknown_draft_probs_still_decode():
+    record = make_trace(num_steps=8, k=4, topk=6, seed=21)
+    assert np.isneginf(record.steps.target_topk_logprobs).any()  # rows past num_drafted
+    unknown_q = record.steps.model_copy(update={"draft_probs": np.full_like(record.steps.draft_probs, np.nan)})
+    record = record.model_copy(update={"steps": unknown_q})  # SGLang does not always keep q
+    assert_same_trace(record, decode(encode(record)))
+
+
+@pytest.mark.parametrize("shape", [[2**32, 2**32], [2**62, 4], [2**63 - 1, 2]])
+def test_an_array_shape_that_overflows_int64_is_a_decode_error(shape):
+    header, body = split(encode(make_trace(seed=12)))
+    header["arrays"].append(["huge", "<i4", shape])  # unknown name: only its size is read
+    with pytest.raises(TraceDecodeError, match="truncated"):
+        decode(join(header, body))
