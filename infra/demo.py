@@ -212,7 +212,8 @@ def demo(
     learned: str = typer.Option("target-layers", help="Learned drafter the trainer adapts: target-layers "
                                 "(standalone LM copying the target's first layers) | selfspec (the target's own "
                                 "first layers + a trained adapter)."),
-    day0_artifact: Path = typer.Option(None, help="Start the learned drafter from this selfspec artifact (e.g. "
+    day0_artifact: Path = typer.Option(None, exists=True, file_okay=False,
+                                       help="Start the learned drafter from this selfspec artifact (e.g. "
                                        "pre-trained with `specloop train --corpus`): the hybrid drafts with it "
                                        "from the first request and the trainer refines it."),
 ) -> None:

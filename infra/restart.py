@@ -14,6 +14,7 @@ stops both, and CMD's own children with them.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,4 +61,8 @@ def cmd_restart_policy(
     cmd: Annotated[list[str], typer.Argument(help="The command to keep running (after --).")],
 ) -> None:
     """Keep a command running under a docker-compose restart policy (what `specloop up` uses)."""
+    if policy not in POLICIES:
+        raise typer.BadParameter(f"{policy!r}: one of {', '.join(POLICIES)}", param_hint="POLICY")
+    if shutil.which(cmd[0]) is None:  # else every restart would fail the same way
+        raise typer.BadParameter(f"{cmd[0]!r}: no such command", param_hint="CMD")
     raise typer.Exit(supervise(cmd, policy))

@@ -51,9 +51,16 @@ def cmd_down(run_dir: RunDirOption = None) -> None:
 
 
 def cmd_status(run_dir: RunDirOption = None, json_out: JsonOption = False) -> None:
-    """Health of each recorded service; exits 1 if any is down."""
-    stack = Stack(run_dir)
+    """Health of each recorded service; exits 1 if any is down, or none is recorded."""
+    directory = Path(run_dir or StackSettings().run_dir).resolve()
+    if not (directory / "stack.json").is_file():  # checked before Stack() creates the directory
+        typer.echo(f"Error: no stack recorded in {directory} (start one with `specloop stack up`)", err=True)
+        raise typer.Exit(1)
+    stack = Stack(directory)
     health = stack.status()
+    if not health:
+        typer.echo(f"Error: no stack recorded in {directory}: nothing is running", err=True)
+        raise typer.Exit(1)
     info = stack.info()
     if json_out:
         typer.echo(json.dumps({"healthy": health, **info.model_dump(exclude={"services"})}))

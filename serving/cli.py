@@ -7,14 +7,18 @@ defaults; the settings come from infra's settings tree when run as ``specloop`` 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+log = logging.getLogger(__name__)
+
 _MODEL = typer.Option(help="Target: SmolLM2-135M-Instruct (default) or a Hugging Face model dir.")
 _DRAFTER = typer.Option(help="Drafter kind: suffix (default) | eagle | standalone | selfspec | hybrid.")
-_DRAFTER_DIR = typer.Option(help="Drafter artifact directory (learned drafters); default: day-0.")
+_DRAFTER_DIR = typer.Option(help="Drafter artifact directory (learned drafters); default: day-0.",
+                            exists=True, file_okay=False)
 _K = typer.Option(help="Maximum drafted tokens per verify step (0 = plain decoding).")
 _DTYPE = typer.Option(help="float32 (default) | bfloat16 | float16.")
 _DEVICE = typer.Option(help="Torch device (default cpu).")
@@ -46,9 +50,36 @@ def _settings(**overrides):
     from pydantic import ValidationError
 
     try:
-        return _loader({k: v for k, v in overrides.items() if v is not None})
+        settings = _loader({k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         raise typer.BadParameter(_first_error(exc)) from exc
+    if settings.engine == "torch" and settings.drafter == "suffix" and settings.drafter_dir is not None:
+        raise typer.BadParameter(  # the suffix drafter has no artifact: the directory would be ignored
+            f"drafter_dir={settings.drafter_dir} holds a learned drafter, but drafter=suffix has none: "
+            "use --drafter hybrid (the suffix index + that drafter), eagle, standalone or selfspec")
+    return settings
+
+
+def _build_engine(settings):
+    """The engine, or one line on what is wrong with the model or drafter it was given."""
+    from feedback.registry.artifact import DrafterArtifactError
+    from serving.builder import build_engine
+
+    try:
+        return build_engine(settings)
+    except (DrafterArtifactError, OSError, ValueError) as exc:  # a missing model, a refused artifact
+        log.debug("engine not built", exc_info=True)
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in _LOG_LEVELS:
+        raise typer.BadParameter(f"{value!r}: one of {' | '.join(_LOG_LEVELS)}")
+    return value.lower()
 
 
 def _require_engine(engine: str | None) -> None:
@@ -92,19 +123,17 @@ def serve(
     dtype: Annotated[str | None, _DTYPE] = None,
     device: Annotated[str | None, _DEVICE] = None,
     num_threads: Annotated[int | None, _THREADS] = None,
-    log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
+    log_level: Annotated[str, typer.Option(help=f"Log level: {' | '.join(_LOG_LEVELS)}.",
+                                           callback=_log_level)] = "info",
 ) -> None:
     """Serve the OpenAI-compatible API with speculative decoding.
 
     The admin token is read from SPECLOOP_ADMIN_TOKEN only (not a flag: argv is visible to all).
     SPECLOOP_ENGINE=sglang (or --engine sglang) serves through SGLang on a CUDA GPU."""
     _require_engine(engine)  # fail fast: before imports, settings checks and model loading
-    import logging
-
     import uvicorn
 
     from serving.api.app import create_app
-    from serving.builder import build_engine
 
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -125,7 +154,7 @@ def serve(
         num_threads=num_threads,
     )
     # One engine per process: its metrics go to the global registry, next to the process metrics.
-    app = create_app(build_engine(settings), settings)
+    app = create_app(_build_engine(settings), settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level.lower())
 
 
@@ -199,7 +228,6 @@ async def _generate_once(settings, prompt: str, raw: bool, params: dict) -> dict
     from serving.api import protocol as p
     from serving.api.errors import APIError
     from serving.api.openai_serving import OpenAIServing
-    from serving.builder import build_engine
 
     try:  # parameter checks first: loading the model takes a while
         if raw:
@@ -208,7 +236,7 @@ async def _generate_once(settings, prompt: str, raw: bool, params: dict) -> dict
             req = p.ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], **params)
     except ValidationError as exc:
         raise typer.BadParameter(_first_error(exc)) from exc
-    engine = build_engine(settings)
+    engine = _build_engine(settings)
     serving = OpenAIServing(engine, settings)
     try:
         if raw:

@@ -20,6 +20,16 @@ if TYPE_CHECKING:  # annotation only: any loader with ``load(path, current)`` (S
     from serving.artifact_loader import ArtifactDrafterLoader
 
 
+def registry_version(version: str) -> str:
+    """``version`` as the registry numbers its versions ("7"; " 07" is 7 too). Raises UnknownVersion
+    for anything else, before any download (a typo is no registry outage)."""
+    text = str(version).strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise UnknownVersion(f"no drafter version {version!r}: registry versions are whole numbers "
+                             "from 1")
+    return str(int(text))
+
+
 class RegistryFetch:
     """``registry``: feedback.registry.drafter_registry.DrafterRegistry or None (then every fetch
     raises RegistryUnavailable); ``nice``: how much nicer than the process the loader thread runs."""

@@ -39,9 +39,9 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from feedback.background.supervise import SupervisedThread
 from serving.live_acceptance import LiveAcceptance, RollbackJudge, VersionStats, collectors
-from serving.registry_fetch import RegistryFetch
+from serving.registry_fetch import RegistryFetch, registry_version
 from serving.registry_records import RegistryRecords
-from serving.swap_errors import NothingToRollBack, RefusedArtifact, SwapError
+from serving.swap_errors import NothingToRollBack, RefusedArtifact, RegistryUnavailable, SwapError
 
 if TYPE_CHECKING:  # annotation only: the Swapper takes any loader (SGLang's too)
     from serving.artifact_loader import ArtifactDrafterLoader
@@ -214,6 +214,8 @@ class Swapper:
         RegistryUnavailable; the engine keeps its drafter on any error."""
         version = str(version)
         with self._op_lock:
+            if version != self._current.version:  # the running one may be none ("day0")
+                version = registry_version(version)
             if version == self._current.version:
                 return {"version": version, "previous_version": None, "changed": False}
             if not force and version in self._rejected:
@@ -302,6 +304,8 @@ class Swapper:
         try:
             self.swap_to(version, reason=reason, force=False)
         except SwapError as e:
+            if isinstance(e, RegistryUnavailable):  # no verdict on the version: fetch it again
+                self._last_champion = None  # at the next poll
             log.warning("swap to %s (%s) not done: %s", version, reason, e)
 
     def _on_announcement(self, msg) -> None:

@@ -82,7 +82,8 @@ def train(
     model: str | None = typer.Option(None, help="Target the drafter is trained for: a Hugging Face directory or "
                                      "the default's name (default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct)."),
     rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until interrupted)."),
-    offline: Path | None = typer.Option(None, help="Train once, offline, on the target's own responses to "
+    offline: Path | None = typer.Option(None, exists=True, dir_okay=False,
+                                        help="Train once, offline, on the target's own responses to "
                                         "these prompts (JSONL: messages or prompt, optional domain); no Kafka/Ray."),
     corpus: int = typer.Option(0, min=0, help="Train once, offline, on this many code and as many prose chunks of "
                                "text from the installed packages, teacher-forced through the target "
@@ -90,7 +91,8 @@ def train(
     requests: int = typer.Option(0, min=0, help="Train once, offline, on the target's own answers to this many "
                                  "code and as many chat requests written from the installed packages "
                                  "(trainer/package_prompts.py); alone or with --corpus/--offline."),
-    init: Path | None = typer.Option(None, help="--offline/--corpus/--requests: start from this drafter artifact "
+    init: Path | None = typer.Option(None, exists=True, file_okay=False,
+                                     help="--offline/--corpus/--requests: start from this drafter artifact "
                                      "(same kind and target) instead of the day-0 drafter."),
     corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus/--requests/--offline: where "
                                       "teacher-forced and generated traces are kept between runs."),

@@ -110,6 +110,29 @@ class EagleHeadConfig(LlamaShapes):
                            vocab_size=self.target_vocab_size, num_hidden_layers=1, mlp_bias=False)
 
 
+def check_target(config: EagleHeadConfig, target_model: nn.Module) -> None:
+    """Refuse a target whose shapes differ from the ones the head was cut from: the fingerprint
+    names the target, these are what the head reads of it (its features, embeddings, vocabulary)."""
+    tc = target_model.config
+    layers = int(tc.num_hidden_layers)
+    mismatches = {
+        name: (want, got)
+        for name, want, got in (
+            ("target_num_layers", config.target_num_layers, layers),
+            ("target_hidden_size", config.target_hidden_size, int(tc.hidden_size)),
+            ("hidden_size", config.hidden_size, int(tc.hidden_size)),
+            ("target_vocab_size", config.target_vocab_size,
+             int(target_model.get_output_embeddings().weight.shape[0])),
+        )
+        if want != got
+    }
+    if mismatches:
+        raise ValueError(f"EAGLE head does not fit this target: {mismatches}")
+    if any(not 0 <= i < layers for i in config.feature_layers):
+        raise ValueError(f"EAGLE head reads feature layers {config.feature_layers}: this target's "
+                         f"hidden_states indices are in [0, {layers})")
+
+
 class EagleAttention(nn.Module):
     """q/k/v read the 2H concat of (normed embedding, normed hidden); o_proj writes H."""
 

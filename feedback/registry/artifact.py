@@ -14,7 +14,8 @@ A directory with two files, no pickle anywhere:
                        draft token then costs Vd/V of the vocabulary projection)
 
 ``load_drafter`` validates everything before it returns a model: target fingerprint, checksums,
-tensor names and shapes against the config, finite weights, draft-vocabulary consistency. Anything
+tensor names and shapes against the config, the drafter's vocabulary against the
+fingerprint's, finite weights, draft-vocabulary consistency. Anything
 wrong raises ``DrafterArtifactError`` with a message that says what and where.
 """
 
@@ -33,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from feedback.drafters.eagle_head import EagleHead
+from feedback.drafters.eagle_head import EagleHead, EagleHeadConfig
 from feedback.drafters.from_target import SelfSpecAdapter, adapter_of, check_draft_vocab
 from feedback.drafters.kinds import DrafterConfig, build_model, kind_of, parse_config
 from feedback.drafters.vocab import checked_vocab_ids
@@ -184,7 +185,7 @@ def read_meta(directory: str | Path) -> DrafterMeta:
         raise DrafterArtifactError(f"{directory}: no {CONFIG_FILE}")
     try:
         return DrafterMeta.model_validate(json.loads(path.read_text()))
-    except (ValidationError, json.JSONDecodeError) as e:
+    except (ValidationError, ValueError) as e:  # ValueError: JSON, or bytes that are not UTF-8
         raise DrafterArtifactError(f"{path}: invalid artifact config: {e}") from e
 
 
@@ -213,6 +214,9 @@ def load_drafter(
     if WEIGHTS_FILE not in meta.files:
         raise DrafterArtifactError(f"{directory}: config lists no checksum for {WEIGHTS_FILE}")
     for name, digest in meta.files.items():
+        if name in ("", ".", "..") or Path(name).name != name:
+            raise DrafterArtifactError(f"{directory}: {name!r} in config.json is not a file name "
+                                       "in the artifact directory")
         path = directory / name
         if not path.is_file():
             raise DrafterArtifactError(f"{directory}: missing file {name}")
@@ -225,6 +229,12 @@ def load_drafter(
         cfg = meta.model_cfg()
     except (ValidationError, ValueError) as e:
         raise DrafterArtifactError(f"{directory}: invalid {meta.kind} model config: {e}") from e
+    vocab = cfg.target_vocab_size if isinstance(cfg, EagleHeadConfig) else cfg.vocab_size
+    if vocab != meta.target.vocab_size:  # the fingerprint pins the target, not the drafter's cut
+        raise DrafterArtifactError(
+            f"{directory}: drafter {meta.version} drafts over a vocabulary of {vocab} tokens but its "
+            f"target has {meta.target.vocab_size}; refusing to load it"
+        )
     try:
         state = load_file(str(directory / WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:
@@ -232,7 +242,12 @@ def load_drafter(
             f"{directory / WEIGHTS_FILE}: unreadable safetensors: {e}"
         ) from e
 
-    model = build_model(cfg)
+    try:
+        model = build_model(cfg)
+    except Exception as e:  # the constructors' own checks (ZeroDivisionError, ...)
+        raise DrafterArtifactError(
+            f"{directory}: no {meta.kind} model can be built from its config: {type(e).__name__}: {e}"
+        ) from e
     expected = _stored_state(model)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

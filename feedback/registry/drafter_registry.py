@@ -114,12 +114,16 @@ class DrafterRegistry:
         self.client.set_registered_model_alias(model_name(tenant), CHAMPION, str(version))
 
     def champion(self, tenant: str) -> RegisteredDrafter | None:
+        """The tenant's champion version, or None when it has none. Raises MlflowException when the
+        registry cannot say (unreachable)."""
         from mlflow.exceptions import MlflowException
 
         try:
             mv = self.client.get_model_version_by_alias(model_name(tenant), CHAMPION)
-        except MlflowException:
-            return None
+        except MlflowException as e:
+            if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                return None  # no such model, or no alias on it
+            raise  # the registry is down: not the same as "no champion"
         return RegisteredDrafter(mv.name, str(mv.version), mv.run_id, mv.source)
 
     def download(self, tenant: str, version: str | None = None, dst: str | Path | None = None) -> tuple[Path, RegisteredDrafter]:

@@ -99,7 +99,7 @@ def _eagle(
     frequencies=None,
     seed: int = 0,
 ):
-    from feedback.drafters.eagle_head import eagle_from_target
+    from feedback.drafters.eagle_head import check_target, eagle_from_target
     from feedback.drafters.vocab import (
         DEFAULT_DRAFT_VOCAB_SIZE,
         day0_draft_vocab,
@@ -109,6 +109,7 @@ def _eagle(
 
     if artifact_dir is not None:
         head, meta = _load(target, artifact_dir, "eagle")
+        check_target(head.config, target.model)
         head.attach_embeddings(target.model.get_input_embeddings().weight)
         return _measured(EagleDrafter(head, version=meta.version), meta)
     vocab = int(target.model.get_output_embeddings().weight.shape[0])

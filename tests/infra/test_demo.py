@@ -232,3 +232,20 @@ def test_the_demo_refuses_an_unknown_learned_drafter_before_starting_anything(tm
     assert out.exit_code == 2
     assert "choose target-layers or selfspec" in out.output
     assert not (tmp_path / "run").exists()  # refused before the run directory or the stack
+
+
+def test_the_demo_refuses_a_missing_day0_artifact_before_starting_anything(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import infra.root
+    from infra.cli import app
+
+    def refuse(*a, **k):
+        raise AssertionError("the stack was started: the missing artifact was not caught first")
+
+    monkeypatch.setattr(infra.root, "build_stack", refuse)
+    out = CliRunner().invoke(app, ["demo", "--day0-artifact", str(tmp_path / "nope"),
+                                   "--run-dir", str(tmp_path / "run")])
+    text = " ".join((out.output + (out.stderr or "")).replace("│", " ").split())
+    assert out.exit_code == 2 and "does not exist" in text, text
+    assert not (tmp_path / "run").exists()

@@ -59,3 +59,16 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_bad_policy_or_a_missing_command_is_a_usage_error():
+    from typer.testing import CliRunner
+
+    from infra.cli import app
+
+    for args, expected in ((["sometimes", "--", "true"], "'sometimes': one of no, on-failure"),
+                           (["always", "--", "/no/such/command", "x"], "'/no/such/command': no such command")):
+        result = CliRunner().invoke(app, ["restart-policy", *args])
+        out = " ".join(result.output.replace("│", " ").split())
+        assert result.exit_code == 2 and expected in out, out
+        assert isinstance(result.exception, SystemExit)

@@ -21,3 +21,13 @@ def test_an_unknown_storage_is_refused_before_anything_starts(tmp_path):
     out = CliRunner().invoke(app, ["stack", "up", "--storage", "disk", "--run-dir", str(tmp_path)])
     assert out.exit_code == 2 and "storage 'disk'" in out.output, out.output
     assert not (tmp_path / "stack.json").exists()
+
+
+def test_status_of_a_missing_stack_says_so_and_fails_without_creating_it(tmp_path):
+    from infra.cli import app
+
+    run_dir = tmp_path / "typo" / "stack"
+    out = CliRunner().invoke(app, ["stack", "status", "--run-dir", str(run_dir)])
+    text = out.output + (out.stderr or "")
+    assert out.exit_code == 1 and f"no stack recorded in {run_dir}" in text, text
+    assert not (tmp_path / "typo").exists()

@@ -70,3 +70,42 @@ def test_help_names_the_sglang_extra_and_every_drafter_kind(command):
     assert INSTALL in out
     drafter_help = out.split("--drafter ", 1)[1].split("--", 1)[0]
     assert all(kind in drafter_help for kind in get_args(DrafterKindName)), drafter_help
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """A command that gets as far as building its engine fails the test loudly (nothing loads)."""
+    import serving.builder
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the engine was built: the bad argument was not caught first")
+
+    monkeypatch.setattr(serving.builder, "build_engine", refuse)
+
+
+@pytest.mark.usefixtures("no_model")
+@pytest.mark.parametrize("args, expected", [
+    (["serve", "--log-level", "loud"], "'loud': one of critical | error | warning | info | debug"),
+    (["serve", "--drafter", "standalone", "--drafter-dir", "/no/such/artifact"], "does not exist"),
+    (["generate", "hi", "--drafter", "eagle", "--drafter-dir", "/no/such/artifact"], "does not exist"),
+    (["generate", "hi", "--drafter", "suffix", "--drafter-dir", "."], "drafter=suffix has none"),
+    (["serve", "--drafter-dir", "."], "drafter=suffix has none"),  # suffix is the default
+])
+def test_bad_arguments_are_usage_errors_before_anything_loads(args, expected):
+    result, out = run(args)
+    assert result.exit_code == 2 and expected in out, out
+    assert isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("args", [["serve"], ["generate", "hi"]])
+def test_a_refused_artifact_or_missing_model_is_one_line_not_a_traceback(args, monkeypatch):
+    import serving.builder
+    from feedback.registry.artifact import DrafterArtifactError
+
+    def refused(settings, **kwargs):
+        raise DrafterArtifactError("/models/draft: drafter 7 was built for target other-1234")
+
+    monkeypatch.setattr(serving.builder, "build_engine", refused)
+    result, out = run(args + ["--drafter", "standalone", "--drafter-dir", "."])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), out
+    assert "Error: /models/draft: drafter 7 was built for target other-1234" in out

@@ -588,6 +588,18 @@ def test_build_drafter_from_artifacts(target, tmp_path):
     assert eng.propose(["r"]).lengths.tolist() == [K]
 
 
+def test_an_eagle_head_cut_from_another_depth_of_target_is_refused_at_load(target, tmp_path):
+    """Same fingerprint, vocabulary and width, but read from layers this 4-layer target does not
+    have: refused when it is built, not at the first step that asks the target for its features
+    (which would fail every request in the batch)."""
+    deeper = tiny_target(vocab_size=V, hidden_size=H, num_layers=8, seed=0)
+    head = eagle_from_target(deeper.model, draft_vocab_size=64, feature_layers=(1, 5, 7))
+    save_drafter(head, head.config, target.fingerprint, tmp_path / "e", version="v9")
+    for kind in ("eagle", "hybrid"):
+        with pytest.raises(ValueError, match="does not fit this target.*target_num_layers"):
+            build_drafter(kind, target, tmp_path / "e")
+
+
 def test_a_drafter_starts_from_the_acceptance_its_artifact_measured(target, tmp_path):
     from serving.engine.config import EngineConfig
     from serving.engine.goodput_policy import GoodputPolicy

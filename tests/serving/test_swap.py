@@ -289,6 +289,44 @@ def test_corrupt_and_foreign_artifacts_are_refused_and_the_old_drafter_stays(
     assert engine.drafter is before and swapper.refused == 2
 
 
+def test_a_version_is_a_registry_number_or_unknown(target, tmp_path, sqlite_registry):
+    """What an operator may type: anything else than a registry version is a clear 404 (not a
+    503 "registry unavailable", nor a 500), and " 01" is version 1, not a version of its own."""
+    good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    before = engine.drafter
+    for bad in ("abc", "a/b", "../x", "", "1.0", "-1"):
+        with pytest.raises(UnknownVersion, match="registry versions are whole numbers"):
+            swapper.swap_to(bad)
+    assert engine.drafter is before and swapper.refused == 0
+    assert swapper.swap_to(f" 0{good}") == {"version": good, "previous_version": "day0", "changed": True}
+    assert engine.drafter.version == good and swapper.version == good
+    assert swapper.swap_to(good)["changed"] is False
+
+
+def test_a_champion_whose_download_failed_is_tried_again_at_the_next_poll(target, tmp_path, sqlite_registry):
+    """A registry outage while fetching an announced or polled champion is not a refusal: the
+    next poll tries the same version again (the module's promise: retried at the next poll)."""
+    good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    download, calls = sqlite_registry.download, []
+
+    def flaky(tenant, version=None, dst=None):
+        calls.append(version)
+        if len(calls) <= 2:
+            raise ConnectionError("artifact store unreachable")
+        return download(tenant, version, dst)
+
+    sqlite_registry.download = flaky
+    swapper._on_announcement(SwapAnnouncement(tenant=TENANT, version=good))
+    swapper.poll_once()
+    assert engine.drafter.version == "day0" and calls == [good, good]
+    swapper.poll_once()
+    assert engine.drafter.version == good and swapper.version == good and len(calls) == 3
+    swapper.poll_once()  # the alias has not moved since: nothing more to fetch
+    assert len(calls) == 3
+
+
 def test_downloads_are_deleted_once_loaded_or_refused(target, tmp_path, sqlite_registry):
     """A swap keeps no copy of the artifact on disk (the drafter is in memory)."""
     good = _register(sqlite_registry, target, _artifact(target, tmp_path / "good", version="g"))

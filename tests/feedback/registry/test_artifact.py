@@ -250,3 +250,51 @@ def test_building_an_empty_model_leaves_other_threads_initialisation_alone():
     assert torch.all(inside.weight == 7.0)
     other = built["other"].weight
     assert other.abs().max() > 0 and other.std() > 0.01  # kaiming-uniform, not left empty
+
+
+def test_a_config_that_is_not_text_is_refused(target, tmp_path):
+    model = standalone_from_target(target.model, num_layers=1)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=1, vocab_size=V)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1")
+    (tmp_path / "s" / CONFIG_FILE).write_bytes(b"\xff\xfe\x00 not json")
+    with pytest.raises(DrafterArtifactError, match="invalid artifact config"):
+        load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
+
+
+@pytest.mark.parametrize("name", ["/etc/hostname", "../outside.bin", "sub/model.safetensors", "..", ""])
+def test_files_listed_outside_the_artifact_directory_are_refused(target, tmp_path, name):
+    """config.json names the artifact's own files: a path that leads elsewhere is never read."""
+    model = standalone_from_target(target.model, num_layers=1)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=1, vocab_size=V)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1")
+    (tmp_path / "outside.bin").write_bytes(b"x")
+    meta = json.loads((tmp_path / "s" / CONFIG_FILE).read_text())
+    meta["files"][name] = sha256_file(tmp_path / "outside.bin")
+    (tmp_path / "s" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DrafterArtifactError, match="not a file name"):
+        load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
+
+
+def test_a_drafter_over_another_vocabulary_than_its_targets_is_refused(target, tmp_path):
+    """Consistent tensors and config, the right fingerprint, but cut from a target of 300 tokens:
+    its drafts past the target's 256 would be cut off (and its sampled drafts refused) forever."""
+    other = tiny_target(vocab_size=300, hidden_size=64, num_layers=4, dtype=torch.bfloat16)
+    model = standalone_from_target(other.model, num_layers=1)
+    cfg = StandaloneConfig.for_target(other.model.config, num_layers=1, vocab_size=300)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1")
+    with pytest.raises(DrafterArtifactError, match="vocabulary of 300.*256"):
+        load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
+
+
+@pytest.mark.parametrize("update", [{"num_attention_heads": 0}, {"head_dim": 0}, {"head_dim": 15}])
+def test_a_config_no_model_can_be_built_from_is_refused(target, tmp_path, update):
+    """Whatever the model's constructor raises on a malformed config is the artifact's refusal (the
+    Swapper counts and reports those), not an error of another kind escaping to its caller."""
+    model = standalone_from_target(target.model, num_layers=1)
+    cfg = StandaloneConfig.for_target(target.model.config, num_layers=1, vocab_size=V)
+    save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1")
+    meta = json.loads((tmp_path / "s" / CONFIG_FILE).read_text())
+    meta["config"].update(update)
+    (tmp_path / "s" / CONFIG_FILE).write_text(json.dumps(meta))
+    with pytest.raises(DrafterArtifactError, match="no standalone model can be built from its config"):
+        load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)

@@ -65,3 +65,14 @@ def test_load_champion_validates_through_the_artifact(registry, tmp_path):
     other = TargetFingerprint(model_id="other", tokenizer_hash="cd" * 8, vocab_size=48)
     with pytest.raises(RegistryError, match="refused"):
         registry.load_champion("t1", other)
+
+
+def test_an_unreachable_registry_is_not_a_missing_champion(monkeypatch):
+    """An outage raises (the Swapper logs it and keeps polling) instead of reading as "this tenant
+    has no champion", which would say nothing while the registry is down."""
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with pytest.raises(MlflowException):
+        DrafterRegistry("http://127.0.0.1:1").champion("acme")
