@@ -5,7 +5,9 @@ A supervised thread polls the topic with a consumer group of this replica's own 
 every trace) and hands each record to the engine's current suffix drafter (the drafter itself, or
 the suffix half of a hybrid; looked up per batch, so swaps are followed). The drafter skips the
 requests it served itself (SuffixDrafter.observe_trace), and records of other tenants go to those
-tenants' indexes. Opted-out requests never reach the topic. Offsets are committed after indexing.
+tenants' indexes. Records of another target (a topic shared by deployments of different models)
+are skipped: their token ids mean other text here. Opted-out requests never reach the topic.
+Offsets are committed after indexing.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from serving.drafters.suffix import suffix_part
 log = logging.getLogger(__name__)
 
 FOLLOWED = Counter("specloop_traces_followed", "Trace records read from the topic by this replica: "
-                   "indexed into its suffix index, or skipped (no suffix drafter live).", ["result"])
+                   "indexed into its suffix index, skipped (no suffix drafter live), or foreign "
+                   "(traced for another target).", ["result"])
 
 
 class TraceFollower:
@@ -34,6 +37,7 @@ class TraceFollower:
         self.poll_records, self.poll_timeout_s = poll_records, poll_timeout_s
         self.indexed = 0
         self.skipped = 0
+        self.foreign = 0
         self._stop = threading.Event()
         self._thread: SupervisedThread | None = None
 
@@ -45,7 +49,15 @@ class TraceFollower:
                 if not records:
                     continue
                 holder = suffix_part(getattr(self.engine, "drafter", None))
+                ours = getattr(self.engine, "fingerprint", None)  # None: not known (yet)
                 for rec in records:
+                    if ours is not None and not ours.matches(rec.target):
+                        if not self.foreign:
+                            log.warning("trace topic holds traces of target %s; this replica serves "
+                                        "%s: not indexed", rec.target, ours)
+                        self.foreign += 1
+                        FOLLOWED.labels(result="foreign").inc()
+                        continue
                     if holder is None:
                         self.skipped += 1
                         FOLLOWED.labels(result="skipped").inc()

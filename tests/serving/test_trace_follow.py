@@ -82,3 +82,40 @@ def test_a_replica_follows_the_topic_only_where_a_suffix_index_can_use_it():
     assert isinstance(with_index.state.trace_follower, TraceFollower)
     without = create_app(TorchEngine(target, None, EngineConfig(k=4)), settings)  # no index to feed
     assert without.state.trace_follower is None
+
+
+def test_traces_of_another_target_are_not_indexed():
+    """A topic shared with a deployment of another model: its token ids mean other text here, so
+    they never reach this replica's suffix index (counted as foreign)."""
+    from trace_samples import TEST_TARGET, make_trace
+
+    class Topic:  # the broker's side is test_family_served_on_replica_a_raises_replica_b_acceptance's
+        def __init__(self, records):
+            self.batches, self.committed = [records], 0
+
+        def poll(self, max_records, timeout_s):
+            if self.batches:
+                return self.batches.pop()
+            time.sleep(0.01)
+            return []
+
+        def commit(self):
+            self.committed += 1
+
+        def close(self):
+            pass
+
+    drafter = SuffixDrafter()
+    other = TEST_TARGET.model_copy(update={"tokenizer_hash": "f" * 16})
+    topic = Topic([make_trace(request_id="ours", seed=1), make_trace(request_id="theirs", seed=2, target=other)])
+    engine = SimpleNamespace(drafter=drafter, fingerprint=TEST_TARGET)
+    follower = TraceFollower(engine, lambda: topic, "r").start()
+    try:
+        deadline = time.monotonic() + 30
+        while follower.indexed + follower.foreign < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        follower.stop()
+    assert (follower.indexed, follower.foreign, topic.committed) == (1, 1, 1)
+    assert drafter.proposer.index("default").num_sequences == 1
+
