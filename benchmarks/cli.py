@@ -43,10 +43,22 @@ def spec(
     _setup_logging(verbose)
     from benchmarks.bench_spec import run
 
-    batches = tuple(int(b) for b in batch.split(",") if b.strip())
+    batches = _batch_sizes(batch)
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
               tree, batches, batch_repeats, device, cuda_graphs)
     print_json(out, json_out)
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """``--batch 1,4,8`` as (1, 4, 8); a usage error (before any model loads) for anything else."""
+    try:
+        sizes = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        sizes = (0,)
+    if any(b < 1 for b in sizes):
+        raise typer.BadParameter(f"{text!r}: comma-separated batch sizes >= 1, e.g. 1,4,8",
+                                 param_hint="--batch")
+    return sizes
 
 
 def capture(

@@ -81,7 +81,7 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
 def train(
     model: str | None = typer.Option(None, help="Target the drafter is trained for: a Hugging Face directory or "
                                      "the default's name (default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct)."),
-    rounds: int = typer.Option(0, help="Stop after this many rounds (0 = run until interrupted)."),
+    rounds: int = typer.Option(0, min=0, help="Stop after this many rounds (0 = run until interrupted)."),
     offline: Path | None = typer.Option(None, exists=True, dir_okay=False,
                                         help="Train once, offline, on the target's own responses to "
                                         "these prompts (JSONL: messages or prompt, optional domain); no Kafka/Ray."),

@@ -16,7 +16,7 @@ import asyncio
 import hmac
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from serving.api.errors import APIError
 
@@ -34,6 +34,8 @@ admin_router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
 class SwapBody(BaseModel):
+    model_config = ConfigDict(coerce_numbers_to_str=True)  # {"version": 7}, as MLflow numbers them
+
     version: str
 
 

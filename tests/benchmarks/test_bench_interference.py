@@ -72,3 +72,4 @@ def test_the_training_benches_refuse_an_unknown_precision_on_the_command_line():
         out = CliRunner().invoke(app, ["bench", bench, "--precision", "fp16", "--json"])
         assert out.exit_code == 2, (bench, out.output)
         assert "choose one of auto, fp32, bf16" in out.output
+

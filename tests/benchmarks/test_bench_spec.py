@@ -68,3 +68,19 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
             assert share is None or 0.0 <= share <= 1.0
     assert out["by_batch"]["1"]["tail_time_fraction"] == {"target_only": 0.0, "speculative": 0.0}
     assert "nodes_per_row_step" in out["warmed"]["by_domain"]["code"]
+
+
+def test_bench_spec_refuses_bad_batch_sizes_before_loading_anything(monkeypatch):
+    from typer.testing import CliRunner
+
+    import benchmarks.bench_spec
+    from infra.cli import app
+
+    def refuse(*a, **k):
+        raise AssertionError("the benchmark started: --batch was not checked first")
+
+    monkeypatch.setattr(benchmarks.bench_spec, "run", refuse)
+    for bad in ("x", "1,0", "4,,-2"):
+        out = CliRunner().invoke(app, ["bench", "spec", "--batch", bad])
+        text = " ".join(out.output.replace("│", " ").split())
+        assert out.exit_code == 2 and "batch sizes >= 1" in text, (bad, out.output)

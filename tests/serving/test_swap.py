@@ -409,7 +409,7 @@ def test_admin_drafter_routes(target, tmp_path, sqlite_registry):
         assert missing.status_code == 404 and "42" in missing.json()["error"]["message"]
         refused = http.post("/admin/drafter/swap", json={"version": broken}, headers=auth)
         assert refused.status_code == 422 and "checksum" in refused.json()["error"]["message"]
-        ok = http.post("/admin/drafter/swap", json={"version": good}, headers=auth)
+        ok = http.post("/admin/drafter/swap", json={"version": int(good)}, headers=auth)  # a number too
         assert ok.status_code == 200 and ok.json()["previous_version"] == "day0"
         done = http.post("/v1/completions", json={"model": engine.model_name, "prompt": PROMPTS[0],
                                                   "max_tokens": 8}, headers=auth)

@@ -20,3 +20,10 @@ def test_a_missing_prompt_file_or_init_artifact_is_a_usage_error(args, monkeypat
     out = " ".join((result.output + (result.stderr or "")).replace("│", " ").split())
     assert result.exit_code == 2 and "does not exist" in out, out
     assert isinstance(result.exception, SystemExit)
+
+
+def test_a_negative_round_count_is_a_usage_error():
+    from infra.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--rounds", "-1"])
+    assert result.exit_code == 2, result.output
