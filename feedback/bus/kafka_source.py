@@ -55,6 +55,10 @@ class KafkaSourceSettings(BaseSettings):
     bootstrap_servers: str = Field("127.0.0.1:9092", description="Comma-separated host:port list.")
     topic: str = Field("specloop.traces", description="Trace topic to consume.")
     dlq_topic: str = Field("specloop.traces.dlq", description="Dead-letter topic.")
+    dead_letter: bool = Field(True, description="Write undecodable messages to dlq_topic. False: "
+                              "skip and count them only (readers besides the trainer, e.g. each "
+                              "replica's trace follower, so that a bad message is dead-lettered "
+                              "once, not once per reader).")
     group_id: str = Field("specloop-trainer", description="Consumer group (offsets live here).")
     auto_offset_reset: Literal["earliest", "latest"] = Field(
         "earliest", description="Where a group without committed offsets starts.")
@@ -107,7 +111,10 @@ class KafkaTraceSource:
         # Not idempotent: a restarted tansu forgets producer ids, which is fatal to kafka-python.
         self._dlq = KafkaProducer(bootstrap_servers=servers, client_id=f"{s.client_id}-dlq",
                                   acks="all", enable_idempotence=False,
-                                  max_request_size=s.max_partition_fetch_bytes + (64 << 10))  # + headers
+                                  max_request_size=s.max_partition_fetch_bytes + (64 << 10),  # + headers
+                                  ) if s.dead_letter else None
+        self.skipped_undecodable = 0
+        """Undecodable messages skipped without a dead letter (``dead_letter`` False)."""
         self._dlq_unconfirmed: list[tuple] = []  # (future or None, send kwargs) until the commit checks
         source = self
 
@@ -176,6 +183,8 @@ class KafkaTraceSource:
 
     def _confirm_dead_letters(self) -> bool:
         """Every dead letter is on the DLQ topic (resent once if needed) before offsets move on."""
+        if self._dlq is None:
+            return True
         self._dlq.flush(timeout=10)
         remaining = []
         for future, send in self._dlq_unconfirmed:
@@ -197,7 +206,8 @@ class KafkaTraceSource:
     def close(self) -> None:
         """Leave the group without committing (uncommitted records will be delivered again)."""
         try:
-            self._dlq.close(timeout=5)
+            if self._dlq is not None:
+                self._dlq.close(timeout=5)
         finally:
             self._consumer.close(autocommit=False)
 
@@ -211,6 +221,10 @@ class KafkaTraceSource:
         except Exception as e:  # noqa: BLE001 - a bug in decode must not stop consumption either
             error = e
         error_type = type(error).__name__
+        if self._dlq is None:  # another reader (the trainer) dead-letters it
+            self.skipped_undecodable += 1
+            log.warning("skipping undecodable %s/%d/%d: %s", msg.topic, msg.partition, msg.offset, error)
+            return None
         log.warning("dead-lettering %s/%d/%d: %s", msg.topic, msg.partition, msg.offset, error)
         headers = [
             ("specloop-error", str(error)[:1000].encode()),

@@ -55,7 +55,8 @@ def create_app(
 
         follower = TraceFollower(engine, lambda: KafkaTraceSource(
             bootstrap_servers=settings.kafka_bootstrap_servers, topic=settings.kafka_topic,
-            group_id=f"specloop-replica-{replica}", auto_offset_reset="latest"), replica)
+            group_id=f"specloop-replica-{replica}", auto_offset_reset="latest",
+            dead_letter=False), replica)  # the trainer dead-letters bad messages, once
 
     from serving.builder import build_ops_observer
 

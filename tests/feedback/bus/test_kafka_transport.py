@@ -209,6 +209,32 @@ def test_malformed_messages_are_dead_lettered_and_consumption_continues(kafka_br
 
 
 @pytest.mark.integration
+def test_a_reader_without_dead_letters_skips_bad_messages_and_writes_none(kafka_broker, kafka_topic):
+    """Replicas' followers read the topic too: only the trainer dead-letters a bad message, so the
+    dead-letter topic holds it once, not once per reader."""
+    good = [make_trace(num_steps=6, seed=i) for i in range(2)]
+    producer = raw_producer(kafka_broker.url)
+    for value in (encode(good[0]), b"\x00garbage", encode(good[1])):
+        producer.send(kafka_topic, key=b"t", value=value)
+    producer.flush()
+    producer.close()
+
+    follower = fast_source(kafka_broker.url, kafka_topic, group="replica", dead_letter=False)
+    trainer = fast_source(kafka_broker.url, kafka_topic)
+    try:
+        got = poll_until(follower, 2)
+        assert [r.request_id for r in got] == [r.request_id for r in good]
+        assert (follower.skipped_undecodable, follower.dead_lettered) == (1, 0)
+        assert follower.commit()
+        assert len(poll_until(trainer, 2)) == 2 and trainer.dead_lettered == 1
+        assert trainer.commit()
+    finally:
+        follower.close()
+        trainer.close()
+    assert len(read_raw(kafka_broker.url, f"{kafka_topic}.dlq", 2, timeout=5)) == 1
+
+
+@pytest.mark.integration
 def test_restarted_consumer_resumes_from_committed_offsets(kafka_broker, kafka_topic):
     records = [make_trace(num_steps=4, seed=100 + i, tenant=f"t{i % 3}") for i in range(30)]
     sink = fast_sink(kafka_broker.url, kafka_topic)
