@@ -106,6 +106,8 @@ class TrainerLoop:
         self._subscription = rollbacks_from.subscribe(self.on_announcement) if rollbacks_from is not None else None
         """``rollbacks_from``: a ControlPlane; its rollbacks and drifts reach ``on_announcement``."""
         self.stats = LoopStats()
+        self._uncheckpointed = 0
+        """Records polled since the last commit (not yet in a checkpointed replay)."""
         self.health = LOOPS.register("trainer-rounds")
         """This loop's status: errors, up/down (feedback/background/supervise.py)."""
         self.lineage = Lineage(source, self.cfg.lineage)
@@ -132,6 +134,11 @@ class TrainerLoop:
         self.apply_retention()
         recs = self.source.poll(self.cfg.poll_records, self.cfg.poll_timeout_s)
         self.stats.records_polled += len(recs)
+        self._uncheckpointed += len(recs)
+        if not self._uncheckpointed:
+            # Nothing polled awaits a checkpoint, but the poll may have moved past messages it
+            # dead-lettered: commit those now, or every restart reads (and dead-letters) them again.
+            self.source.commit()
         added = [r.domain for r in recs if self.replay.add(r)]
         self.apply_traffic_shift(added)
         if len(self.replay) < self.cfg.min_train_traces:
@@ -158,6 +165,7 @@ class TrainerLoop:
             self.gate()
         self.save()
         self.source.commit()  # only now: the records are in a checkpointed replay and were trained on
+        self._uncheckpointed = 0
         return self.stats
 
     def _note_pause(self, paused: bool) -> None:

@@ -30,6 +30,28 @@ def test_offsets_are_committed_only_after_training_and_pauses_when_saturated(tmp
     assert loop.stats.train_steps == 5 and src.committed == 40
 
 
+def test_a_poll_of_dead_letters_alone_is_committed_but_pending_records_are_not(tmp_path):
+    """A poll that returned no record (its messages, if any, were dead-lettered) commits when no
+    earlier record awaits a checkpoint: else every restart would read and dead-letter them again."""
+
+    class Counting(ListTraceSource):
+        commits = 0
+
+        def commit(self):
+            self.commits += 1
+            super().commit()
+
+    empty = Counting([])
+    loop = _loop(empty, tmp_path / "a")
+    loop.run_round()
+    assert empty.commits == 1
+    few = Counting([make_trace("a", seed=i) for i in range(3)])  # below min_train_traces
+    loop = _loop(few, tmp_path / "b")
+    loop.run_round()
+    loop.run_round()  # nothing more arrives: the 3 records still await a round and its checkpoint
+    assert few.commits == 0 and few.committed == 0
+
+
 def test_killed_loop_resumes_from_checkpoint_without_losing_records(tmp_path):
     recs = [make_trace("a", seed=i) for i in range(60)]
     src = ListTraceSource(recs)
