@@ -260,16 +260,7 @@ class OpenAIServing:
                 raise APIError("the engine returned no output", 500, "server_error")
             return "".join(parts), last
 
-        task = asyncio.ensure_future(run())
-        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()  # the generator's finally aborts the engine request
-                with anyio.CancelScope(shield=True):
-                    await asyncio.gather(task, return_exceptions=True)
+        task = await _unless_disconnected(run(), raw)  # cancelled: generate's finally aborted it
         if task.cancelled():
             raise ClientDisconnected()
         try:
@@ -283,16 +274,7 @@ class OpenAIServing:
         Returns the open generator and the chunk(s) already read. A client that leaves while the
         request waits for a row (a full engine) aborts it there, before it is prefilled."""
         chunks = self.generate(greq)
-        first = asyncio.ensure_future(anext(chunks))
-        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
-        try:
-            await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not first.done():
-                first.cancel()  # generate's finally aborts the engine request
-                with anyio.CancelScope(shield=True):
-                    await asyncio.gather(first, return_exceptions=True)
+        first = await _unless_disconnected(anext(chunks), raw)
         try:
             if first.cancelled():
                 raise ClientDisconnected()
@@ -348,6 +330,22 @@ class ClientDisconnected(APIError):
 async def _wait_for_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unless_disconnected(work, raw: Request) -> asyncio.Task:
+    """``work`` run as a task until it is done or the client disconnects, whichever comes first;
+    in the second case the task is cancelled (and awaited) before this returns it."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
+    return task
 
 
 def _api_error(exc: Exception) -> APIError:

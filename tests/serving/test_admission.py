@@ -68,17 +68,25 @@ def test_engine_refuses_beyond_batch_plus_waiting(ids_target):
     assert engine.admission.in_flight == set()  # nothing of the refused requests is kept
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_http_429_with_retry_after_when_the_engine_is_full(stream):
-    settings = ServingSettings(served_model_name="tiny", drafter="suffix", max_batch_size=1,
-                               max_waiting=0, max_tokens_limit=400)
+def _tiny_app(**settings):
+    """An engine on the tiny target and the API app around it."""
+    settings = ServingSettings(served_model_name="tiny", drafter="suffix", max_tokens_limit=400,
+                               **settings)
     registry = CollectorRegistry()
     engine = build_engine(settings, target=tiny_target(), registry=registry)
-    app = create_app(engine, settings, registry)
+    return engine, create_app(engine, settings, registry)
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_429_with_retry_after_when_the_engine_is_full(stream):
+    engine, app = _tiny_app(max_batch_size=1, max_waiting=0)
 
     async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+        async with _client(app) as c:
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 300, "ignore_eos": True}
             first = asyncio.ensure_future(c.post("/v1/completions", json=body))
             while not engine.admission.in_flight:
@@ -101,14 +109,10 @@ def test_http_429_with_retry_after_when_the_engine_is_full(stream):
 def test_http_503_with_retry_after_once_the_engine_is_stopping(stream):
     """A stopping replica refuses with 503 + Retry-After (a load balancer retries it elsewhere),
     not a 500; requests it had finished stay 200."""
-    settings = ServingSettings(served_model_name="tiny", drafter="suffix", max_tokens_limit=400)
-    registry = CollectorRegistry()
-    engine = build_engine(settings, target=tiny_target(), registry=registry)
-    app = create_app(engine, settings, registry)
+    engine, app = _tiny_app()
 
     async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as c:
+        async with _client(app) as c:
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": stream}
             before = await c.post("/v1/completions", json=body)
             await engine.stop()
