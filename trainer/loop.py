@@ -189,6 +189,11 @@ class TrainerLoop:
             m["heldout_expected_acceptance"] = st.heldout_acceptance
         if res.losses:
             m["train_loss"] = sum(res.losses) / len(res.losses)
+        dead = getattr(self.source, "dead_lettered", None)  # Kafka: undecodable messages so far
+        if isinstance(dead, int):
+            m["records_dead_lettered"] = dead
+        for reason, n in self.replay.rejected.items():  # duplicate | fingerprint | tenant | expired
+            m[f"records_refused_{reason}"] = n
         self.ops.metrics(m, st.rounds)
 
     # -- announcements ----------------------------------------------------------------------

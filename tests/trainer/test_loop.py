@@ -52,6 +52,32 @@ def test_a_poll_of_dead_letters_alone_is_committed_but_pending_records_are_not(t
     assert few.commits == 0 and few.committed == 0
 
 
+def test_each_rounds_mlflow_metrics_count_dead_letters_and_refused_traces(tmp_path):
+    """Operators watch the trainer in MLflow: what it could not use is counted there too."""
+
+    class Ops:  # the loop's ops log, recording the metrics it is given
+        def __init__(self):
+            self.logged = []
+
+        def metrics(self, values, step=0):
+            self.logged.append(values)
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    class WithDeadLetters(ListTraceSource):
+        dead_lettered = 2  # what KafkaTraceSource counts
+
+    foreign = make_trace("a", seed=99)
+    foreign = foreign.model_copy(update={"target": FP.model_copy(update={"model_id": "other"})})
+    ops = Ops()
+    loop = _loop(WithDeadLetters([make_trace("a", seed=i) for i in range(12)] + [foreign]), tmp_path,
+                 ops=ops)
+    loop.run_round()
+    last = [m for m in ops.logged if "records_polled" in m][-1]
+    assert last["records_dead_lettered"] == 2 and last["records_refused_fingerprint"] == 1
+
+
 def test_killed_loop_resumes_from_checkpoint_without_losing_records(tmp_path):
     recs = [make_trace("a", seed=i) for i in range(60)]
     src = ListTraceSource(recs)
