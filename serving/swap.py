@@ -241,7 +241,10 @@ class Swapper:
 
         with self._op_lock:
             bad, prev = self._current, self._previous
-            if prev is None or (from_version is not None and bad.version != from_version):
+            if from_version is not None and bad.version != from_version:
+                raise NothingToRollBack(f"version {bad.version} is live, not {from_version}: "
+                                        "nothing rolled back")
+            if prev is None:
                 raise NothingToRollBack("no previous drafter to roll back to")
             self._install(prev)
             self._previous = None

@@ -4,8 +4,10 @@
 Drafter routes: ``GET /admin/drafter`` (current version, kind, live acceptance), ``POST
 /admin/drafter/swap`` ``{"version": "3"}`` (same download + validation as an announced swap: 404
 unknown version, 422 refused artifact with the reason, 503 registry down) and ``POST
-/admin/drafter/rollback`` (409 when there is nothing to roll back to). Swap and rollback need the
-Swapper (``app.state.swapper``; 409 without one).
+/admin/drafter/rollback`` (409 when there is nothing to roll back to; an optional body
+``{"from_version": "7"}`` rolls back only while 7 is live, 409 otherwise: a rollback meant for the
+drafter an operator saw is not applied to one a poll installed meanwhile). Swap and rollback need
+the Swapper (``app.state.swapper``; 409 without one).
 
 Retention: ``DELETE /admin/tenants/{tenant}`` deletes a tenant's data (suffix index here; replay
 and checkpoints in the trainer, asked through the control plane)."""
@@ -71,9 +73,17 @@ async def drafter_swap(body: SwapBody, raw: Request) -> dict:
     return await _call(_swapper(raw).swap_to, body.version, reason="admin")
 
 
+class RollbackBody(BaseModel):
+    model_config = ConfigDict(coerce_numbers_to_str=True)
+
+    from_version: str | None = None
+    """Roll back only while this version is live (None: whatever is live)."""
+
+
 @admin_router.post("/drafter/rollback")
-async def drafter_rollback(raw: Request) -> dict:
-    return await _call(_swapper(raw).rollback, reason="admin")
+async def drafter_rollback(raw: Request, body: RollbackBody | None = None) -> dict:
+    expected = body.from_version if body is not None else None
+    return await _call(_swapper(raw).rollback, reason="admin", from_version=expected)
 
 
 @admin_router.delete("/tenants/{tenant}")

@@ -415,7 +415,10 @@ def test_admin_drafter_routes(target, tmp_path, sqlite_registry):
                                                   "max_tokens": 8}, headers=auth)
         info = http.get("/admin/drafter", headers=auth).json()
         assert info["version"] == good and info["previous_version"] == "day0"
-        back = http.post("/admin/drafter/rollback", headers=auth)
+        stale = http.post("/admin/drafter/rollback", json={"from_version": "day0"}, headers=auth)
+        assert stale.status_code == 409 and f"version {good} is live" in stale.json()["error"]["message"]
+        assert http.get("/admin/drafter", headers=auth).json()["version"] == good  # untouched
+        back = http.post("/admin/drafter/rollback", json={"from_version": int(good)}, headers=auth)
         assert back.status_code == 200 and back.json() == {"from_version": good, "to_version": "day0"}
         assert http.get("/admin/drafter", headers=auth).json()["version"] == "day0"
     assert done.status_code == 200, done.text
