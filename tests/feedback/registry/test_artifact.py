@@ -286,15 +286,19 @@ def test_a_drafter_over_another_vocabulary_than_its_targets_is_refused(target, t
         load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
 
 
-@pytest.mark.parametrize("update", [{"num_attention_heads": 0}, {"head_dim": 0}, {"head_dim": 15}])
+@pytest.mark.parametrize("update", [{"num_attention_heads": 0}, {"head_dim": 0}, {"head_dim": 15},
+                                    {"rms_norm_eps": -1e-5}, {"max_position_embeddings": 0},
+                                    {"num_key_value_heads": 5}])
 def test_a_config_no_model_can_be_built_from_is_refused(target, tmp_path, update):
-    """Whatever the model's constructor raises on a malformed config is the artifact's refusal (the
-    Swapper counts and reports those), not an error of another kind escaping to its caller."""
+    """A config no model can run (checked by the config's own fields, or whatever the model's
+    constructor raises) is the artifact's refusal (the Swapper counts and reports those), not an
+    error of another kind escaping to its caller, nor a drafter that loads and then fails."""
     model = standalone_from_target(target.model, num_layers=1)
     cfg = StandaloneConfig.for_target(target.model.config, num_layers=1, vocab_size=V)
     save_drafter(model, cfg, target.fingerprint, tmp_path / "s", version="v1")
     meta = json.loads((tmp_path / "s" / CONFIG_FILE).read_text())
     meta["config"].update(update)
     (tmp_path / "s" / CONFIG_FILE).write_text(json.dumps(meta))
-    with pytest.raises(DrafterArtifactError, match="no standalone model can be built from its config"):
+    with pytest.raises(DrafterArtifactError, match="invalid standalone model config|no standalone "
+                                                   "model can be built from its config"):
         load_drafter(tmp_path / "s", expected_fingerprint=target.fingerprint)
