@@ -105,12 +105,21 @@ def tool_binary(name: str) -> str | None:
     return str(local) if local.exists() else shutil.which(name)
 
 
+STATE_FILE = "stack.json"
+"""The stack's record in its run directory: each service's pid, start time and ports."""
+
+
+def resolve_run_dir(run_dir: Path | str | None = None, settings: StackSettings | None = None) -> Path:
+    """The stack's run directory: ``run_dir``, else the settings' (not created here)."""
+    return Path(run_dir or (settings or StackSettings()).run_dir).resolve()
+
+
 class Stack:
     """Start, health-check and stop local services. One instance per run directory."""
 
     def __init__(self, run_dir: Path | str | None = None, settings: StackSettings | None = None):
         self.settings = settings or StackSettings()
-        self.run_dir = Path(run_dir or self.settings.run_dir).resolve()
+        self.run_dir = resolve_run_dir(run_dir, self.settings)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._children: dict[str, subprocess.Popen] = {}  # reaped here when we are the parent
 
@@ -277,7 +286,7 @@ class Stack:
     @contextlib.contextmanager
     def _state(self) -> Iterator[dict]:
         """Read-modify-write of stack.json under an exclusive lock (several shells may run this)."""
-        path = self.run_dir / "stack.json"
+        path = self.run_dir / STATE_FILE
         with open(self.run_dir / "stack.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             state = json.loads(path.read_text()) if path.exists() else {}

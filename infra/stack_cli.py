@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from infra.stack import SERVICES, ServiceStartError, Stack, StackInfo, StackSettings
+from infra.stack import (
+    SERVICES,
+    STATE_FILE,
+    ServiceStartError,
+    Stack,
+    StackInfo,
+    StackSettings,
+    resolve_run_dir,
+)
 
 # ---- CLI (registered in infra/cli_commands.py) -------------------------------------------------
 
@@ -52,8 +60,8 @@ def cmd_down(run_dir: RunDirOption = None) -> None:
 
 def cmd_status(run_dir: RunDirOption = None, json_out: JsonOption = False) -> None:
     """Health of each recorded service; exits 1 if any is down, or none is recorded."""
-    directory = Path(run_dir or StackSettings().run_dir).resolve()
-    if not (directory / "stack.json").is_file():  # checked before Stack() creates the directory
+    directory = resolve_run_dir(run_dir)
+    if not (directory / STATE_FILE).is_file():  # checked before Stack() creates the directory
         typer.echo(f"Error: no stack recorded in {directory} (start one with `specloop stack up`)", err=True)
         raise typer.Exit(1)
     stack = Stack(directory)

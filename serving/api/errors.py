@@ -47,18 +47,21 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(message, 400, param=param, code=code)
 
 
+def _retry_after(seconds: float) -> dict:
+    """The Retry-After header: whole seconds, at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
 def overloaded(message: str, retry_after_s: float) -> APIError:
     """429 in OpenAI's shape (``type: requests``, ``code: rate_limit_exceeded``) with Retry-After."""
-    retry = str(max(1, math.ceil(retry_after_s)))
     return APIError(message, 429, "requests", code="rate_limit_exceeded",
-                    headers={"Retry-After": retry})
+                    headers=_retry_after(retry_after_s))
 
 
 def unavailable(message: str, retry_after_s: float) -> APIError:
     """503 with Retry-After: the engine is stopping or not running; the request was not served."""
-    retry = str(max(1, math.ceil(retry_after_s)))
     return APIError(message, 503, "server_error", code="engine_unavailable",
-                    headers={"Retry-After": retry})
+                    headers=_retry_after(retry_after_s))
 
 
 def model_not_found(model: str) -> APIError:

@@ -118,23 +118,23 @@ class RequestError(Exception):
         self.invalid = invalid
 
 
-class Overloaded(RequestError):
+class RetryLater(RequestError):
+    """A request refused before anything of it was served, with when to try again."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Overloaded(RetryLater):
     """Raised from ``generate()`` when the engine's bounded queue is full (HTTP 429 with
     ``Retry-After``): the request was not admitted, nothing of it is kept; retry later."""
 
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
-
-class Unavailable(RequestError):
+class Unavailable(RetryLater):
     """Raised from ``generate()`` when the engine is stopping or not running (HTTP 503 with
     ``Retry-After``): nothing of the request was served; another replica, or this one after its
     restart, can take it (what a load balancer retries, unlike a 500)."""
-
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @runtime_checkable

@@ -105,7 +105,7 @@ def verify_rows(rows: list[Row], plan: DraftPlan, parents: torch.Tensor, out) ->
         u = torch.from_numpy(_uniforms(srows, parents[s]))  # [Bs, K+1]
         res = sampled_tree_walk(probs, plan.tokens[s.cpu()], parents[s], u)  # native, on the CPU
         if res is None:
-            tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.long), plan.tokens], 1).to(device)  # [B, K+1]
+            tokens = _root_and_drafts(plan).to(device)  # [B, K+1]
             res = sampled_tree_verify(tokens[s], parents[s], probs, u.to(device))
         num_accepted[s], next_tokens[s], path[s] = res.num_accepted, res.next_tokens, res.path
     else:  # chains of drafts with distributions: lossless rejection sampling
@@ -137,12 +137,17 @@ def _greedy_rows(out, matrix: torch.Tensor, node_row: torch.Tensor, plan: DraftP
         only[rows] = True
     target = greedy_targets(out, plan.lengths, only=only)  # [B, K+1]
     device = target.device
-    tokens = torch.cat([torch.zeros(len(plan.lengths), 1, dtype=torch.long), plan.tokens], 1).to(device)
+    tokens = _root_and_drafts(plan).to(device)  # [B, K+1]
     parents = parents.to(device)  # [B, K+1]
     if rows is not None:
         keep = torch.tensor(rows, device=device)
         tokens, parents, target = tokens[keep], parents[keep], target[keep]
     return tree_accept(tokens, parents, target)
+
+
+def _root_and_drafts(plan: DraftPlan) -> torch.Tensor:
+    """[B, K+1] node tokens for ``tree_accept`` (the root's, never compared, as 0)."""
+    return plan.node_tokens(torch.zeros(len(plan.lengths), dtype=torch.long))
 
 
 def _uniforms(srows: list[Row], parents: torch.Tensor) -> np.ndarray:
