@@ -36,7 +36,7 @@ from pathlib import Path
 import typer
 
 from benchmarks.output import json_option, print_json
-from benchmarks.runner import check_precision
+from benchmarks.runner import check_precision, prefix_hits
 
 
 def _pin(cpus: set[int]) -> None:
@@ -70,6 +70,14 @@ def _train_forever(model_dir: str, kind: str, traces_path: str, cpus: list[int],
             steps.value += 1
 
 
+def serving_config():
+    """The serving engine's config. No prefix cache: every round serves the same prompts again,
+    and with one only the first arm (alone) prefilled them while the others copied them in."""
+    from serving.engine.config import EngineConfig
+
+    return EngineConfig(k=0, max_batch_size=1, prefix_cache_tokens=0)
+
+
 async def _serve_round(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[int, float]:
     from serving.engine.base import GenerationRequest, SamplingParams
 
@@ -91,7 +99,6 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
     from feedback.target.location import resolve_model_path
     from infra.loop import LoopConfig
     from infra.prompts import load_prompts
-    from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
     from serving.target import load_target
     from trainer.distill import autocast_bf16
@@ -120,7 +127,7 @@ def run(prompts_spec: str | None, limit: int, max_tokens: int, rounds: int, draf
             if not ready.wait(300):
                 raise RuntimeError("the trainer process did not start training within 300 s")
             result = asyncio.run(_rounds(target, prompts, max_tokens, rounds, trainer.pid, steps,
-                                         EngineConfig(k=0, max_batch_size=1), TorchEngine))
+                                         serving_config(), TorchEngine))
         finally:
             stop.set()  # let it finish its step and exit (a killed child leaks its semaphores)
             os.kill(trainer.pid, signal.SIGCONT)
@@ -138,6 +145,7 @@ async def _rounds(target, prompts, max_tokens, rounds, pid, steps, config, engin
     engine = engine_cls(target, None, config=config)
     await engine.start()
     alone, beside, ratios, train_s, train_steps = [0, 0.0], [0, 0.0], [], 0.0, 0
+    cached = {"alone": 0, "beside": 0}  # prompt tokens a prefix cache served, per arm
     try:
         os.kill(pid, signal.SIGSTOP)
         await _serve_round(engine, prompts[:1], 8, "warm")
@@ -148,7 +156,9 @@ async def _rounds(target, prompts, max_tokens, rounds, pid, steps, config, engin
                 if phase == "beside":
                     os.kill(pid, signal.SIGCONT)
                     s0 = steps.value
+                hits = prefix_hits(engine)
                 tokens, secs = await _serve_round(engine, prompts, max_tokens, f"r{r}-{phase}")
+                cached[phase] += prefix_hits(engine) - hits
                 if phase == "beside":
                     os.kill(pid, signal.SIGSTOP)
                     train_steps += steps.value - s0
@@ -167,6 +177,7 @@ async def _rounds(target, prompts, max_tokens, rounds, pid, steps, config, engin
         "serving_tok_s_beside_trainer": round(tok_beside, 2),
         "serving_slowdown": round(1.0 - tok_beside / tok_alone, 4),
         "round_ratios": ratios,
+        "cached_prompt_tokens": cached,
         "trainer_steps_per_s": round(train_steps / train_s, 3) if train_s else 0.0,
         "rounds": rounds,
     }

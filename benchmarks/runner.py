@@ -119,6 +119,10 @@ class RunResult:
     drafted: int = 0
     accepted: int = 0
     failed: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the engine's prefix cache served instead of prefilling (TorchEngine's
+    ``runner.prefix_cache``; 0 for engines without one). Two engines compared on the same prompts
+    do the same prefill work only when these are equal."""
 
     @property
     def tok_s(self) -> float:
@@ -177,7 +181,15 @@ async def run_prompts(
             if on_done is not None:
                 on_done(i, tokens)
 
+    cached_before = prefix_hits(engine)
     t0 = time.perf_counter()
     await asyncio.gather(*(task(i) for i in range(len(prompts))))
     result.wall_s = time.perf_counter() - t0
+    result.cached_prompt_tokens = prefix_hits(engine) - cached_before
     return result
+
+
+def prefix_hits(engine) -> int:
+    """Prompt tokens served from ``engine``'s prefix cache so far (0 without one)."""
+    prefixes = getattr(getattr(engine, "runner", None), "prefix_cache", None)
+    return prefixes.hit_tokens if prefixes is not None else 0

@@ -73,3 +73,24 @@ def test_the_training_benches_refuse_an_unknown_precision_on_the_command_line():
         assert out.exit_code == 2, (bench, out.output)
         assert "choose one of auto, fp32, bf16" in out.output
 
+
+
+def test_both_arms_prefill_the_same_prompt_tokens():
+    """Every round serves the same prompts again: with a prefix cache only the first arm (alone)
+    prefilled them, and the other arms' faster prefills were read as the trainer costing less."""
+    from benchmarks.bench_interference import serving_config
+    from serving.engine.torch_engine import TorchEngine
+    from serving.target import tiny_target
+
+    target = tiny_target()
+    prompts = [list(range(3 + i, 40 + i)) for i in range(3)]  # several blocks of 8 tokens each
+    ctx = mp.get_context("spawn")
+    steps = ctx.Value("l", 0)
+    proc = ctx.Process(target=_count_forever, args=(steps,), daemon=True)
+    proc.start()
+    try:
+        out = asyncio.run(_rounds(target, prompts, 4, 2, proc.pid, steps, serving_config(), TorchEngine))
+    finally:
+        proc.terminate()
+        proc.join(5)
+    assert out["cached_prompt_tokens"]["alone"] == out["cached_prompt_tokens"]["beside"]

@@ -84,3 +84,20 @@ def test_bench_spec_refuses_bad_batch_sizes_before_loading_anything(monkeypatch)
         out = CliRunner().invoke(app, ["bench", "spec", "--batch", bad])
         text = " ".join(out.output.replace("│", " ").split())
         assert out.exit_code == 2 and "batch sizes >= 1" in text, (bad, out.output)
+
+
+def test_each_pair_prefills_the_same_prompt_tokens_on_both_sides():
+    """The baseline engine serves every evaluation prompt again beside each speculative run: with a
+    prefix cache it copied them in while each fresh speculative engine prefilled them, and the
+    ratio charged speculation for prefill work the baseline skipped."""
+    from serving.target import tiny_target
+
+    target = tiny_target()
+    items = [PromptItem(id=f"{d}{i}", prompt=f"{d} prompt number {i}: say something about item {i}", domain=d)
+             for d in ("chat", "code") for i in range(3)]
+    out = asyncio.run(bench_spec_async(items, drafter_kind="suffix", limit=2, warm=1, max_tokens=8, k=3,
+                                       policy="adaptive", target=target))
+    for phase in ("day0", "warmed"):
+        for domain, entry in out[phase]["by_domain"].items():
+            cached = entry["cached_prompt_tokens"]
+            assert cached["speculative"] == cached["target_only"], (phase, domain, cached)
