@@ -56,7 +56,7 @@ def tree_depths(parents: Tensor) -> Tensor:
             for i in range(1, n):
                 d[i] = d[max(row[i], 0)] + 1
             depth.append(d)
-        return torch.tensor(depth, dtype=torch.long).view(b, n)
+        return torch.from_numpy(np.array(depth, dtype=np.int64).reshape(b, n))  # not torch.tensor: ~2x
     return _tree_depths_tensors(parents)
 
 

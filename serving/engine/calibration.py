@@ -12,8 +12,6 @@ paid draft does the rest.
 
 from __future__ import annotations
 
-import numpy as np
-
 _EMA = 0.05
 _PRIOR_TOKENS = 0.2
 """Both EMAs start here (~4 predicted tokens of evidence at ``_EMA``): a calibration of 1.0 until
@@ -33,4 +31,4 @@ class ConfidenceCalibration:
             return
         self._accepted = (1 - _EMA) * self._accepted + _EMA * float(accepted)
         self._predicted = (1 - _EMA) * self._predicted + _EMA * float(predicted) / self.value
-        self.value = float(np.clip(self._accepted / self._predicted, 0.05, 2.0))
+        self.value = min(max(self._accepted / self._predicted, 0.05), 2.0)

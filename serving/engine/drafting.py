@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import DrafterKind
-from kernels.tree_verify import tree_depths
 from serving.drafters.base import DraftProposal
 
 
@@ -40,9 +39,13 @@ class DraftPlan:
         out[:, 1:] = np.where(valid, par, -1)
         return torch.from_numpy(out)
 
-    def node_tokens(self, last: torch.Tensor) -> torch.Tensor:
-        """[B, K+1] forward inputs: the row's last token [B], then its drafts."""
-        return torch.cat([last[:, None], self.tokens], dim=1)
+    def node_tokens(self, last) -> torch.Tensor:
+        """[B, K+1] forward inputs: the row's last token ([B] ints), then its drafts. Written into
+        one numpy array: torch.tensor + torch.cat on a step thread's cold caches took ~0.2 ms."""
+        out = np.empty((self.tokens.shape[0], self.k + 1), dtype=np.int64)  # [B, K+1]
+        out[:, 0] = last
+        out[:, 1:] = self.tokens.numpy()
+        return torch.from_numpy(out)
 
     def is_tree(self) -> bool:
         return self.parents is not None
@@ -83,48 +86,60 @@ def plan_from_proposal(
     row (a tree's node at depth d emits at most d + 1 tokens); ``max_nodes``: most drafted nodes
     per row (None: ``caps``), the verify width the engine was built for.
 
-    Checked and scattered in numpy: these are a few dozen values, and ~40 small torch ops took
-    ~0.6 ms of every speculative step on a 2-core Xeon (4 % of a 15 ms step)."""
+    Checked row by row over Python lists and written into numpy arrays once: these are a few
+    dozen values. ~40 small torch ops took ~0.6 ms of every speculative step on a 2-core Xeon, and
+    ~35 small numpy ops still ~10 % of a step's time outside the forward on a 2-core EPYC (py-spy,
+    batch 1: each numpy call costs tens of microseconds on the step thread's cold caches)."""
     n = len(rows)
     tok = _host(proposal.tokens).astype(np.int64, copy=False)  # [n, kp]
     if tok.ndim != 2 or tok.shape[0] != n:
         raise ValueError(f"proposal tokens must be [{n}, k], got {tuple(tok.shape)}")
     kp = tok.shape[1]
-    idx = np.asarray(rows, dtype=np.int64)  # [n]
-    lengths = np.clip(_host(proposal.lengths).astype(np.int64).reshape(n), 0, kp)  # [n]
-    row_caps = np.asarray(caps, dtype=np.int64)[idx]  # [n]
-    lengths = np.minimum(lengths, row_caps if max_nodes is None else max_nodes)
-    lengths = np.minimum(lengths, _first_true((tok < 0) | (tok >= vocab_size), kp))
-    par = None
+    tokens_in = tok.tolist()
+    asked = _host(proposal.lengths).astype(np.int64).reshape(n).tolist()  # [n]
+    row_caps = [int(caps[r]) for r in rows]  # [n]
+    par_in = None
     if proposal.parents is not None:
         if proposal.dists is not None:
             raise ValueError("token trees need point-mass drafts (dists must be None)")
         par = _host(proposal.parents).astype(np.int64, copy=False)  # [n, kp]
         if par.shape != tok.shape:
             raise ValueError(f"proposal parents must be {tuple(tok.shape)}, got {tuple(par.shape)}")
-        bad_par = (par < -1) | (par >= np.arange(kp)[None, :])  # [n, kp] a parent must come earlier
-        lengths = np.minimum(lengths, _first_true(bad_par, kp))
-    if (row_caps < kp).any():  # some row may not draft that deep (near its end): cut by depth
-        if par is None:
-            depth = np.broadcast_to(np.arange(1, kp + 1)[None, :], tok.shape)  # [n, kp] a chain's
-        else:  # node space: the root first, a bad parent read as the root
-            nodes = np.concatenate([np.full((n, 1), -1), np.where(bad_par, -1, par) + 1], axis=1)
-            depth = tree_depths(torch.from_numpy(nodes)).numpy()[:, 1:]  # [n, kp]
-        lengths = np.minimum(lengths, _first_true(depth > row_caps[:, None], kp))
-    k = int(lengths.max()) if n else 0
+        par_in = par.tolist()
+    lengths = []  # [n] each row's drafts that pass every check, in order
+    for i in range(n):
+        cap = row_caps[i]
+        limit = min(max(asked[i], 0), kp, cap if max_nodes is None else max_nodes)
+        row, parents_i = tokens_in[i], None if par_in is None else par_in[i]
+        depth = [0] * (limit + 1)  # node space: the root, then the drafts kept so far
+        kept = 0
+        while kept < limit:
+            t = row[kept]
+            if t < 0 or t >= vocab_size:
+                break  # a token out of range, and everything after it
+            if parents_i is None:
+                d = kept + 1  # a chain's
+            else:
+                p = parents_i[kept]
+                if p < -1 or p >= kept:
+                    break  # a parent must come earlier
+                d = depth[p + 1] + 1
+            if d > cap:
+                break  # a row never drafts past what it may emit (a node at depth d emits d + 1)
+            depth[kept + 1] = d
+            kept += 1
+        lengths.append(kept)
+    k = max(lengths, default=0)
     if k == 0:
         return DraftPlan.none(batch_size)
 
-    in_len = np.arange(k)[None, :] < lengths[:, None]  # [n, k]
-    tokens = np.zeros((batch_size, k), dtype=np.int64)
-    tokens[idx] = np.where(in_len, tok[:, :k], 0)
     full_lengths = np.zeros(batch_size, dtype=np.int64)
-    full_lengths[idx] = lengths
-    probs = np.zeros((batch_size, k), dtype=np.float32)
-    q = _host(proposal.probs).astype(np.float32, copy=False).reshape(n, -1)[:, :k]  # [n, <=k]
-    probs[idx, : q.shape[1]] = np.where(in_len[:, : q.shape[1]], q, 0.0)
+    tokens = [[0] * k for _ in range(batch_size)]  # [B, k], 0 beyond lengths
+    for r, row, n_i in zip(rows, tokens_in, lengths):
+        full_lengths[r] = n_i
+        tokens[r][:n_i] = row[:n_i]
     source = np.full(batch_size, DrafterKind.NONE, dtype=np.uint8)
-    source[idx] = np.asarray(proposal.source, dtype=np.uint8).reshape(n)
+    source[rows] = np.asarray(proposal.source, dtype=np.uint8).reshape(n)
     source[full_lengths == 0] = DrafterKind.NONE
     dists = None
     if proposal.dists is not None:
@@ -134,34 +149,43 @@ def plan_from_proposal(
                 f"proposal dists must be [{n}, >={k}, {vocab_size}], got {tuple(d.shape)}"
             )
         dists = torch.zeros(batch_size, k, vocab_size, dtype=torch.float32)
-        dists[torch.from_numpy(idx)] = d[:, :k]
+        dists[torch.tensor(rows, dtype=torch.long)] = d[:, :k]
     parents = None
-    if par is not None:
-        chain = np.arange(k)[None, :] - 1  # [1, k]
-        parents = np.repeat(chain, batch_size, axis=0)  # [B, k]
-        parents[idx] = np.where(in_len, par[:, :k], chain)
-        parents = torch.from_numpy(parents)
+    if par_in is not None:
+        parents = [list(range(-1, k - 1)) for _ in range(batch_size)]  # [B, k] chains
+        for r, row, n_i in zip(rows, par_in, lengths):
+            parents[r][:n_i] = row[:n_i]
+        parents = torch.from_numpy(np.array(parents, dtype=np.int64))
     confidence = None
     if proposal.confidence is not None:
-        c = _host(proposal.confidence).astype(np.float32, copy=False).reshape(n, -1)[:, :k]  # [n, <=k]
-        confidence = np.zeros((batch_size, k), dtype=np.float32)
-        confidence[idx, : c.shape[1]] = np.where(in_len[:, : c.shape[1]], c, 0.0)
-        confidence = torch.from_numpy(confidence)
-    return DraftPlan(torch.from_numpy(tokens), torch.from_numpy(full_lengths),
-                     torch.from_numpy(probs), source, dists, parents, confidence,
-                     float(proposal.catch_up_ms))
+        confidence = _scatter_rows(proposal.confidence, rows, lengths, batch_size, k)
+    return DraftPlan(torch.from_numpy(np.array(tokens, dtype=np.int64)), torch.from_numpy(full_lengths),
+                     _scatter_rows(proposal.probs, rows, lengths, batch_size, k), source, dists,
+                     parents, confidence, float(proposal.catch_up_ms))
+
+
+def _scatter_rows(values, rows: list[int], lengths: list[int], batch_size: int, k: int) -> torch.Tensor:
+    """[B, k] float32: row ``rows[i]`` holds the first ``min(lengths[i], width)`` of ``values``
+    [n, width] row i (a proposal's probs or confidences), 0 elsewhere."""
+    given = _host(values).astype(np.float32, copy=False).reshape(len(rows), -1).tolist()  # [n, width]
+    out = [[0.0] * k for _ in range(batch_size)]
+    for r, row, n_i in zip(rows, given, lengths):
+        m = min(n_i, len(row))
+        out[r][:m] = row[:m]
+    return torch.from_numpy(np.array(out, dtype=np.float32))
 
 
 def _host(t) -> np.ndarray:
-    """A proposal's tensor (or array) as a numpy array on the host."""
+    """A proposal's tensor (or array) as a numpy array on the host (torch calls only where needed:
+    each costs tens of microseconds on a step thread's cold caches)."""
     if isinstance(t, torch.Tensor):
-        t = t.detach()
+        if t.requires_grad:
+            t = t.detach()
         if t.dtype == torch.bfloat16:
             t = t.float()
-        return t.cpu().numpy()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        return t.numpy()
     return np.asarray(t)
 
 
-def _first_true(bad: np.ndarray, width: int) -> np.ndarray:
-    """[n] index of each row's first True in ``bad`` [n, width], ``width`` where none."""
-    return np.where(bad.any(1), bad.argmax(1), width)

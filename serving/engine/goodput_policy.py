@@ -347,6 +347,7 @@ class GoodputPolicy:
         drafted (DraftProposal.catch_up_ms): on a probe it is the probe's cost, not drafting's."""
         drafted = np.asarray(num_drafted)
         accepted = np.asarray(num_accepted)
+        total_accepted = float(sum(accepted.tolist()))  # a few rows: numpy's sum costs more
         self.acceptance.observe(drafted, accepted)
         if batch is not None and width is not None:
             nodes = int(width) * int(batch) if nodes is None else int(nodes)
@@ -354,11 +355,11 @@ class GoodputPolicy:
                 self._since_plain[int(batch)] = 0
             self.verify.observe(int(batch), nodes, float(verify_ms))
             if nodes > 0 and self._predicted is not None:  # a width this policy chose
-                self.realized.observe(int(batch), len(accepted) + float(accepted.sum()),
+                self.realized.observe(int(batch), len(accepted) + total_accepted,
                                       float(draft_ms) + float(verify_ms), probe=self._probed)
         predicted, self._predicted = self._predicted, None
         if predicted is not None:
-            self.calibration.observe(float(accepted.sum()), predicted)
+            self.calibration.observe(total_accepted, predicted)
         if width is None:
             width = int(drafted.max()) if drafted.size else 0
         width = int(width)

@@ -147,7 +147,7 @@ def _greedy_rows(out, matrix: torch.Tensor, node_row: torch.Tensor, plan: DraftP
 
 def _root_and_drafts(plan: DraftPlan) -> torch.Tensor:
     """[B, K+1] node tokens for ``tree_accept`` (the root's, never compared, as 0)."""
-    return plan.node_tokens(torch.zeros(len(plan.lengths), dtype=torch.long))
+    return plan.node_tokens(0)
 
 
 def _uniforms(srows: list[Row], parents: torch.Tensor) -> np.ndarray:

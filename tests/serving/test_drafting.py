@@ -55,6 +55,20 @@ def test_nothing_to_draft_is_the_empty_plan_and_bad_shapes_are_refused():
                            [0], np.array([8]), 1, V)
 
 
+def test_a_proposal_zero_drafts_wide_is_the_empty_plan():
+    """A proposal of width 0 (every row found nothing) is not a drafter error: numpy's argmax over
+    its empty rows raised, and the engine logged and counted one."""
+    p = _proposal(torch.zeros(2, 0, dtype=torch.long), [0, 0], parents=torch.zeros(2, 0, dtype=torch.long))
+    assert plan_from_proposal(p, [0, 1], np.array([8, 8]), 2, V).k == 0
+
+
+def test_a_tree_node_deeper_than_its_row_may_emit_ends_the_row():
+    # row cap 2: the node at depth 3 (draft 3) goes, and with it every later node
+    p = _proposal([[1, 2, 3, 4, 5]], [5], parents=[[-1, 0, -1, 1, 0]])
+    plan = plan_from_proposal(p, [0], np.array([2]), 1, V, max_nodes=8)  # caps bound depth only
+    assert plan.lengths.tolist() == [3] and plan.parents.tolist() == [[-1, 0, -1]]
+
+
 def test_draft_distributions_follow_their_rows():
     dists = torch.softmax(torch.randn(1, 3, V), -1)
     plan = plan_from_proposal(_proposal([[1, 2, 3]], [3], dists=dists), [1], np.array([8, 8]), 2, V)
