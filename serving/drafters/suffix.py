@@ -134,7 +134,7 @@ class SuffixDrafter:
         return DraftProposal(
             tokens=torch.from_numpy(tokens),
             lengths=torch.from_numpy(lengths),
-            probs=torch.ones(b, k, dtype=torch.float32),
+            probs=torch.from_numpy(np.ones((b, k), dtype=np.float32)),  # torch.ones: ~3x on a step thread
             source=source,
             confidence=torch.from_numpy(confidence),
             draft_ms=(time.perf_counter() - t0) * 1e3,
