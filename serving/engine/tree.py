@@ -52,11 +52,10 @@ def path_confidence(parents: np.ndarray, confidence: np.ndarray) -> np.ndarray:
     conf = confidence.astype(np.float64).tolist()
     out = []
     for row_par, row_conf in zip(parents.tolist(), conf):
-        cum = [1.0] + [0.0] * k  # node space, root = 1
+        cum = [1.0] * (k + 1)  # node space, root = 1
         for j in range(1, k + 1):
             par = row_par[j]
-            if par >= 0:
-                cum[j] = cum[par] * min(max(row_conf[j - 1], 0.0), 1.0)
+            cum[j] = cum[par] * min(max(row_conf[j - 1], 0.0), 1.0) if par >= 0 else 0.0
         out.append(cum[1:])
     return np.array(out, dtype=np.float64).reshape(b, k)
 
@@ -85,7 +84,6 @@ def linear_view(
         chains.append(path[1:] if rejected is None else path[1:] + [rejected])
     k = max((len(c) for c in chains), default=0)
     pad = [0] * k
-
     batch = len(chains)
 
     def along(t: torch.Tensor, fill, dtype) -> torch.Tensor:  # [B, K] -> [B, K'] at the view's drafts

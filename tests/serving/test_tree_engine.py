@@ -545,6 +545,18 @@ def test_expected_accepted_of_a_tree_sums_its_path_probabilities():
     assert float(chain) == pytest.approx(0.95) and float(tree) == pytest.approx(1.4)
 
 
+def test_path_confidence_multiplies_clipped_confidences_along_each_path():
+    from serving.engine.tree import path_confidence
+
+    # node space: the root; 1 <- root; 2 <- 1; 3 <- root; 4 <- 2; 5 padding (parent -1)
+    parents = np.array([[-1, 0, 1, 0, 2, -1], [-1, 0, 1, 2, 3, 4]])
+    conf = np.array([[0.5, 0.8, 1.5, -0.2, 0.9], [0.9, 0.9, 0.5, 1.0, 0.5]], dtype=np.float32)
+    got = path_confidence(parents, conf)
+    c = conf.astype(np.float64)
+    assert got[0].tolist() == pytest.approx([0.5, 0.5 * c[0, 1], 1.0, 0.0, 0.0])  # clipped to [0, 1]
+    assert got[1].tolist() == pytest.approx(np.cumprod(c[1]).tolist())  # a chain: running products
+
+
 def test_hybrid_leaves_the_suffix_drafters_trees_on():
     from serving.drafters.hybrid import HybridDrafter
 
