@@ -20,10 +20,11 @@ The engines of steps 1-3 run without a prefix cache (``EngineConfig.prefix_cache
 every measured request prefills its whole prompt on both sides, as a new prompt in traffic does.
 With the cache on (the serving default) the one baseline engine, which serves every evaluation
 prompt in step 1 and again beside each speculative run, copied each prompt's keys and values from
-its cache while each speculative engine, built fresh per domain and phase, prefilled them: the
-baseline skipped ~90 % of the prefill work its speculative twin did, which on HumanEval is about a
-quarter of a speculative request's time. ``cached_prompt_tokens`` reports, per side, the prompt
-tokens a prefix cache served (equal sides: equal prefill work).
+its cache (all but each prompt's last partial block of 8 tokens) while each speculative engine,
+built fresh per domain and phase, prefilled them: on HumanEval about a quarter of a speculative
+request's time. ``cached_prompt_tokens`` reports, per side, the prompt tokens a prefix cache served
+(equal sides: equal prefill work). The ``batches`` runs keep the cache on both engines: each serves
+the same prompts every round.
 
 ``policy``: ``fixed`` drafts k tokens every step; ``adaptive`` lets GoodputPolicy choose k in 0..k
 per step; ``both`` runs the two on the same prompts in one process and adds ``adaptive_vs_fixed``
