@@ -134,10 +134,7 @@ def plan_from_proposal(
         return DraftPlan.none(batch_size)
 
     full_lengths = np.zeros(batch_size, dtype=np.int64)
-    tokens = [[0] * k for _ in range(batch_size)]  # [B, k], 0 beyond lengths
-    for r, row, n_i in zip(rows, tokens_in, lengths):
-        full_lengths[r] = n_i
-        tokens[r][:n_i] = row[:n_i]
+    full_lengths[rows] = lengths
     source = np.full(batch_size, DrafterKind.NONE, dtype=np.uint8)
     source[rows] = np.asarray(proposal.source, dtype=np.uint8).reshape(n)
     source[full_lengths == 0] = DrafterKind.NONE
@@ -151,28 +148,32 @@ def plan_from_proposal(
         dists = torch.zeros(batch_size, k, vocab_size, dtype=torch.float32)
         dists[torch.tensor(rows, dtype=torch.long)] = d[:, :k]
     parents = None
-    if par_in is not None:
-        parents = [list(range(-1, k - 1)) for _ in range(batch_size)]  # [B, k] chains
-        for r, row, n_i in zip(rows, par_in, lengths):
-            parents[r][:n_i] = row[:n_i]
-        parents = torch.from_numpy(np.array(parents, dtype=np.int64))
+    if par_in is not None:  # beyond a row's nodes (and in rows that drafted nothing): a chain
+        parents = _scatter(par_in, rows, lengths, batch_size, list(range(-1, k - 1)), np.int64)
     confidence = None
     if proposal.confidence is not None:
-        confidence = _scatter_rows(proposal.confidence, rows, lengths, batch_size, k)
-    return DraftPlan(torch.from_numpy(np.array(tokens, dtype=np.int64)), torch.from_numpy(full_lengths),
-                     _scatter_rows(proposal.probs, rows, lengths, batch_size, k), source, dists,
-                     parents, confidence, float(proposal.catch_up_ms))
+        confidence = _scatter(_floats(proposal.confidence, n), rows, lengths, batch_size, [0.0] * k,
+                              np.float32)
+    return DraftPlan(_scatter(tokens_in, rows, lengths, batch_size, [0] * k, np.int64),
+                     torch.from_numpy(full_lengths),
+                     _scatter(_floats(proposal.probs, n), rows, lengths, batch_size, [0.0] * k, np.float32),
+                     source, dists, parents, confidence, float(proposal.catch_up_ms))
 
 
-def _scatter_rows(values, rows: list[int], lengths: list[int], batch_size: int, k: int) -> torch.Tensor:
-    """[B, k] float32: row ``rows[i]`` holds the first ``min(lengths[i], width)`` of ``values``
-    [n, width] row i (a proposal's probs or confidences), 0 elsewhere."""
-    given = _host(values).astype(np.float32, copy=False).reshape(len(rows), -1).tolist()  # [n, width]
-    out = [[0.0] * k for _ in range(batch_size)]
+def _scatter(given: list[list], rows: list[int], lengths: list[int], batch_size: int, fill: list,
+             dtype) -> torch.Tensor:
+    """[B, len(fill)]: every row ``fill``, but row ``rows[i]`` starts with the first ``lengths[i]``
+    values of ``given[i]`` (fewer where that row of the proposal is narrower)."""
+    out = [list(fill) for _ in range(batch_size)]
     for r, row, n_i in zip(rows, given, lengths):
         m = min(n_i, len(row))
         out[r][:m] = row[:m]
-    return torch.from_numpy(np.array(out, dtype=np.float32))
+    return torch.from_numpy(np.array(out, dtype=dtype).reshape(batch_size, len(fill)))
+
+
+def _floats(values, n: int) -> list[list[float]]:
+    """A proposal's probs or confidences as n lists of float32 values (any width)."""
+    return _host(values).astype(np.float32, copy=False).reshape(n, -1).tolist()
 
 
 def _host(t) -> np.ndarray:
