@@ -35,6 +35,9 @@ TRACE_BYTES = Counter("specloop_trace_bytes_total", "Encoded bytes of acknowledg
 SHED_REASONS = ("queue_full", "broker_unavailable", "delivery_failed", "too_large", "invalid",
                 "closed")
 TRACE_CONTENT_TYPE = f"application/x-specloop-trace; v={CODEC_MAJOR}.{CODEC_MINOR}".encode()
+REQUEST_OVERHEAD_BYTES = 64 << 10
+"""What a produce request carries beside one trace's bytes (record batch, key, headers). A broker
+must accept ``max_message_bytes`` plus this (Apache Kafka's ``message.max.bytes``; compose sets it)."""
 
 
 class KafkaSinkSettings(BaseSettings):
@@ -274,7 +277,7 @@ class KafkaTraceSink:
             "delivery_timeout_ms": max(s.delivery_timeout_ms, s.linger_ms + s.request_timeout_ms),
             "max_block_ms": s.max_block_ms,
             "bootstrap_timeout_ms": s.bootstrap_timeout_ms,
-            "max_request_size": s.max_message_bytes + (64 << 10),
+            "max_request_size": s.max_message_bytes + REQUEST_OVERHEAD_BYTES,
             "reconnect_backoff_max_ms": int(s.reconnect_backoff_s * 1000),
         }
         try:

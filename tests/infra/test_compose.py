@@ -196,3 +196,17 @@ def test_compose_config_rejects_a_schema_violation(compose_cli, tmp_path):
     path.write_text(broken)
     out = compose_config(compose_cli, path)
     assert out.returncode != 0 and "device_ids" in out.stderr
+
+
+def test_the_broker_takes_every_trace_serving_sends_and_the_trainer_fetches_it(compose):
+    """Apache Kafka refuses messages over ``message.max.bytes`` (~1 MiB by default), and a trace of
+    a ~3k-token answer is larger: serving would lose exactly the long answers' traces."""
+    from feedback.bus.kafka_sink import REQUEST_OVERHEAD_BYTES, KafkaSinkSettings
+    from feedback.bus.kafka_source import KafkaSourceSettings
+
+    broker_limit = int(compose["services"]["kafka"]["environment"]["KAFKA_MESSAGE_MAX_BYTES"])
+    sink, source = KafkaSinkSettings(), KafkaSourceSettings()
+    assert broker_limit > sink.max_message_bytes + REQUEST_OVERHEAD_BYTES  # + a dead letter's headers
+    assert source.max_partition_fetch_bytes >= broker_limit
+    serving_env = compose["services"]["serving"]["environment"]
+    assert "SPECLOOP_KAFKA_MAX_MESSAGE_BYTES" not in serving_env  # the default is what was checked

@@ -334,3 +334,24 @@ def test_oversized_undecodable_messages_lose_none_of_their_neighbours(kafka_brok
     headers = dict(dead["3"].headers)
     assert dead["3"].value == b"" and headers["specloop-value-omitted"] == str(len(far)).encode()
     assert headers["specloop-error-type"] == b"TraceDecodeError"
+
+
+@pytest.mark.integration
+def test_a_long_answers_trace_over_a_mebibyte_arrives_intact(kafka_broker, kafka_topic):
+    """~330 B a token: a 6k-token answer's trace is ~2 MB, over Kafka's default message limit (the
+    compose broker raises it: tests/infra/test_compose.py). It must not be shed on the way."""
+    long, short = make_trace(num_steps=3000, k=4, topk=20, seed=7), make_trace(num_steps=8, seed=8)
+    assert len(encode(long)) > 1 << 20
+    sink = fast_sink(kafka_broker.url, kafka_topic)
+    sink.emit(long)
+    sink.emit(short)
+    assert sink.flush(15)
+    assert (sink.sent, sink.shed) == (2, 0)
+    sink.close()
+    source = fast_source(kafka_broker.url, kafka_topic)
+    try:
+        got = {r.request_id: r for r in poll_until(source, 2)}
+    finally:
+        source.close()
+    assert set(got) == {long.request_id, short.request_id}
+    assert_same_trace(long, got[long.request_id])
