@@ -20,8 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from serving.engine.base import SpecStats
 
+# Request bodies validate strictly, as OpenAI's API does: "max_tokens": "5" or 5.0, "stream": "true"
+# or 1 are a 400 naming the field, not silently converted (an int where a float goes is fine).
+STRICT_JSON = ConfigDict(extra="ignore", strict=True)
+
 
 class StreamOptions(BaseModel):
+    model_config = STRICT_JSON
+
     include_usage: bool = False
 
 
@@ -40,7 +46,7 @@ def _unicode(text: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT_JSON
 
     @model_validator(mode="before")
     @classmethod
@@ -157,6 +163,8 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT_JSON
+
     type: Literal["text"]
     text: str
 
@@ -167,7 +175,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT_JSON
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

@@ -622,3 +622,20 @@ def test_a_body_without_the_json_content_type_says_so(live):
                           headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert resp.status_code == 400
     assert "Content-Type: application/json" in resp.json()["error"]["message"]
+
+
+def test_fields_of_the_wrong_json_type_are_400_not_converted(live):
+    """As OpenAI's API: a number sent as a string, a float where an integer goes, a string or a
+    number where a boolean goes is a 400 naming the field (lax parsing served "train": "no" as
+    true). An integer where a float goes is a number like any other."""
+    base = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field, value in (("max_tokens", "5"), ("max_tokens", 5.0), ("temperature", "0.5"),
+                         ("stream", "true"), ("stream", 1), ("train", "no"), ("seed", "7")):
+        out = _post_json(live, "/v1/chat/completions", {**base, field: value})
+        assert out.status_code == 400, (field, value, out.text)
+        assert field in out.json()["error"]["message"], (field, value, out.json())
+    out = _post_json(live, "/v1/completions", {"model": SERVED, "prompt": [1, "2"], "max_tokens": 2})
+    assert out.status_code == 400, out.text
+    for ok in ({"temperature": 1, "top_p": 1}, {"stream": False, "train": False}):
+        out = _post_json(live, "/v1/chat/completions", {**base, **ok})
+        assert out.status_code == 200, (ok, out.text)
