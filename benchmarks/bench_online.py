@@ -29,7 +29,7 @@ import typer
 from benchmarks.output import json_option, print_json
 from benchmarks.static_fits import StaticFits, static_drafter
 from infra.loop import LoopConfig, OnlineLoop
-from infra.loop_metrics import shift_index, summarise
+from infra.loop_metrics import paired_speedup_interval, shift_index, summarise
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
 from infra.paired_serving import serve_paired, target_only_loop, warmed
 from infra.prompts import encode, stream_items
@@ -175,6 +175,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds
                                          rollbacks=loop.rollbacks, freshness=loop.freshness_s(), drifts=loop.drifts)
             base_after = tok_s(baseline[shift:])
             by_drafter[kind]["speedup_after_shift"] = tok_s(loop.points[shift:]) / base_after if base_after else None
+            by_drafter[kind]["speedup_after_shift_ci95"] = paired_speedup_interval(loop.points[shift:], baseline[shift:])
             by_drafter[kind]["static_baseline"] = static if kind != "suffix" else "snapshot"
             by_drafter[kind]["target_only_tok_s"] = tok_s(baseline)
             by_drafter[kind].update(trainer_figures(loop))

@@ -153,7 +153,13 @@ def matched_speedup(points, base: dict, indices: list[int]) -> float | None:
 
 async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: int, console) -> dict:
     from infra.loop import OnlineLoop
-    from infra.loop_metrics import shift_index, summarise, tok_s, trainer_figures
+    from infra.loop_metrics import (
+        paired_speedup_interval,
+        shift_index,
+        summarise,
+        tok_s,
+        trainer_figures,
+    )
     from infra.paired_serving import serve_paired, target_only_loop
 
     sampled = baseline_sample(len(stream), baseline_n)
@@ -178,6 +184,10 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     def matched(keep) -> float | None:
         return matched_speedup(loop.points, base, [i for i in sampled if keep(i)])
 
+    def interval(keep) -> list[float] | None:
+        pairs = [i for i in sampled if keep(i) and i < len(loop.points)]
+        return paired_speedup_interval([loop.points[i] for i in pairs], [base[i] for i in pairs])
+
     summary.update({
         "target_only_tok_s": base_tok_s,
         "baseline_requests": len(sampled),
@@ -185,6 +195,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
         "speedup_overall": matched(lambda i: True),
         "speedup_before_shift": matched(lambda i: i < shift),
         "speedup_after_shift": matched(lambda i: i >= shift),
+        "speedup_overall_ci95": interval(lambda i: True),
         "final_drafter_version": str(getattr(loop.engine.drafter, "version", "-")),
         **trainer_figures(loop),
     })

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
+
 from infra.loop import OnlineLoop
 
 
@@ -24,6 +26,25 @@ def tok_s(points) -> float:
 def mean_accept(points) -> float:
     ok = [p for p in points if not p.failed]
     return statistics.fmean(p.accept_len for p in ok) if ok else 0.0
+
+
+def paired_speedup_interval(ours, theirs, level: float = 0.95, resamples: int = 2000,
+                            seed: int = 0) -> list[float] | None:
+    """[low, high] bootstrap interval of ``tok_s(ours) / tok_s(theirs)``, the requests paired by
+    position (each served by both sides; pairs where either failed are dropped) and resampled with
+    replacement: how far the ratio moves with which requests a window happened to hold. This VM
+    moves a 7-request window by +-8 % between runs of one code (ARCHITECTURE.md), so a speedup
+    figure is read with its interval. None with fewer than two pairs."""
+    pairs = [(p.tokens, p.wall_s, b.tokens, b.wall_s) for p, b in zip(ours, theirs)
+             if not p.failed and not b.failed]
+    if len(pairs) < 2:
+        return None
+    table = np.asarray(pairs, dtype=np.float64)  # [n, 4]: our tokens, our wall, their tokens, wall
+    picks = np.random.default_rng(seed).integers(0, len(pairs), size=(resamples, len(pairs)))
+    sums = table[picks].sum(axis=1)  # [resamples, 4]
+    ratios = (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
+    low, high = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return [round(float(low), 4), round(float(high), 4)]
 
 
 def tail(points, fraction: float = 1 / 3):
@@ -62,7 +83,9 @@ def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollba
         ours_tail = tail(before)
         base_tail = baseline[shift - len(ours_tail): shift]
         out["day0_speedup"] = tok_s(ours_tail) / tok_s(base_tail) if tok_s(base_tail) else None
+        out["day0_speedup_ci95"] = paired_speedup_interval(ours_tail, base_tail)
         out["speedup_overall"] = tok_s(points) / tok_s(baseline) if tok_s(baseline) else None
+        out["speedup_overall_ci95"] = paired_speedup_interval(points, baseline)
         out["lossless"] = all(p.output == b.output for p, b in zip(points, baseline) if not p.failed)
     if frozen is not None and after:
         out["static_vs_adapted_after_shift"] = tok_s(after) / tok_s(frozen) if tok_s(frozen) else None

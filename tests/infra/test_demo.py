@@ -179,6 +179,8 @@ def test_run_demo_writes_its_summary_plot_and_per_request_points(kafka_broker, r
     assert summary["target_only_tok_s"] > 0 and summary["trainer_records_polled"] <= len(stream)
     assert summary["baseline_paired"] and summary["baseline_requests"] == 2
     assert summary["speedup_before_shift"] > 0 and summary["speedup_after_shift"] > 0  # one each side
+    low, high = summary["speedup_overall_ci95"]  # over the two paired requests
+    assert low <= summary["speedup_overall"] <= high
     points = json.loads((tmp_path / "points.json").read_text())
     assert [p["index"] for p in points] == list(range(len(stream)))
     assert [p["domain"] for p in points] == [d for _, d in stream]
