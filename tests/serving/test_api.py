@@ -626,8 +626,9 @@ def test_a_body_without_the_json_content_type_says_so(live):
 
 def test_fields_of_the_wrong_json_type_are_400_not_converted(live):
     """As OpenAI's API: a number sent as a string, a float where an integer goes, a string or a
-    number where a boolean goes is a 400 naming the field (lax parsing served "train": "no" as
-    true). An integer where a float goes is a number like any other."""
+    number where a boolean goes is a 400 naming the field, not converted (lax parsing served
+    "max_tokens": "5" as 5 and "train": "no" as false: a client that works here must work there).
+    An integer where a float goes is a number like any other."""
     base = {"model": SERVED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for field, value in (("max_tokens", "5"), ("max_tokens", 5.0), ("temperature", "0.5"),
                          ("stream", "true"), ("stream", 1), ("train", "no"), ("seed", "7")):
