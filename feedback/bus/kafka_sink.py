@@ -36,8 +36,9 @@ SHED_REASONS = ("queue_full", "broker_unavailable", "delivery_failed", "too_larg
                 "closed")
 TRACE_CONTENT_TYPE = f"application/x-specloop-trace; v={CODEC_MAJOR}.{CODEC_MINOR}".encode()
 REQUEST_OVERHEAD_BYTES = 64 << 10
-"""What a produce request carries beside one trace's bytes (record batch, key, headers). A broker
-must accept ``max_message_bytes`` plus this (Apache Kafka's ``message.max.bytes``; compose sets it)."""
+"""What a produce request carries beside one message's bytes (record batch, key, headers): the
+trace sink's and the dead-letter producer's (kafka_source.py) requests allow for it. A broker must
+accept ``max_message_bytes`` plus this (Apache Kafka's ``message.max.bytes``; compose sets it)."""
 
 
 class KafkaSinkSettings(BaseSettings):

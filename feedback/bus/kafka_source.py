@@ -23,6 +23,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from feedback.bus.codec import TraceDecodeError, decode
+from feedback.bus.kafka_sink import REQUEST_OVERHEAD_BYTES
 from feedback.bus.trace import TraceRecord
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class KafkaTraceSource:
         # Not idempotent: a restarted tansu forgets producer ids, which is fatal to kafka-python.
         self._dlq = KafkaProducer(bootstrap_servers=servers, client_id=f"{s.client_id}-dlq",
                                   acks="all", enable_idempotence=False,
-                                  max_request_size=s.max_partition_fetch_bytes + (64 << 10),  # + headers
+                                  max_request_size=s.max_partition_fetch_bytes + REQUEST_OVERHEAD_BYTES,
                                   ) if s.dead_letter else None
         self.skipped_undecodable = 0
         """Undecodable messages skipped without a dead letter (``dead_letter`` False)."""
