@@ -70,3 +70,37 @@ def test_greedy_rows_of_a_mixed_batch_verify_as_a_greedy_batch_does():
             assert both.next_tokens[r] == alone.next_tokens[r]
             assert torch.equal(both.path[r], alone.path[r])
         assert 0 <= int(both.num_accepted[1]) <= k
+
+
+def test_trace_topk_reads_the_verified_positions_of_traced_rows_only():
+    """Each traced row's positions 0..num_drafted hold the target's top-k at the logits row that
+    position maps to; untraced rows and positions past num_drafted stay padded (-1 / -inf). The
+    same on the native kernel (fp32) and the torch reference (fp64)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from serving.engine.drafting import DraftPlan
+    from serving.engine.verify_step import trace_topk
+
+    g = torch.Generator().manual_seed(5)
+    b, k, vocab, t = 3, 4, 300, 6
+    lengths = torch.tensor([2, 4, 0])
+    plan = DraftPlan(tokens=torch.zeros(b, k, dtype=torch.long), lengths=lengths,
+                     probs=torch.ones(b, k), source=np.zeros(b, dtype=np.uint8))
+    view_rows = torch.tensor([[3, 0, 7, -1, -1], [1, 2, 4, 5, 6], [8, -1, -1, -1, -1]])  # [B, K+1]
+    rows = [SimpleNamespace(request=SimpleNamespace(train=train)) for train in (True, False, True)]
+    for dtype in (torch.float32, torch.float64):
+        logits = (torch.randn(9, vocab, generator=g) * 4).to(dtype)  # [R, V]
+        ids, lp = trace_topk(rows, plan, logits, view_rows, t)
+        assert ids.shape == lp.shape == (b, k + 1, t)
+        assert ids.dtype == np.int32 and lp.dtype == np.float16
+        for r, j in [(0, 0), (0, 1), (0, 2), (2, 0)]:
+            row = logits[int(view_rows[r, j])].double()
+            top = row.topk(t)
+            assert ids[r, j].tolist() == top.indices.tolist()
+            want = (top.values - torch.logsumexp(row, -1)).numpy()
+            np.testing.assert_allclose(lp[r, j].astype(np.float64), want, rtol=2e-3, atol=2e-3)
+        padded = np.ones((b, k + 1), dtype=bool)
+        padded[0, :3] = padded[2, 0] = False
+        assert (ids[padded] == -1).all() and np.isneginf(lp[padded]).all()
