@@ -8,6 +8,8 @@ rows when an observer wants it.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -167,7 +169,15 @@ def logit_rows(out) -> tuple[torch.Tensor, torch.Tensor]:
         return real_logits, out.real_rows  # [N, V], [B, K+1]
     logits = out.logits  # [B, K+1, V]
     b, k1, vocab = logits.shape
-    return logits.reshape(b * k1, vocab), torch.arange(b * k1).view(b, k1)
+    return logits.reshape(b * k1, vocab), _row_major(b, k1)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_major(b: int, k1: int) -> torch.Tensor:
+    """[B, K+1] each node's row of a [B, K+1, V] forward's logits flattened: one shared, read-only
+    table per shape (every step calls ``logit_rows`` twice; a torch.arange + view after the forward
+    cost ~40 us each on its cold caches)."""
+    return torch.arange(b * k1).view(b, k1)
 
 
 def trace_topk(rows: list[Row], plan: DraftPlan, logits: torch.Tensor, view_rows: torch.Tensor,
