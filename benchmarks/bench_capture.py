@@ -12,18 +12,29 @@ warm-up of each, so slow drifts and noisy neighbours hit both alike. ``overhead_
 median over pairs of the throughput lost by capture; the totals-based figure is reported too.
 Trace delivery (flush) happens between runs, outside the timed part; whatever the sink could not
 deliver counts in ``shed``.
+
+The paired figure moves by several percent between pairs of ~10 s on a shared VM, more than
+capture costs, so the capture arm also measures that cost directly, in the same runs:
+``capture_step_thread_pct`` is the share of its wall time the decode steps' thread spent on the
+trace (the target top-k, ``VerifyBatch.trace_ms``, and the recorder's callbacks, which hand the
+finished record to the sink), and ``capture_export_cpu_pct`` the CPU time of the threads that
+export it (the sink's sender, which encodes, and the Kafka producer's network thread, which
+compresses and sends) over the same wall time: off the step thread, but on the same cores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import signal
 import statistics
 import tempfile
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -44,21 +55,76 @@ def select_prompts(items: list[PromptItem], limit: int) -> list[PromptItem]:
     return out
 
 
+def _timed_recorder(sink, fingerprint, features: bool):
+    """A TraceRecorder that adds up the step thread's time in its callbacks and in each step's
+    trace top-k (``seconds``)."""
+    from serving.observers import TraceRecorder
+
+    class TimedRecorder(TraceRecorder):
+        seconds = 0.0
+
+        def on_request_start(self, request, prefill_features=None) -> None:
+            t0 = time.perf_counter()
+            super().on_request_start(request, prefill_features)
+            self.seconds += time.perf_counter() - t0
+
+        def on_step(self, batch) -> None:
+            t0 = time.perf_counter()
+            super().on_step(batch)
+            self.seconds += time.perf_counter() - t0 + (batch.trace_ms or 0.0) / 1e3
+
+        def on_request_finish(self, request, output_ids, finish_reason, stats) -> None:
+            t0 = time.perf_counter()
+            super().on_request_finish(request, output_ids, finish_reason, stats)
+            self.seconds += time.perf_counter() - t0
+
+    return TimedRecorder(sink, fingerprint, record_features=features)
+
+
+def thread_cpu_s(name_parts: tuple[str, ...]) -> float:
+    """CPU seconds (user + system) so far of this process's threads whose names contain one of
+    ``name_parts`` (Linux /proc; 0 elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0.0
+    for thread in threading.enumerate():
+        if not any(part in thread.name for part in name_parts) or not thread.native_id:
+            continue
+        try:
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # from field 3 (state) on
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+_EXPORT_THREADS = ("kafka-trace-sink", "-network-thread")
+"""The sink's sender thread and kafka-python's producer network thread (``<client_id>-network-thread``)."""
+
+
 async def _one_run(target, sink, arm: str, prompts, domains, *, max_tokens: int, k: int,
-                   concurrency: int, features: bool) -> RunResult:
+                   concurrency: int, features: bool) -> tuple[RunResult, dict]:
+    """One arm's run: its result, and for the capture arm the trace path's own cost in it."""
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
-    from serving.observers import TraceRecorder
 
     capture = arm == "capture"
-    observers = [TraceRecorder(sink, target.fingerprint, record_features=features)] if capture else []
+    recorder = _timed_recorder(sink, target.fingerprint, features) if capture else None
     config = EngineConfig(k=k, max_batch_size=concurrency, capture_features=capture and features)
-    engine = TorchEngine(target, build_drafter("suffix", target), config, observers=observers)
+    engine = TorchEngine(target, build_drafter("suffix", target), config,
+                         observers=[recorder] if recorder else [])
     await engine.start()
     try:
-        return await run_prompts(engine, prompts, max_tokens, domains=domains,
-                                 concurrency=concurrency)
+        cpu0 = thread_cpu_s(_EXPORT_THREADS)
+        res = await run_prompts(engine, prompts, max_tokens, domains=domains, concurrency=concurrency)
+        if capture:
+            sink.flush(60)  # the export of this run's traces, whenever it happens, is this run's
+        cost = {}
+        if recorder is not None and res.wall_s:
+            cost = {"step_thread_pct": 100.0 * recorder.seconds / res.wall_s,
+                    "export_cpu_pct": 100.0 * (thread_cpu_s(_EXPORT_THREADS) - cpu0) / res.wall_s}
+        return res, cost
     finally:
         await engine.stop()
 
@@ -88,16 +154,19 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
                 concurrency=concurrency, features=features)
             # Warm-up (untimed): allocator, kernels, producer connection, topic creation.
             for arm in ("none", "capture"):
-                await run(arm, min(max_tokens, 16))
+                await run(arm, min(max_tokens, 16))  # (its result and cost are not kept)
             if not sink.flush(30):
                 log.warning("warm-up traces not delivered within 30 s")
             sent0, bytes0, shed0, emitted0 = sink.sent, sink.sent_bytes, sink.shed, sink.emitted
 
             results: dict[str, list[RunResult]] = {"none": [], "capture": []}
+            costs: list[dict] = []
             for r in range(repeats):
                 for arm in ("none", "capture") if r % 2 == 0 else ("capture", "none"):
-                    res = await run(arm)
+                    res, cost = await run(arm)
                     results[arm].append(res)
+                    if cost:
+                        costs.append(cost)
                     log.info("pair %d %-7s %.2f tok/s (%d tokens, %.2f s)", r, arm, res.tok_s,
                              res.tokens, res.wall_s)
                     if arm == "capture" and not sink.flush(60):  # outside the timed run
@@ -122,6 +191,8 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
         "overhead_pct": round(statistics.median(pair_overheads), 2),
         "overhead_pct_total": round(100.0 * (1.0 - cap_tok_s / base_tok_s), 2) if base_tok_s else None,
         "overhead_pct_pairs": [round(x, 2) for x in pair_overheads],
+        "capture_step_thread_pct": _median_of(costs, "step_thread_pct"),
+        "capture_export_cpu_pct": _median_of(costs, "export_cpu_pct"),
         "traces_per_s": round(sent / cap_wall, 2) if cap_wall else 0.0,
         "bytes_per_trace": round((sink.sent_bytes - bytes0) / sent) if sent else 0,
         "shed": sink.shed - shed0,
@@ -145,6 +216,11 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
         "threads": torch.get_num_threads(),
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
     }
+
+
+def _median_of(costs: list[dict], key: str) -> float | None:
+    values = [c[key] for c in costs if key in c]
+    return round(statistics.median(values), 3) if values else None
 
 
 def run(prompts: str | None, tiny: bool, limit: int, max_tokens: int, k: int, concurrency: int,

@@ -96,6 +96,9 @@ class VerifyBatch:
     verify_ms: float | None = None
     """Wall time of the step's draft and verify; None: not measured by this engine (SGLang's
     steps come from its scheduler without timings). Consumers skip what is None."""
+    trace_ms: float | None = None
+    """Wall time the step spent on its trace's target top-k after the verify (None: none was
+    computed): capture's own cost on the step thread (``bench capture``)."""
     drafter_version: str = "day0"
     feature_layers: tuple[int, ...] = ()
     """HF hidden_states indices concatenated into each ``features`` row (empty when none)."""

@@ -9,6 +9,7 @@ rows when an observer wants it.
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import torch
@@ -241,10 +242,12 @@ def step_report(
     view, view_nodes, tried = linear_view(plan, parents, paths)
     lengths = view.lengths.numpy()
     in_len = np.arange(view.k)[None, :] < lengths[:, None]  # [B, K']
-    topk_ids = topk_lp = None
+    topk_ids = topk_lp = trace_ms = None
     if top_k is not None and any(r.request.train for r in rows):
+        t0 = time.perf_counter()
         matrix, node_row = logit_rows(out)  # [R, V], the row of each node [B, K+1]
         topk_ids, topk_lp = trace_topk(rows, view, matrix, node_row.gather(1, view_nodes), top_k)
+        trace_ms = (time.perf_counter() - t0) * 1e3
     features = None
     if feats is not None:
         bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [B, K+1, F]
@@ -263,6 +266,7 @@ def step_report(
         features=features,
         draft_ms=draft_s * 1000.0,
         verify_ms=verify_s * 1000.0,
+        trace_ms=trace_ms,
         drafter_version=drafter_version,
         feature_layers=feature_layers if feats is not None else (),
     )

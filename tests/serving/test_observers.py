@@ -218,3 +218,30 @@ def test_a_failing_observer_does_not_hurt_serving(ids_target, refs, run):
     [chunks] = run(engine, [_req("o", PROMPTS[0], max_tokens=10)])
     assert _tokens(chunks) == refs[tuple(PROMPTS[0])][:10]
     assert len(sink.drain()) == 1
+
+
+def test_a_step_reports_what_its_trace_topk_took_only_when_it_computed_one(ids_target, refs, run,
+                                                                         drafters):
+    """``VerifyBatch.trace_ms``: the step thread's time on the trace's top-k (bench capture adds
+    it up), None on steps that traced nothing (an opted-out request, or no recorder at all)."""
+
+    class Steps(BaseObserver):
+        def __init__(self):
+            self.batches = []
+
+        def on_step(self, batch):
+            self.batches.append(batch)
+
+    for with_recorder, train in [(True, True), (True, False), (False, True)]:
+        steps = Steps()
+        observers = [steps] + ([TraceRecorder(InProcessTraceSink(), ids_target.fingerprint)]
+                               if with_recorder else [])
+        drafter = drafters.Replay(refs, vocab=101, corrupt_every=3, version="v1")
+        engine = TorchEngine(ids_target, drafter, EngineConfig(k=4, trace_topk=5), observers)
+        run(engine, [_req("r", PROMPTS[0], train=train, max_tokens=12)])
+        times = [b.trace_ms for b in steps.batches]
+        assert times
+        if with_recorder and train:
+            assert all(t is not None and t > 0 for t in times)
+        else:
+            assert all(t is None for t in times)
