@@ -19,9 +19,9 @@ from kernels import native_build, threads
 MAX_T = 64
 
 PARALLEL_ROWS = 3
-"""Fewest rows worth waking the pool's workers for: a row takes ~40 us, and on a 2-core AMD EPYC
-one row on two threads took 67 us cold against 41 on the caller alone (two rows: 94 against 83;
-three: 94 against 109). A batch-1 step traces one or two rows."""
+"""Fewest rows worth waking the pool's workers for: on a 2-core AMD EPYC (before the kernel's
+blocked first pass) one row on two threads took 67 us cold against 41 on the caller alone, two rows
+94 against 83, three 94 against 109. A batch-1 step traces one or two rows."""
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -89,6 +89,9 @@ def topk_logprobs_padded(
     if lib is None:
         return None
     b, k1 = node_rows.shape
+    if np.shape(lengths) != (b,) or np.shape(traced) != (b,):
+        raise ValueError(f"lengths {np.shape(lengths)} and traced {np.shape(traced)} must be [{b}] "
+                         f"for node_rows {tuple(node_rows.shape)}")
     x = logits.contiguous()
     rows = np.ascontiguousarray(node_rows, dtype=np.int64)
     lens = np.ascontiguousarray(lengths, dtype=np.int64)

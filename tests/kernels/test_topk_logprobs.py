@@ -91,6 +91,8 @@ def test_padded_layout_refuses_a_traced_row_outside_the_logits():
         tk.topk_logprobs_padded(logits, 5, np.array([[0, 3]]), np.array([1]), np.array([True]))
     ids, _ = tk.topk_logprobs_padded(logits, 5, np.array([[0, 3]]), np.array([0]), np.array([True]))
     assert (ids[0, 1] == -1).all()  # an untraced slot's row is never read
+    with pytest.raises(ValueError, match="must be"):  # never read past the arrays it was given
+        tk.topk_logprobs_padded(logits, 5, np.array([[0, 1], [1, 2]]), np.array([1]), np.array([True]))
 
 
 def test_padded_layout_leaves_other_devices_and_dtypes_to_the_caller():
