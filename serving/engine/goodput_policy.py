@@ -258,8 +258,12 @@ class GoodputPolicy:
         as pay for the verify they widen."""
         conf = confidence.numpy() if hasattr(confidence, "numpy") else np.asarray(confidence)
         par = parents.numpy() if hasattr(parents, "numpy") else np.asarray(parents)
-        lens = np.minimum(np.asarray(lengths), conf.shape[1])
-        cum = path_confidence(par, conf) * self.calibration.value  # [B, K]
+        k = conf.shape[1]
+        # Over Python lists from here: a few dozen values, where each numpy call costs ~10 us on
+        # the step thread's cold caches (this step took ~0.19 ms a step at batch 1 in numpy ops).
+        lens = [min(int(n), k) for n in (lengths.tolist() if hasattr(lengths, "tolist") else lengths)]  # [B]
+        scale = self.calibration.value
+        cum = [[p * scale for p in row] for row in path_confidence(par, conf).tolist()]  # [B, K]
         worth = cum
         if self._floor_paid:
             # A costly draft is paid, and ``choose_k`` paid for it on this drafter's measured
@@ -267,15 +271,20 @@ class GoodputPolicy:
             # alone cut a selfspec drafter's drafts that were then accepted 0.33 of the time
             # (HumanEval 40-55: 123 of 452 drafts cut, 288 ms of drafts thrown away), and the
             # estimate, which saw only the drafts it kept, overstated the drafts it would pay for.
-            worth = cum.copy()
-            worth[:, 0] = np.where(lens > 0, np.maximum(cum[:, 0], self.acceptance.value), cum[:, 0])
+            floor = self.acceptance.value
+            worth = [[max(row[0], floor)] + row[1:] if n > 0 else row for row, n in zip(cum, lens)]
         rows, gains = best_nodes_first(worth, lens)  # [N], [N]
-        expected = batch + np.concatenate([[0.0], np.cumsum(gains)])  # [N+1] by node total
+        expected = [float(batch)]  # [N+1] by node total
+        for g in gains:
+            expected.append(expected[-1] + g)
         stated = gains  # what the calibrated confidences say of each node: what calibration learns
         if worth is not cum:
-            stated = gains.copy()
-            first = np.unique(rows, return_index=True)[1]  # each row's best node, floored above
-            stated[first] = cum[rows[first], 0]
+            stated = list(gains)
+            firsts: set[int] = set()
+            for i, r in enumerate(rows):  # each row's best node, floored above
+                if r not in firsts:
+                    firsts.add(r)
+                    stated[i] = cum[r][0]
         totals = node_totals(len(rows))
         # A non-empty width also pays for the draft: this step's is spent, but widths that do not
         # cover it are cut to nothing, and after ``probe_every`` of those the drafter is asked
@@ -288,7 +297,7 @@ class GoodputPolicy:
         draft = self._draft_ms.get(batch, 0.0) if self._cheap else 0.0
         rates = [expected[n] / (self.verify_ms(n, batch) + (draft if n else 0.0)) for n in totals]
         rates[0] *= 1.0 + _WIDTH_MARGIN  # a width must beat plain decoding by the margin
-        pick = int(np.argmax(rates))
+        pick = max(range(len(rates)), key=rates.__getitem__)  # the first best, as np.argmax
         cut = "predicted"  # why the width is empty, if it ends up so
         if totals[pick] > 0 and self.drafting_loses(batch):
             pick = 0  # predicted to pay, but drafting steps at this batch size did not: off, probes
@@ -296,7 +305,8 @@ class GoodputPolicy:
         self.zero_widths = self.zero_widths + 1 if totals[pick] == 0 else 0
         if self.probe.now and len(totals) > 1:  # a probe verifies the best non-empty total,
             cap = max(1, batch)  # at most a node per row, whatever it costs
-            pick = 1 + int(np.argmax([r if n <= cap else -1.0 for n, r in zip(totals[1:], rates[1:])]))
+            capped = [r if n <= cap else -1.0 for n, r in zip(totals[1:], rates[1:])]
+            pick = 1 + max(range(len(capped)), key=capped.__getitem__)
         probing, self.probe.now = self.probe.now, False
         self._probed = probing
         since = self._since_plain.get(batch, self.remeasure_every)
@@ -308,11 +318,14 @@ class GoodputPolicy:
         if nodes == 0 and len(totals) > 1:  # the drafter drafted; nothing of it is verified
             self.cuts[cut] += 1
         self._since_plain[batch] = 0 if nodes == 0 else since + 1
-        self._predicted = float(np.sum(stated[:nodes]))
+        self._predicted = float(sum(stated[:nodes]))
         self.widths.append(nodes)
         if len(self.widths) > 4096:
             del self.widths[:2048]
-        return np.bincount(rows[:nodes], minlength=len(lens)).astype(np.int64)
+        widths = [0] * len(lens)
+        for r in rows[:nodes]:
+            widths[r] += 1
+        return np.array(widths, dtype=np.int64)
 
     def _backoff_after(self, cuts: int) -> int:
         """Plain steps before a costly drafter drafts again after ``cuts`` of its drafts in a row

@@ -114,13 +114,15 @@ def node_totals(available: int) -> list[int]:
     return out
 
 
-def best_nodes_first(cum: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def best_nodes_first(cum, lengths) -> tuple[list[int], list[float]]:
     """The batch's drafted nodes in the order a budget takes them: each row's nodes in its own
     order (a prefix of them is a subtree), the rows merged by the acceptance probability of their
-    next node. Returns each taken node's row and probability ([N], [N])."""
-    heap = [(-float(cum[b, 0]), b) for b in range(len(lengths)) if lengths[b] > 0]
+    next node. ``cum`` [B, K] (rows of floats, or an array), ``lengths`` [B]. Returns each taken
+    node's row and probability ([N], [N]), as lists: their reader walks them in Python."""
+    lengths = [int(n) for n in lengths]
+    heap = [(-float(cum[b][0]), b) for b in range(len(lengths)) if lengths[b] > 0]
     heapq.heapify(heap)
-    taken = np.zeros(len(lengths), dtype=np.int64)
+    taken = [0] * len(lengths)
     rows, gains = [], []
     while heap:
         g, b = heapq.heappop(heap)
@@ -128,5 +130,5 @@ def best_nodes_first(cum: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, 
         gains.append(-g)
         taken[b] += 1
         if taken[b] < lengths[b]:
-            heapq.heappush(heap, (-float(cum[b, taken[b]]), b))
-    return np.asarray(rows, dtype=np.int64), np.asarray(gains, dtype=np.float64)
+            heapq.heappush(heap, (-float(cum[b][taken[b]]), b))
+    return rows, gains

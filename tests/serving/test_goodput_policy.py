@@ -281,7 +281,7 @@ def test_node_totals_are_every_count_to_8_then_four_per_power_of_two():
     # rows merged by their next node's probability, each row in its own order
     cum = np.array([[0.9, 0.5, 0.1], [0.8, 0.7, 0.6]])
     rows, gains = best_nodes_first(cum, np.array([3, 2]))
-    assert rows.tolist() == [0, 1, 1, 0, 0] and gains.tolist() == [0.9, 0.8, 0.7, 0.5, 0.1]
+    assert rows == [0, 1, 1, 0, 0] and gains == [0.9, 0.8, 0.7, 0.5, 0.1]
 
 
 def _widths(policy, k, conf, batch=1):
