@@ -140,12 +140,18 @@ def baseline_sample(total: int, n: int) -> list[int]:
     return sorted({(2 * i + 1) * total // (2 * n) for i in range(n)})
 
 
+def matched_pairs(points, base: dict, indices: list[int]) -> tuple[list, list]:
+    """The loop's points and the target-only ones of ``indices`` that the loop served without
+    failing, in the same order."""
+    kept = [i for i in indices if i < len(points) and not points[i].failed]
+    return [points[i] for i in kept], [base[i] for i in kept]
+
+
 def matched_speedup(points, base: dict, indices: list[int]) -> float | None:
     """tok/s of the loop on ``indices`` over target-only tok/s on the same requests."""
     from infra.loop_metrics import tok_s
 
-    ours = [points[i] for i in indices if i < len(points) and not points[i].failed]
-    theirs = [base[i] for i in indices if i < len(points) and not points[i].failed]
+    ours, theirs = matched_pairs(points, base, indices)
     if not ours or not tok_s(theirs):
         return None
     return tok_s(ours) / tok_s(theirs)
@@ -185,8 +191,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
         return matched_speedup(loop.points, base, [i for i in sampled if keep(i)])
 
     def interval(keep) -> list[float] | None:
-        pairs = [i for i in sampled if keep(i) and i < len(loop.points)]
-        return paired_speedup_interval([loop.points[i] for i in pairs], [base[i] for i in pairs])
+        return paired_speedup_interval(*matched_pairs(loop.points, base, [i for i in sampled if keep(i)]))
 
     summary.update({
         "target_only_tok_s": base_tok_s,
