@@ -118,8 +118,9 @@ async def _one_run(target, sink, arm: str, prompts, domains, *, max_tokens: int,
     try:
         cpu0 = thread_cpu_s(_EXPORT_THREADS)
         res = await run_prompts(engine, prompts, max_tokens, domains=domains, concurrency=concurrency)
-        if capture:
-            sink.flush(60)  # the export of this run's traces, whenever it happens, is this run's
+        # outside the timed run; the export of this run's traces, whenever it happens, is this run's
+        if capture and not sink.flush(60):
+            log.warning("traces still pending after 60 s")
         cost = {}
         if recorder is not None and res.wall_s:
             cost = {"step_thread_pct": 100.0 * recorder.seconds / res.wall_s,
@@ -169,8 +170,6 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
                         costs.append(cost)
                     log.info("pair %d %-7s %.2f tok/s (%d tokens, %.2f s)", r, arm, res.tok_s,
                              res.tokens, res.wall_s)
-                    if arm == "capture" and not sink.flush(60):  # outside the timed run
-                        log.warning("traces still pending after 60 s")
             sink.flush(30)
         finally:
             sink.close()
