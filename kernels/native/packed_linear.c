@@ -11,8 +11,9 @@
  * panel p holds w[p*P .. p*P+P, :] transposed, [K, P], so one panel is one contiguous stream.
  * For each k the kernel loads the panel's P weights (PV vectors) once and broadcasts x[t, k] of
  * up to RMAX tokens against them: PV x RMAX accumulators, no horizontal sums, and up to RMAX
- * tokens' FMAs are done while the panel streams in from memory. Up to 8 x RMAX tokens share that
- * stream chunk by chunk (see KC below); more take further passes over the panel (from L2).
+ * tokens' FMAs are done while the panel streams in from memory. With AVX2, up to 8 x RMAX tokens
+ * share that stream chunk by chunk (see KC below); with AVX-512 each further group of RMAX tokens
+ * makes its own pass over the panel (from L2; see GROUP_PASSES).
  *
  * Each output is one FMA chain over k in order, whatever T is: a token's result does not depend
  * on how many tokens share the call (verify and decode agree bit for bit on the projections).
@@ -72,6 +73,24 @@
  * output is still one FMA chain over k in order. */
 #define KC 16
 #define CHUNK_GROUPS 8
+
+/* With AVX-512, groups do not share chunks: each group of RMAX tokens (the last one the rest)
+ * makes its own pass over the panel, widening bf16 or int8 weights in registers (the first pass
+ * streams the panel from memory, the others read it from L2). Measured on a 2-core AMD EPYC (Zen 4,
+ * no AMX), the lm_head and the 90 projections of SmolLM2-135M with K = 576 (2 threads, ms,
+ * chunks -> passes): 10 tokens 4.1 -> 3.6 and 12.9 -> 11.0, 16 tokens 6.6 -> 5.0 and 19.5 -> 15.0,
+ * 32 tokens 12.3 -> 9.9 and 35.5 -> 28.6, 64 tokens 24 -> 19.5 and 69 -> 55; 1-9 tokens (one group)
+ * alike. The same source built for AVX2 (RMAX 3, so 4 tokens are already two groups) measured the
+ * other way on that machine (16 tokens: chunks 24.4 ms, passes 31.5): there a group has few FMAs
+ * for each weight it widens, and passes widen every weight once per group. Chunk timings were
+ * erratic with the buffer's size and place (KC 16 / 48 / 144 read 4.1 / 4.2 / 4.8 ms at 10
+ * tokens), passes were not. On a CPU with AMX the target's verifies run on tiles
+ * (packed_linear_amx.c), not here. */
+#if VW == 16
+#define GROUP_PASSES 1
+#else
+#define GROUP_PASSES 0
+#endif
 
 /* A vector of VW bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32). */
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
@@ -184,10 +203,10 @@ static void widen_chunk(int kind, const void *w, float *buf, long k0, long k1) {
     }
 }
 
-/* One panel for all T tokens: groups of RMAX, CHUNK_GROUPS at a time sharing each chunk. The
- * panel w holds weights of `kind` (W_I8: `scales`, its P outputs' scales). With bf16 or int8 and
- * several groups, each chunk is widened once into buf, which the groups then read as an fp32
- * panel. */
+/* One panel for all T tokens: groups of RMAX, CHUNK_GROUPS at a time sharing each chunk, or with
+ * GROUP_PASSES one pass per group. The panel w holds weights of `kind` (W_I8: `scales`, its P
+ * outputs' scales). With bf16 or int8 and several groups sharing chunks, each chunk is widened
+ * once into buf, which the groups then read as an fp32 panel. */
 static void panel_all(const float *x, int kind, const void *w, const float *scales,
                       const float *res, float *y, long T, long N, long K, long n0) {
     vf state[CHUNK_GROUPS][RMAX * PV];
@@ -196,18 +215,19 @@ static void panel_all(const float *x, int kind, const void *w, const float *scal
     for (long g0 = 0; g0 < T; g0 += CHUNK_GROUPS * RMAX) {
         long span = T - g0 < CHUNK_GROUPS * RMAX ? T - g0 : CHUNK_GROUPS * RMAX;
         long groups = (span + RMAX - 1) / RMAX;
-        /* balanced groups (see CHUNK_GROUPS) */
-        for (long g = 0; g <= groups; g++) first[g] = g0 + span * g / groups;
-        long step = groups > 1 ? KC : K; /* one group: one pass, no chunks needed */
+        for (long g = 0; g <= groups; g++) /* passes: RMAX a group; chunks: balanced (see above) */
+            first[g] = g0 + (GROUP_PASSES ? (g * RMAX < span ? g * RMAX : span) : span * g / groups);
+        long step = groups > 1 && !GROUP_PASSES ? KC : K; /* one group: one pass, no chunks needed */
+        int direct = step >= K; /* each group reads the panel itself, widening in registers */
         for (long k0 = 0; k0 < K; k0 += step) {
             long k1 = k0 + step < K ? k0 + step : K;
-            const float *rows = kind == W_F32 ? (const float *)w + k0 * P : buf;
-            if (kind != W_F32 && groups > 1) widen_chunk(kind, w, buf, k0, k1); /* once for all */
+            const float *rows = kind == W_F32 || direct ? (const float *)w + k0 * P : buf;
+            if (kind != W_F32 && !direct) widen_chunk(kind, w, buf, k0, k1); /* once for all */
             for (long g = 0; g < groups; g++) {
                 long t0 = first[g], r = first[g + 1] - t0;
-                if (kind == W_BF16 && groups == 1)
+                if (kind == W_BF16 && direct)
                     PANELS_BF16[r](x + t0 * K, (const uint16_t *)w + k0 * P, state[g], K, k0, k1);
-                else if (kind == W_I8 && groups == 1)
+                else if (kind == W_I8 && direct)
                     PANELS_I8[r](x + t0 * K, (const int8_t *)w + k0 * P, state[g], K, k0, k1);
                 else
                     PANELS[r](x + t0 * K, rows, state[g], K, k0, k1);

@@ -48,9 +48,9 @@ def test_leading_dims_and_noncontiguous_input():
 @needs_native
 @pytest.mark.parametrize("tokens", [19, 70])
 def test_a_token_does_not_depend_on_its_neighbours(tokens):
-    """Each output is one FMA chain over k whatever the token count (one pass, groups sharing a
-    panel's stream chunk by chunk, or further passes above 64 tokens): verify and decode agree bit
-    for bit on the projections."""
+    """Each output is one FMA chain over k whatever the token count (one group in one pass; several
+    groups in a pass each with AVX-512, else sharing a panel's stream chunk by chunk, and further
+    passes above 64 tokens): verify and decode agree bit for bit on the projections."""
     g = torch.Generator().manual_seed(2)
     packed = PackedLinear.pack(torch.randn(300, 576, generator=g))
     x = torch.randn(tokens, 576, generator=g)
@@ -126,8 +126,9 @@ def _bf16_valued(*shape, generator) -> torch.Tensor:
 @pytest.mark.parametrize("n,k", [(960, 576), (577, 584), (1, 20)])
 def test_bf16_panels_give_exactly_the_fp32_panels_results(tokens, n, k):
     """A weight that is exactly bf16 streams as bf16 panels (half the bytes) with results bit for
-    bit those of fp32 panels: one group widening in registers, several groups reading a widened
-    chunk, further passes above 64 tokens; with every prologue and a residual."""
+    bit those of fp32 panels: one group widening in registers, several groups in passes of their
+    own (AVX-512) or reading a widened chunk (AVX2), further passes above 64 tokens; with every
+    prologue and a residual."""
     g = torch.Generator().manual_seed(tokens * 7 + n)
     w = _bf16_valued(n, k, generator=g)
     half, full = PackedLinear.pack(w), PackedLinear.pack(w, bf16=False)
