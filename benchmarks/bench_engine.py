@@ -252,6 +252,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
             "panels": panels,
             "layout": layout,
             "layer_stack": stacked,
+            "group_layout": fast.runner.group_layout,
         },
         **figures("fast"),
         "step_ms_plain_thread": round(statistics.median(thread_ms), 2),

@@ -45,6 +45,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     for entry in (lib.packed_linear_fused, lib.packed_linear_fused_bf16, lib.packed_linear_fused_int8):
         entry.argtypes, entry.restype = _FUSED_ARGS, ctypes.c_int
     lib.packed_linear_panel_width.restype = ctypes.c_int
+    lib.packed_linear_set_group_passes.argtypes = [ctypes.c_int]
+    lib.packed_linear_set_group_passes.restype = None
+    lib.packed_linear_group_passes.restype = ctypes.c_int
 
 
 def _load() -> ctypes.CDLL | None:

@@ -74,10 +74,12 @@
 #define KC 16
 #define CHUNK_GROUPS 8
 
-/* With AVX-512, groups do not share chunks: each group of RMAX tokens (the last one the rest)
- * makes its own pass over the panel, widening bf16 or int8 weights in registers (the first pass
- * streams the panel from memory, the others read it from L2). Measured on a 2-core AMD EPYC (Zen 4,
- * no AMX), the lm_head and the 90 projections of SmolLM2-135M with K = 576 (2 threads, ms,
+/* Passes instead of chunks: each group of RMAX tokens (the last one the rest) makes its own pass
+ * over the panel, widening bf16 or int8 weights in registers (the first pass streams the panel
+ * from memory, the others read it from L2). The default with AVX-512; each process times both
+ * layouts once and keeps the faster (packed_linear_set_group_passes, called by
+ * kernels/group_layout.py where the target's forward is built). Measured on a 2-core AMD EPYC
+ * (Zen 4, no AMX), the lm_head and the 90 projections of SmolLM2-135M with K = 576 (2 threads, ms,
  * chunks -> passes): 10 tokens 4.1 -> 3.6 and 12.9 -> 11.0, 16 tokens 6.6 -> 5.0 and 19.5 -> 15.0,
  * 32 tokens 12.3 -> 9.9 and 35.5 -> 28.6, 64 tokens 24 -> 19.5 and 69 -> 55; 1-9 tokens (one group)
  * alike. The same source built for AVX2 (RMAX 3, so 4 tokens are already two groups) measured the
@@ -91,6 +93,7 @@
 #else
 #define GROUP_PASSES 0
 #endif
+static int group_passes = GROUP_PASSES; /* both layouts: one FMA chain per output, the same bits */
 
 /* A vector of VW bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32). */
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
@@ -212,12 +215,13 @@ static void panel_all(const float *x, int kind, const void *w, const float *scal
     vf state[CHUNK_GROUPS][RMAX * PV];
     float buf[KC * P] __attribute__((aligned(64)));
     long first[CHUNK_GROUPS + 1];
+    int passes = __atomic_load_n(&group_passes, __ATOMIC_RELAXED);
     for (long g0 = 0; g0 < T; g0 += CHUNK_GROUPS * RMAX) {
         long span = T - g0 < CHUNK_GROUPS * RMAX ? T - g0 : CHUNK_GROUPS * RMAX;
         long groups = (span + RMAX - 1) / RMAX;
         for (long g = 0; g <= groups; g++) /* passes: RMAX a group; chunks: balanced (see above) */
-            first[g] = g0 + (GROUP_PASSES ? (g * RMAX < span ? g * RMAX : span) : span * g / groups);
-        long step = groups > 1 && !GROUP_PASSES ? KC : K; /* one group: one pass, no chunks needed */
+            first[g] = g0 + (passes ? (g * RMAX < span ? g * RMAX : span) : span * g / groups);
+        long step = groups > 1 && !passes ? KC : K; /* one group: one pass, no chunks needed */
         int direct = step >= K; /* each group reads the panel itself, widening in registers */
         for (long k0 = 0; k0 < K; k0 += step) {
             long k1 = k0 + step < K ? k0 + step : K;
@@ -314,6 +318,11 @@ int packed_linear_fused_int8(const float *x, int prologue, const float *g, float
                              long K, int threads) {
     return fused(x, prologue, g, eps, W_I8, wq, res, y, T, N, K, threads);
 }
+
+/* Whether groups of tokens make a pass over a panel each (1) or share its chunks (0); see
+ * GROUP_PASSES. Set before the forwards that should use it: a call under way keeps what it read. */
+void packed_linear_set_group_passes(int on) { __atomic_store_n(&group_passes, on != 0, __ATOMIC_RELAXED); }
+int packed_linear_group_passes(void) { return __atomic_load_n(&group_passes, __ATOMIC_RELAXED); }
 
 /* Outputs per panel: the packing's P (48 with AVX-512, 32 otherwise). */
 int packed_linear_panel_width(void) { return P; }

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from kernels.group_layout import tune_group_layout
 from serving.engine.batch_cache import RaggedKVCache, round_up_columns
 from serving.engine.cuda_graphs import StepGraphs
 from serving.engine.forward_cache import shared_forward
@@ -49,6 +50,13 @@ class ModelRunner:
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
             self.fast = shared_forward(model, native=None if native_kernels else False,
                                        bf16_panels=bf16_panels, amx=amx_panels)
+        self.group_layout: dict | None = None
+        """How the FMA kernel's token groups share a panel's stream here, timed once per process
+        on the lm_head (kernels/group_layout.py); None where nothing was decided."""
+        if self.fast is not None and self.device.type == "cpu":
+            self.group_layout = tune_group_layout(self.fast.lm_head_served)
+            if self.group_layout is not None:
+                log.info("token groups in %s (%s)", self.group_layout["layout"], self.group_layout)
         self.graphs: StepGraphs | None = None
         """The fast forward's decode and verify steps as CUDA graphs (serving/engine/cuda_graphs.py)
         when the model is on CUDA and ``cuda_graphs`` is on; None runs every forward eagerly."""
