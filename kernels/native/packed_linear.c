@@ -11,9 +11,9 @@
  * panel p holds w[p*P .. p*P+P, :] transposed, [K, P], so one panel is one contiguous stream.
  * For each k the kernel loads the panel's P weights (PV vectors) once and broadcasts x[t, k] of
  * up to RMAX tokens against them: PV x RMAX accumulators, no horizontal sums, and up to RMAX
- * tokens' FMAs are done while the panel streams in from memory. With AVX2, up to 8 x RMAX tokens
- * share that stream chunk by chunk (see KC below); with AVX-512 each further group of RMAX tokens
- * makes its own pass over the panel (from L2; see GROUP_PASSES).
+ * tokens' FMAs are done while the panel streams in from memory. More tokens either share that
+ * stream chunk by chunk, up to 8 x RMAX (see KC below), or make a pass each, RMAX at a time (from
+ * L2; see GROUP_PASSES): whichever the machine runs faster.
  *
  * Each output is one FMA chain over k in order, whatever T is: a token's result does not depend
  * on how many tokens share the call (verify and decode agree bit for bit on the projections).
