@@ -206,32 +206,59 @@ static void widen_chunk(int kind, const void *w, float *buf, long k0, long k1) {
     }
 }
 
-/* One panel for all T tokens: groups of RMAX, CHUNK_GROUPS at a time sharing each chunk, or with
- * GROUP_PASSES one pass per group. The panel w holds weights of `kind` (W_I8: `scales`, its P
- * outputs' scales). With bf16 or int8 and several groups sharing chunks, each chunk is widened
- * once into buf, which the groups then read as an fp32 panel. */
-static void panel_all(const float *x, int kind, const void *w, const float *scales,
-                      const float *res, float *y, long T, long N, long K, long n0) {
+/* A group's finished accumulators [r][PV] into y (times the int8 scales, plus the residual). */
+static void finish_group(vf *state, const float *scales, const float *res, float *y, long r,
+                         long N, long n0) {
+    if (scales) {
+        vf sv[PV];
+        for (int j = 0; j < PV; j++) __builtin_memcpy(&sv[j], scales + j * VW, sizeof(vf));
+        for (long t = 0; t < r; t++)
+            for (int j = 0; j < PV; j++) state[t * PV + j] *= sv[j];
+    }
+    store_rows((const float *)state, P, res, y, r, N, n0);
+}
+
+/* One panel for all T tokens in passes (GROUP_PASSES): each group of RMAX tokens, the last one
+ * the rest, reads the whole panel itself, widening in registers; the panel streams from memory
+ * once and stays in L2 for the groups after the first, whatever T is. */
+static void panel_passes(const float *x, int kind, const void *w, const float *scales,
+                         const float *res, float *y, long T, long N, long K, long n0) {
+    vf state[RMAX * PV];
+    for (long t0 = 0; t0 < T; t0 += RMAX) {
+        long r = T - t0 < RMAX ? T - t0 : RMAX;
+        if (kind == W_BF16)
+            PANELS_BF16[r](x + t0 * K, w, state, K, 0, K);
+        else if (kind == W_I8)
+            PANELS_I8[r](x + t0 * K, w, state, K, 0, K);
+        else
+            PANELS[r](x + t0 * K, w, state, K, 0, K);
+        finish_group(state, scales, res ? res + t0 * N : NULL, y + t0 * N, r, N, n0);
+    }
+}
+
+/* One panel for all T tokens in shared chunks: groups of RMAX, CHUNK_GROUPS at a time sharing
+ * each chunk. With bf16 or int8 and several groups, each chunk is widened once into buf, which the
+ * groups then read as an fp32 panel. */
+static void panel_chunks(const float *x, int kind, const void *w, const float *scales,
+                         const float *res, float *y, long T, long N, long K, long n0) {
     vf state[CHUNK_GROUPS][RMAX * PV];
     float buf[KC * P] __attribute__((aligned(64)));
     long first[CHUNK_GROUPS + 1];
-    int passes = __atomic_load_n(&group_passes, __ATOMIC_RELAXED);
     for (long g0 = 0; g0 < T; g0 += CHUNK_GROUPS * RMAX) {
         long span = T - g0 < CHUNK_GROUPS * RMAX ? T - g0 : CHUNK_GROUPS * RMAX;
         long groups = (span + RMAX - 1) / RMAX;
-        for (long g = 0; g <= groups; g++) /* passes: RMAX a group; chunks: balanced (see above) */
-            first[g] = g0 + (passes ? (g * RMAX < span ? g * RMAX : span) : span * g / groups);
-        long step = groups > 1 && !passes ? KC : K; /* one group: one pass, no chunks needed */
-        int direct = step >= K; /* each group reads the panel itself, widening in registers */
+        /* balanced groups (see CHUNK_GROUPS) */
+        for (long g = 0; g <= groups; g++) first[g] = g0 + span * g / groups;
+        long step = groups > 1 ? KC : K; /* one group: one pass, no chunks needed */
         for (long k0 = 0; k0 < K; k0 += step) {
             long k1 = k0 + step < K ? k0 + step : K;
-            const float *rows = kind == W_F32 || direct ? (const float *)w + k0 * P : buf;
-            if (kind != W_F32 && !direct) widen_chunk(kind, w, buf, k0, k1); /* once for all */
+            const float *rows = kind == W_F32 ? (const float *)w + k0 * P : buf;
+            if (kind != W_F32 && groups > 1) widen_chunk(kind, w, buf, k0, k1); /* once for all */
             for (long g = 0; g < groups; g++) {
                 long t0 = first[g], r = first[g + 1] - t0;
-                if (kind == W_BF16 && direct)
+                if (kind == W_BF16 && groups == 1)
                     PANELS_BF16[r](x + t0 * K, (const uint16_t *)w + k0 * P, state[g], K, k0, k1);
-                else if (kind == W_I8 && direct)
+                else if (kind == W_I8 && groups == 1)
                     PANELS_I8[r](x + t0 * K, (const int8_t *)w + k0 * P, state[g], K, k0, k1);
                 else
                     PANELS[r](x + t0 * K, rows, state[g], K, k0, k1);
@@ -239,15 +266,19 @@ static void panel_all(const float *x, int kind, const void *w, const float *scal
         }
         for (long g = 0; g < groups; g++) {
             long t0 = first[g], r = first[g + 1] - t0;
-            if (scales) {
-                vf sv[PV];
-                for (int j = 0; j < PV; j++) __builtin_memcpy(&sv[j], scales + j * VW, sizeof(vf));
-                for (long t = 0; t < r; t++)
-                    for (int j = 0; j < PV; j++) state[g][t * PV + j] *= sv[j];
-            }
-            store_rows((const float *)state[g], P, res ? res + t0 * N : NULL, y + t0 * N, r, N, n0);
+            finish_group(state[g], scales, res ? res + t0 * N : NULL, y + t0 * N, r, N, n0);
         }
     }
+}
+
+/* One panel (outputs n0 .. n0+P) for all T tokens; the panel w holds weights of `kind` (W_I8:
+ * `scales`, its P outputs' scales). One group (T <= RMAX) is one pass either way. */
+static void panel_all(const float *x, int kind, const void *w, const float *scales,
+                      const float *res, float *y, long T, long N, long K, long n0) {
+    if (__atomic_load_n(&group_passes, __ATOMIC_RELAXED))
+        panel_passes(x, kind, w, scales, res, y, T, N, K, n0);
+    else
+        panel_chunks(x, kind, w, scales, res, y, T, N, K, n0);
 }
 
 struct job {
