@@ -351,7 +351,8 @@ int packed_linear_fused_int8(const float *x, int prologue, const float *g, float
 }
 
 /* Whether groups of tokens make a pass over a panel each (1) or share its chunks (0); see
- * GROUP_PASSES. Set before the forwards that should use it: a call under way keeps what it read. */
+ * GROUP_PASSES. Each panel reads it as it starts: a call under way when it changes may run some
+ * panels one way and some the other, with the same bits. */
 void packed_linear_set_group_passes(int on) { __atomic_store_n(&group_passes, on != 0, __ATOMIC_RELAXED); }
 int packed_linear_group_passes(void) { return __atomic_load_n(&group_passes, __ATOMIC_RELAXED); }
 
