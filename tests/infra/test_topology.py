@@ -230,7 +230,12 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
         assert sent["a"] > 0 and sent["b"] > 0
 
         # A promoted drafter goes live on both replicas; a forced rollback on A reverts the
-        # trainer's champion to the version A went back to.
+        # trainer's champion to the version A went back to: an earlier promotion the trainer
+        # still holds, or, after the first, the day-0 drafter (no champion: the next gate judges
+        # against nothing). A second promotion is not waited for: the tiny random target teaches
+        # nothing, so each round's best-on-held-out weights are mostly the champion's own, and the
+        # gate refuses to swap those (tests/trainer/test_rollback_follow.py covers the revert to a
+        # held version).
         admin = {"Authorization": f"Bearer {topo.admin_token()}"}
 
         def drafter(url: str) -> dict:
@@ -238,8 +243,7 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
 
         def same_promoted_version_on_both() -> dict | None:
             da, db = drafter(a), drafter(b)
-            promoted_twice = str(da.get("previous_version") or "").isdigit()  # A can go back to a version
-            ok = da["version"] == db["version"] and da["kind"] == "hybrid" and promoted_twice
+            ok = da["version"] == db["version"] and da["kind"] == "hybrid" and str(da["version"]).isdigit()
             return da if ok else None
 
         _wait("a promoted drafter live on both replicas", same_promoted_version_on_both, every_s=2.0,
@@ -248,7 +252,9 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
         r = httpx.post(f"{a}/admin/drafter/rollback", headers=admin, timeout=60)
         assert r.status_code == 200, r.text
         rolled = r.json()
-        assert drafter(a)["version"] == rolled["to_version"] and rolled["to_version"].isdigit()
+        assert drafter(a)["version"] == rolled["to_version"] and rolled["from_version"].isdigit()
+        champion_after = rolled["to_version"] if rolled["to_version"].isdigit() else "none"
+        assert champion_after != "none" or rolled["to_version"] == "day0", rolled
 
         def trainer_followed() -> dict | None:
             runs = _trainer_runs(mlflow, tiny_model_dir)
@@ -258,7 +264,7 @@ def test_compose_topology_runs_as_processes(tiny_model_dir, tmp_path):
         followed = _wait("the trainer to follow the rollback", trainer_followed, every_s=2.0, timeout_s=90,
                          act=lambda: on_b(f"Name a reef near cape {next(more)}.", 8))
         assert followed["to_version"] == rolled["to_version"] and followed["reason"].endswith("admin")
-        assert followed["champion"] == rolled["to_version"]  # the trainer's champion reverted
+        assert followed["champion"] == champion_after  # the trainer's champion reverted
 
         # kill -9 of the trainer: compose's restart policy (specloop restart-policy) starts it again,
         # and it resumes from its checkpoint: its first round continues the step count the
