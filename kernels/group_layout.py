@@ -12,26 +12,15 @@ AVX-512) stands until ``tune_group_layout`` has timed both on a served weight, o
 
 from __future__ import annotations
 
-import os
-import threading
-import time
-
-import torch
-
 from kernels import packed_linear
-from kernels.packed_linear import PackedLinear
+from kernels.timed_choice import MIN_TUNING_BYTES, TimedChoice
 
 LAYOUTS = ("passes", "chunks")
 
 ENV = "SPECLOOP_GROUP_LAYOUT"
 """passes | chunks fixes the layout without timing; auto (the default) times both."""
 
-MIN_TUNING_BYTES = 8 << 20
-"""A weight smaller than this (a tiny test model's) would time caches, not the machine's memory
-and FMA units: it is not timed, and the default stays until a real weight is."""
-
-_lock = threading.Lock()
-_tuned: dict | None = None
+__all__ = ["CHOICE", "ENV", "LAYOUTS", "MIN_TUNING_BYTES", "group_layout", "set_group_layout", "tune_group_layout"]
 
 
 def group_layout() -> str | None:
@@ -42,13 +31,18 @@ def group_layout() -> str | None:
     return "passes" if lib.packed_linear_group_passes() else "chunks"
 
 
-def set_group_layout(layout: str) -> None:
-    """Use ``layout`` ("passes" or "chunks") for every later call in this process."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"group layout must be one of {LAYOUTS}, got {layout!r}")
+def _write(layout: str) -> None:
     lib = packed_linear._load()
     if lib is not None:
         lib.packed_linear_set_group_passes(int(layout == "passes"))
+
+
+CHOICE = TimedChoice("layout", ENV, LAYOUTS, group_layout, _write, tokens=16, rounds=5)
+
+
+def set_group_layout(layout: str) -> None:
+    """Use ``layout`` ("passes" or "chunks") for every later call in this process."""
+    CHOICE.set(layout)
 
 
 def tune_group_layout(weight, tokens: int = 16, rounds: int = 5) -> dict | None:
@@ -57,29 +51,4 @@ def tune_group_layout(weight, tokens: int = 16, rounds: int = 5) -> dict | None:
     minimum of its rounds. Once per process: later calls return the first result. ``$ENV`` =
     passes | chunks sets that layout instead. Returns {"layout", "passes_ms", "chunks_ms",
     "source"}, or None where nothing was decided (no kernel, tiles, or a weight too small)."""
-    global _tuned
-    with _lock:
-        if _tuned is not None:
-            return _tuned
-        fixed = os.environ.get(ENV, "auto")
-        if fixed != "auto":
-            set_group_layout(fixed)  # raises on a bad value: a typo must not silently time
-            _tuned = {"layout": fixed, "passes_ms": None, "chunks_ms": None, "source": ENV}
-            return _tuned
-        if (not isinstance(weight, PackedLinear) or weight.layout not in ("fp32", "bf16", "int8")
-                or weight.nbytes < MIN_TUNING_BYTES or group_layout() is None):
-            return None
-        x = torch.randn(tokens, weight.in_features, generator=torch.Generator().manual_seed(0))
-        best = {layout: float("inf") for layout in LAYOUTS}
-        with torch.inference_mode():
-            for _ in range(rounds):
-                for layout in LAYOUTS:
-                    set_group_layout(layout)
-                    t0 = time.perf_counter()
-                    weight(x)
-                    best[layout] = min(best[layout], (time.perf_counter() - t0) * 1e3)
-        layout = min(LAYOUTS, key=best.__getitem__)
-        set_group_layout(layout)
-        _tuned = {"layout": layout, "passes_ms": round(best["passes"], 3),
-                  "chunks_ms": round(best["chunks"], 3), "source": "timed"}
-        return _tuned
+    return CHOICE.tune(weight, tokens, rounds)

@@ -14,10 +14,11 @@ needs_native = pytest.mark.skipif(not pl.available(), reason="native kernel not 
 @pytest.fixture(autouse=True)
 def _restore_layout(monkeypatch):
     """Each test starts untuned and leaves the process's layout as it found it."""
-    before = gl.group_layout()
-    monkeypatch.setattr(gl, "_tuned", None)
+    before, decided = gl.group_layout(), gl.CHOICE.decided
+    gl.CHOICE.forget()
     monkeypatch.delenv(gl.ENV, raising=False)
     yield
+    gl.CHOICE.decided = decided
     if before is not None:
         gl.set_group_layout(before)
 
@@ -101,4 +102,4 @@ def test_what_cannot_be_timed_leaves_the_default():
     small = _weights("bf16", 64, 64, torch.Generator().manual_seed(2))
     assert gl.tune_group_layout(small) is None  # a tiny model's weight times caches
     assert gl.tune_group_layout(torch.randn(64, 64)) is None  # not packed
-    assert gl.group_layout() == before and gl._tuned is None
+    assert gl.group_layout() == before and gl.CHOICE.decided is None
