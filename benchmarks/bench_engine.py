@@ -253,6 +253,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
             "layout": layout,
             "layer_stack": stacked,
             "group_layout": fast.runner.group_layout,
+            "stream_hint": fast.runner.stream_hint,
         },
         **figures("fast"),
         "step_ms_plain_thread": round(statistics.median(thread_ms), 2),

@@ -48,6 +48,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.packed_linear_set_group_passes.argtypes = [ctypes.c_int]
     lib.packed_linear_set_group_passes.restype = None
     lib.packed_linear_group_passes.restype = ctypes.c_int
+    lib.packed_linear_set_stream_nt.argtypes = [ctypes.c_int]
+    lib.packed_linear_set_stream_nt.restype = None
+    lib.packed_linear_stream_nt.restype = ctypes.c_int
 
 
 def _load() -> ctypes.CDLL | None:

@@ -95,6 +95,19 @@
 #endif
 static int group_passes = GROUP_PASSES; /* both layouts: one FMA chain per output, the same bits */
 
+/* Non-temporal prefetches for a panel streamed once: a call of one group (T <= RMAX, a decode
+ * step or a verify of up to RMAX tokens) reads each fp32 or bf16 panel once and never again in
+ * that call, so its rows are prefetched with the non-temporal hint (prefetchnta) instead of into
+ * L2 (prefetcht2). Measured on a 2-core AMD EPYC (Zen 4), SmolLM2-135M's bf16 panels, 2 threads:
+ * the lm_head alone at 1-2 tokens ~2.2-2.4 -> ~1.8-2.0 ms; `bench engine --reps 30`, 5 alternating
+ * pairs, the forward at 1 / 2 / 4 / 8 tokens 0.97 / 0.94 / 0.95 / 0.98 of the T2 build's, 16-32
+ * alike (those are several groups, which re-read the panel from L2: they keep T2). A 12 MB drafter
+ * and the KV cache stay cached between steps either way (int8 panels keep T2). Intel cores treat
+ * the hint otherwise (a Xeon measured non-temporal prefetches twice as slow in an early session),
+ * so kernels/stream_hint.py times both once per process and keeps the faster. Off by default; the
+ * same bits either way. */
+static int stream_nt = 0;
+
 /* A vector of VW bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32). */
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
@@ -125,8 +138,9 @@ static inline vf load_i8(const int8_t *p) {
 
 /* Rows [k0, k1) of one panel (outputs n0 .. n0+P) for R tokens of x, into the accumulators in
  * state [R][PV] (zeroed first when k0 == 0). wp points at row k0 of the panel, whose weights are
- * of type WT, read with LOAD; PF: rows prefetched ahead. */
-#define DEFINE_PANEL(NAME, WT, LOAD, PF, R)                                                  \
+ * of type WT, read with LOAD; PF: rows prefetched ahead, with locality LOC (1: into L2, 0:
+ * non-temporal; see stream_nt). */
+#define DEFINE_PANEL(NAME, WT, LOAD, PF, R, LOC)                                             \
     static void NAME##_##R(const float *restrict x, const WT *restrict wp, vf *restrict state, \
                            long K, long k0, long k1) {                                       \
         vf acc[R][PV];                                                                       \
@@ -134,8 +148,8 @@ static inline vf load_i8(const int8_t *p) {
             for (int j = 0; j < PV; j++) acc[t][j] = k0 ? state[t * PV + j] : (vf){0};       \
         for (long k = k0; k < k1; k++) {                                                     \
             const WT *row = wp + (k - k0) * P;                                               \
-            for (int j = 0; j < PV; j++) /* into L2, PF rows ahead (see PREFETCH_ROWS) */    \
-                __builtin_prefetch(row + PF * P + j * VW, 0, 1);                             \
+            for (int j = 0; j < PV; j++) /* PF rows ahead (see PREFETCH_ROWS) */             \
+                __builtin_prefetch(row + PF * P + j * VW, 0, LOC);                           \
             vf w[PV];                                                                        \
             for (int j = 0; j < PV; j++) w[j] = LOAD(row + j * VW);                          \
             for (int t = 0; t < R; t++) {                                                    \
@@ -150,9 +164,11 @@ static inline vf load_i8(const int8_t *p) {
 /* bf16 rows are half as long: prefetching twice as many rows ahead keeps the same bytes in
  * flight */
 #define DEFINE_PANELS(R)                                                                     \
-    DEFINE_PANEL(panel, float, load_f32, PREFETCH_ROWS, R)                                   \
-    DEFINE_PANEL(panel_bf16, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R)                      \
-    DEFINE_PANEL(panel_i8, int8_t, load_i8, 4 * PREFETCH_ROWS, R)
+    DEFINE_PANEL(panel, float, load_f32, PREFETCH_ROWS, R, 1)                                \
+    DEFINE_PANEL(panel_bf16, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R, 1)                   \
+    DEFINE_PANEL(panel_i8, int8_t, load_i8, 4 * PREFETCH_ROWS, R, 1)                         \
+    DEFINE_PANEL(panel_nt, float, load_f32, PREFETCH_ROWS, R, 0)                             \
+    DEFINE_PANEL(panel_bf16_nt, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R, 0)
 
 DEFINE_PANELS(1)
 DEFINE_PANELS(2)
@@ -177,6 +193,21 @@ static const panel_bf16_fn PANELS_BF16[RMAX + 1] = {0, panel_bf16_1, panel_bf16_
 #if RMAX > 3
                                                     panel_bf16_4, panel_bf16_5, panel_bf16_6,
                                                     panel_bf16_7, panel_bf16_8, panel_bf16_9
+#endif
+};
+
+static const panel_fn PANELS_NT[RMAX + 1] = {0, panel_nt_1, panel_nt_2, panel_nt_3,
+#if RMAX > 3
+                                             panel_nt_4, panel_nt_5, panel_nt_6, panel_nt_7,
+                                             panel_nt_8, panel_nt_9
+#endif
+};
+static const panel_bf16_fn PANELS_BF16_NT[RMAX + 1] = {0, panel_bf16_nt_1, panel_bf16_nt_2,
+                                                       panel_bf16_nt_3,
+#if RMAX > 3
+                                                       panel_bf16_nt_4, panel_bf16_nt_5,
+                                                       panel_bf16_nt_6, panel_bf16_nt_7,
+                                                       panel_bf16_nt_8, panel_bf16_nt_9
 #endif
 };
 
@@ -275,6 +306,15 @@ static void panel_chunks(const float *x, int kind, const void *w, const float *s
  * `scales`, its P outputs' scales). One group (T <= RMAX) is one pass either way. */
 static void panel_all(const float *x, int kind, const void *w, const float *scales,
                       const float *res, float *y, long T, long N, long K, long n0) {
+    if (T <= RMAX && kind != W_I8 && __atomic_load_n(&stream_nt, __ATOMIC_RELAXED)) {
+        vf state[RMAX * PV]; /* one group: the panel streams once (see stream_nt) */
+        if (kind == W_BF16)
+            PANELS_BF16_NT[T](x, w, state, K, 0, K);
+        else
+            PANELS_NT[T](x, w, state, K, 0, K);
+        finish_group(state, scales, res, y, T, N, n0);
+        return;
+    }
     if (__atomic_load_n(&group_passes, __ATOMIC_RELAXED))
         panel_passes(x, kind, w, scales, res, y, T, N, K, n0);
     else
@@ -355,6 +395,11 @@ int packed_linear_fused_int8(const float *x, int prologue, const float *g, float
  * panels one way and some the other, with the same bits. */
 void packed_linear_set_group_passes(int on) { __atomic_store_n(&group_passes, on != 0, __ATOMIC_RELAXED); }
 int packed_linear_group_passes(void) { return __atomic_load_n(&group_passes, __ATOMIC_RELAXED); }
+
+/* Whether one-group calls prefetch fp32 and bf16 panels non-temporally (1) or into L2 (0); see
+ * stream_nt. Read per panel, like the layout; the same bits either way. */
+void packed_linear_set_stream_nt(int on) { __atomic_store_n(&stream_nt, on != 0, __ATOMIC_RELAXED); }
+int packed_linear_stream_nt(void) { return __atomic_load_n(&stream_nt, __ATOMIC_RELAXED); }
 
 /* Outputs per panel: the packing's P (48 with AVX-512, 32 otherwise). */
 int packed_linear_panel_width(void) { return P; }

@@ -13,6 +13,7 @@ import time
 import torch
 
 from kernels.group_layout import tune_group_layout
+from kernels.stream_hint import tune_stream_hint
 from serving.engine.batch_cache import RaggedKVCache, round_up_columns
 from serving.engine.cuda_graphs import StepGraphs
 from serving.engine.forward_cache import shared_forward
@@ -53,10 +54,16 @@ class ModelRunner:
         self.group_layout: dict | None = None
         """How the FMA kernel's token groups share a panel's stream here, timed once per process
         on the lm_head (kernels/group_layout.py); None where nothing was decided."""
+        self.stream_hint: dict | None = None
+        """How it prefetches a panel streamed once (a step, a verify of one group), timed the
+        same way (kernels/stream_hint.py); None where nothing was decided."""
         if self.fast is not None and self.device.type == "cpu":
             self.group_layout = tune_group_layout(self.fast.lm_head_served)
             if self.group_layout is not None:
                 log.info("token groups in %s (%s)", self.group_layout["layout"], self.group_layout)
+            self.stream_hint = tune_stream_hint(self.fast.lm_head_served)
+            if self.stream_hint is not None:
+                log.info("panels streamed once prefetched %s (%s)", self.stream_hint["hint"], self.stream_hint)
         self.graphs: StepGraphs | None = None
         """The fast forward's decode and verify steps as CUDA graphs (serving/engine/cuda_graphs.py)
         when the model is on CUDA and ``cuda_graphs`` is on; None runs every forward eagerly."""
