@@ -4,8 +4,8 @@ A call of at most RMAX tokens (a decode step, a verify of up to 9 tokens with AV
 fp32 or bf16 panel once (kernels/native/packed_linear.c, ``stream_nt``). Its rows can be prefetched
 into L2 ("l2", prefetcht2, the default) or with the non-temporal hint ("nta", prefetchnta), which
 on a 2-core Zen 4 EPYC ran SmolLM2-135M's lm_head ~15 % faster at 1-2 tokens and its forward at
-1 / 2 / 4 tokens ~3 / 6 / 5 % faster, while an early session measured non-temporal prefetches
-twice as slow on a Xeon. The same bits either way, so ``tune_stream_hint`` times both on a served
+1 / 2 / 4 tokens ~3 / 6 / 5 % faster on two threads, its one-token step 17.8 -> 13.1-14.1 ms on
+one, while an early session measured non-temporal prefetches twice as slow on a Xeon. The same bits either way, so ``tune_stream_hint`` times both on a served
 weight once per process and keeps the faster.
 """
 
