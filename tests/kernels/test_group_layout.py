@@ -3,33 +3,18 @@ and the layout a process uses is the one it timed faster (or the one the environ
 
 import pytest
 import torch
+from panel_samples import packed_weights, undecided
 
 from kernels import group_layout as gl
 from kernels import packed_linear as pl
-from kernels.packed_linear import PackedLinear
 
 needs_native = pytest.mark.skipif(not pl.available(), reason="native kernel not built")
 
 
 @pytest.fixture(autouse=True)
 def _restore_layout(monkeypatch):
-    """Each test starts untuned and leaves the process's layout as it found it."""
-    before, decided = gl.group_layout(), gl.CHOICE.decided
-    gl.CHOICE.forget()
-    monkeypatch.delenv(gl.ENV, raising=False)
-    yield
-    gl.CHOICE.decided = decided
-    if before is not None:
-        gl.set_group_layout(before)
-
-
-def _weights(kind: str, n: int, k: int, g: torch.Generator) -> PackedLinear:
-    w = torch.randn(n, k, generator=g) * 0.05
-    if kind == "int8":
-        return PackedLinear.pack_int8(w)
-    if kind == "bf16":
-        return PackedLinear.pack(w.bfloat16().float())
-    return PackedLinear.pack(w, bf16=False)
+    """Each test starts undecided and leaves the process's setting as it found it."""
+    yield from undecided(gl.CHOICE, monkeypatch)
 
 
 @needs_native
@@ -39,7 +24,7 @@ def test_passes_and_chunks_give_the_same_bits(kind, tokens):
     """Every output is one FMA chain over k in both layouts: a call gives the bits of the same
     call in the other layout, and of each token alone, with every prologue and a residual."""
     g = torch.Generator().manual_seed(tokens + len(kind))
-    packed = _weights(kind, 577, 584, g)
+    packed = packed_weights(kind, 577, 584, g)
     assert packed.layout == kind
     x = torch.randn(tokens, 2 * 584, generator=g)
     res = torch.randn(tokens, 577, generator=g)
@@ -64,7 +49,7 @@ def test_passes_and_chunks_give_the_same_bits(kind, tokens):
 @needs_native
 def test_tuning_keeps_the_layout_it_timed_faster_once_per_process():
     g = torch.Generator().manual_seed(0)
-    head = _weights("bf16", 8192, 576, g)  # 9.4 MB of panels: beyond the caches
+    head = packed_weights("bf16", 8192, 576, g)  # 9.4 MB of panels: beyond the caches
     assert head.nbytes >= gl.MIN_TUNING_BYTES
     result = gl.tune_group_layout(head, rounds=2)
     assert result["source"] == "timed" and result["layout"] in gl.LAYOUTS
@@ -81,7 +66,7 @@ def test_tuning_keeps_the_layout_it_timed_faster_once_per_process():
 @pytest.mark.parametrize("layout", gl.LAYOUTS)
 def test_the_environment_fixes_the_layout_without_timing(monkeypatch, layout):
     monkeypatch.setenv(gl.ENV, layout)
-    tiny = _weights("bf16", 8, 16, torch.Generator().manual_seed(1))
+    tiny = packed_weights("bf16", 8, 16, torch.Generator().manual_seed(1))
     result = gl.tune_group_layout(tiny)
     assert result == {"layout": layout, "passes_ms": None, "chunks_ms": None, "source": gl.ENV}
     assert gl.group_layout() == layout
@@ -99,7 +84,7 @@ def test_a_bad_layout_is_refused(monkeypatch):
 @needs_native
 def test_what_cannot_be_timed_leaves_the_default():
     before = gl.group_layout()
-    small = _weights("bf16", 64, 64, torch.Generator().manual_seed(2))
+    small = packed_weights("bf16", 64, 64, torch.Generator().manual_seed(2))
     assert gl.tune_group_layout(small) is None  # a tiny model's weight times caches
     assert gl.tune_group_layout(torch.randn(64, 64)) is None  # not packed
     assert gl.group_layout() == before and gl.CHOICE.decided is None

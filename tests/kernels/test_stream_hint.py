@@ -4,10 +4,10 @@ names)."""
 
 import pytest
 import torch
+from panel_samples import packed_weights, undecided
 
 from kernels import packed_linear as pl
 from kernels import stream_hint as sh
-from kernels.packed_linear import PackedLinear
 from kernels.timed_choice import MIN_TUNING_BYTES
 
 needs_native = pytest.mark.skipif(not pl.available(), reason="native kernel not built")
@@ -15,23 +15,8 @@ needs_native = pytest.mark.skipif(not pl.available(), reason="native kernel not 
 
 @pytest.fixture(autouse=True)
 def _restore_hint(monkeypatch):
-    """Each test starts undecided and leaves the process's hint as it found it."""
-    before, decided = sh.stream_hint(), sh.CHOICE.decided
-    sh.CHOICE.forget()
-    monkeypatch.delenv(sh.ENV, raising=False)
-    yield
-    sh.CHOICE.decided = decided
-    if before is not None:
-        sh.set_stream_hint(before)
-
-
-def _weights(kind: str, n: int, k: int, g: torch.Generator) -> PackedLinear:
-    w = torch.randn(n, k, generator=g) * 0.05
-    if kind == "int8":
-        return PackedLinear.pack_int8(w)
-    if kind == "bf16":
-        return PackedLinear.pack(w.bfloat16().float())
-    return PackedLinear.pack(w, bf16=False)
+    """Each test starts undecided and leaves the process's setting as it found it."""
+    yield from undecided(sh.CHOICE, monkeypatch)
 
 
 @needs_native
@@ -42,7 +27,7 @@ def test_both_hints_give_the_same_bits(kind, tokens):
     AVX-512, <= 3 with AVX2) and several, give the same bits under both hints, and as each token
     alone."""
     g = torch.Generator().manual_seed(tokens + len(kind))
-    packed = _weights(kind, 577, 584, g)
+    packed = packed_weights(kind, 577, 584, g)
     x = torch.randn(tokens, 2 * 584, generator=g)
     res = torch.randn(tokens, 577, generator=g)
     norm = torch.rand(584, generator=g) + 0.5
@@ -65,7 +50,7 @@ def test_both_hints_give_the_same_bits(kind, tokens):
 
 @needs_native
 def test_tuning_keeps_the_hint_it_timed_faster_once_per_process():
-    head = _weights("bf16", 8192, 576, torch.Generator().manual_seed(0))  # 9.4 MB of panels
+    head = packed_weights("bf16", 8192, 576, torch.Generator().manual_seed(0))  # 9.4 MB of panels
     assert head.nbytes >= MIN_TUNING_BYTES
     result = sh.tune_stream_hint(head, rounds=2)
     assert result["source"] == "timed" and result["hint"] in sh.HINTS
@@ -82,7 +67,7 @@ def test_tuning_keeps_the_hint_it_timed_faster_once_per_process():
 @pytest.mark.parametrize("hint", sh.HINTS)
 def test_the_environment_fixes_the_hint_without_timing(monkeypatch, hint):
     monkeypatch.setenv(sh.ENV, hint)
-    tiny = _weights("bf16", 8, 16, torch.Generator().manual_seed(1))
+    tiny = packed_weights("bf16", 8, 16, torch.Generator().manual_seed(1))
     assert sh.tune_stream_hint(tiny) == {"hint": hint, "l2_ms": None, "nta_ms": None, "source": sh.ENV}
     assert sh.stream_hint() == hint
 
@@ -99,7 +84,7 @@ def test_a_bad_hint_is_refused(monkeypatch):
 @needs_native
 def test_what_cannot_be_timed_leaves_the_default():
     before = sh.stream_hint()
-    small = _weights("bf16", 64, 64, torch.Generator().manual_seed(2))
+    small = packed_weights("bf16", 64, 64, torch.Generator().manual_seed(2))
     assert sh.tune_stream_hint(small) is None  # a tiny model's weight times caches
     assert sh.tune_stream_hint(torch.randn(64, 64)) is None  # not packed
     assert sh.stream_hint() == before and sh.CHOICE.decided is None
