@@ -101,8 +101,9 @@ static int group_passes = GROUP_PASSES; /* both layouts: one FMA chain per outpu
  * L2 (prefetcht2). Measured on a 2-core AMD EPYC (Zen 4), SmolLM2-135M's bf16 panels, 2 threads:
  * the lm_head alone at 1-2 tokens ~2.2-2.4 -> ~1.8-2.0 ms; `bench engine --reps 30`, 5 alternating
  * pairs, the forward at 1 / 2 / 4 / 8 tokens 0.97 / 0.94 / 0.95 / 0.98 of the T2 build's, 16-32
- * alike (those are several groups, which re-read the panel from L2: they keep T2). A 12 MB drafter
- * and the KV cache stay cached between steps either way (int8 panels keep T2). Intel cores treat
+ * alike (those are several groups, which re-read the panel from L2: they keep T2); one thread's
+ * step 17.8 -> 13.1-14.1 ms. A learned drafter's int8 panels keep T2 (its one-token draft after a
+ * target step measured the same with the target's panels either way). Intel cores treat
  * the hint otherwise (a Xeon measured non-temporal prefetches twice as slow in an early session),
  * so kernels/stream_hint.py times both once per process and keeps the faster. Off by default; the
  * same bits either way. */
