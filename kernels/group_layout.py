@@ -12,8 +12,7 @@ AVX-512) stands until ``tune_group_layout`` has timed both on a served weight, o
 
 from __future__ import annotations
 
-from kernels import packed_linear
-from kernels.timed_choice import MIN_TUNING_BYTES, TimedChoice
+from kernels.timed_choice import MIN_TUNING_BYTES, TimedChoice, native_flag
 
 LAYOUTS = ("passes", "chunks")
 
@@ -22,20 +21,8 @@ ENV = "SPECLOOP_GROUP_LAYOUT"
 
 __all__ = ["CHOICE", "ENV", "LAYOUTS", "MIN_TUNING_BYTES", "group_layout", "set_group_layout", "tune_group_layout"]
 
-
-def group_layout() -> str | None:
-    """The layout this process's forwards use; None where the kernel is not built."""
-    lib = packed_linear._load()
-    if lib is None:
-        return None
-    return "passes" if lib.packed_linear_group_passes() else "chunks"
-
-
-def _write(layout: str) -> None:
-    lib = packed_linear._load()
-    if lib is not None:
-        lib.packed_linear_set_group_passes(int(layout == "passes"))
-
+group_layout, _write = native_flag("packed_linear_group_passes", "packed_linear_set_group_passes", "passes", "chunks")
+"""``group_layout()``: the layout this process's forwards use; None where the kernel is not built."""
 
 CHOICE = TimedChoice("layout", ENV, LAYOUTS, group_layout, _write, tokens=16, rounds=5)
 

@@ -5,34 +5,22 @@ fp32 or bf16 panel once (kernels/native/packed_linear.c, ``stream_nt``). Its row
 into L2 ("l2", prefetcht2, the default) or with the non-temporal hint ("nta", prefetchnta), which
 on a 2-core Zen 4 EPYC ran SmolLM2-135M's lm_head ~15 % faster at 1-2 tokens and its forward at
 1 / 2 / 4 tokens ~3 / 6 / 5 % faster on two threads, its one-token step 17.8 -> 13.1-14.1 ms on
-one, while an early session measured non-temporal prefetches twice as slow on a Xeon. The same bits either way, so ``tune_stream_hint`` times both on a served
-weight once per process and keeps the faster.
+one, while an early session measured non-temporal prefetches twice as slow on a Xeon. The same bits
+either way, so ``tune_stream_hint`` times both on a served weight once per process and keeps the
+faster.
 """
 
 from __future__ import annotations
 
-from kernels import packed_linear
-from kernels.timed_choice import TimedChoice
+from kernels.timed_choice import TimedChoice, native_flag
 
 HINTS = ("l2", "nta")
 
 ENV = "SPECLOOP_STREAM_HINT"
 """l2 | nta fixes the hint without timing; auto (the default) times both."""
 
-
-def stream_hint() -> str | None:
-    """The hint this process's one-group calls use; None where the kernel is not built."""
-    lib = packed_linear._load()
-    if lib is None:
-        return None
-    return "nta" if lib.packed_linear_stream_nt() else "l2"
-
-
-def _write(hint: str) -> None:
-    lib = packed_linear._load()
-    if lib is not None:
-        lib.packed_linear_set_stream_nt(int(hint == "nta"))
-
+stream_hint, _write = native_flag("packed_linear_stream_nt", "packed_linear_set_stream_nt", "nta", "l2")
+"""``stream_hint()``: the hint this process's one-group calls use; None where the kernel is not built."""
 
 CHOICE = TimedChoice("hint", ENV, HINTS, stream_hint, _write, tokens=1, rounds=7)
 

@@ -16,11 +16,28 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import packed_linear
 from kernels.packed_linear import PackedLinear
 
 MIN_TUNING_BYTES = 8 << 20
 """A weight smaller than this (a tiny test model's) would time caches, not the machine's memory
 and FMA units: it is not timed, and the default stays until a real weight is."""
+
+
+def native_flag(getter: str, setter: str, on: str, off: str):
+    """(read, write) for a TimedChoice kept as an int flag of the packed_linear library: ``on``
+    where ``getter()`` is non-zero, else ``off`` (None where the kernel is not built)."""
+
+    def read() -> str | None:
+        lib = packed_linear._load()
+        return None if lib is None else on if getattr(lib, getter)() else off
+
+    def write(value: str) -> None:
+        lib = packed_linear._load()
+        if lib is not None:
+            getattr(lib, setter)(int(value == on))
+
+    return read, write
 
 
 class TimedChoice:

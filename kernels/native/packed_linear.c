@@ -252,18 +252,21 @@ static void finish_group(vf *state, const float *scales, const float *res, float
 
 /* One panel for all T tokens in passes (GROUP_PASSES): each group of RMAX tokens, the last one
  * the rest, reads the whole panel itself, widening in registers; the panel streams from memory
- * once and stays in L2 for the groups after the first, whatever T is. */
+ * once and stays in L2 for the groups after the first, whatever T is. `nt`: fp32 and bf16 rows
+ * prefetched non-temporally (one group, see stream_nt). */
 static void panel_passes(const float *x, int kind, const void *w, const float *scales,
-                         const float *res, float *y, long T, long N, long K, long n0) {
+                         const float *res, float *y, long T, long N, long K, long n0, int nt) {
+    const panel_fn *f32 = nt ? PANELS_NT : PANELS;
+    const panel_bf16_fn *bf16 = nt ? PANELS_BF16_NT : PANELS_BF16;
     vf state[RMAX * PV];
     for (long t0 = 0; t0 < T; t0 += RMAX) {
         long r = T - t0 < RMAX ? T - t0 : RMAX;
         if (kind == W_BF16)
-            PANELS_BF16[r](x + t0 * K, w, state, K, 0, K);
+            bf16[r](x + t0 * K, w, state, K, 0, K);
         else if (kind == W_I8)
             PANELS_I8[r](x + t0 * K, w, state, K, 0, K);
         else
-            PANELS[r](x + t0 * K, w, state, K, 0, K);
+            f32[r](x + t0 * K, w, state, K, 0, K);
         finish_group(state, scales, res ? res + t0 * N : NULL, y + t0 * N, r, N, n0);
     }
 }
@@ -307,17 +310,10 @@ static void panel_chunks(const float *x, int kind, const void *w, const float *s
  * `scales`, its P outputs' scales). One group (T <= RMAX) is one pass either way. */
 static void panel_all(const float *x, int kind, const void *w, const float *scales,
                       const float *res, float *y, long T, long N, long K, long n0) {
-    if (T <= RMAX && kind != W_I8 && __atomic_load_n(&stream_nt, __ATOMIC_RELAXED)) {
-        vf state[RMAX * PV]; /* one group: the panel streams once (see stream_nt) */
-        if (kind == W_BF16)
-            PANELS_BF16_NT[T](x, w, state, K, 0, K);
-        else
-            PANELS_NT[T](x, w, state, K, 0, K);
-        finish_group(state, scales, res, y, T, N, n0);
-        return;
-    }
-    if (__atomic_load_n(&group_passes, __ATOMIC_RELAXED))
-        panel_passes(x, kind, w, scales, res, y, T, N, K, n0);
+    /* one group: the panel streams once (see stream_nt); one pass in either layout */
+    int nt = T <= RMAX && kind != W_I8 && __atomic_load_n(&stream_nt, __ATOMIC_RELAXED);
+    if (nt || __atomic_load_n(&group_passes, __ATOMIC_RELAXED))
+        panel_passes(x, kind, w, scales, res, y, T, N, K, n0, nt);
     else
         panel_chunks(x, kind, w, scales, res, y, T, N, K, n0);
 }
