@@ -28,6 +28,7 @@ process, and a learned drafter's reading the target's panels).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -301,11 +302,13 @@ class LlamaForward:
         logits_to_keep: int = 0,
         hidden_layers: tuple[int, ...] = (),
         row_tokens: torch.Tensor | None = None,
+        before_layers: Callable[[], None] | None = None,
     ) -> ForwardOutput:
         """input_ids, position_ids [B, q]; attention_mask bool [B, 1, q, L] over the cache after this
         step's update; past_key_values: the engine's cache (``update(k, v, layer) -> (K, V)``).
         ``row_tokens`` [B]: how many of each row's q inputs are real; the rest is padding, whose
-        logits come back as zeros (see ``_packed``)."""
+        logits come back as zeros (see ``_packed``). ``before_layers()``: called right before the
+        layers run (the caller's work for other threads, beside a native stack without the GIL)."""
         b, q = input_ids.shape
         x, cos, sin = self._embed(input_ids, position_ids)
         want = {i % (self.num_layers + 1) for i in hidden_layers}  # -1: the final normed state
@@ -326,6 +329,8 @@ class LlamaForward:
                 cols[real][:, None].contiguous(),  # [N, 1]
                 attention_mask[:, 0][real][:, None, None].contiguous(),  # [N, 1, 1, L]
             )
+        if before_layers is not None:
+            before_layers()
         h = self._layers(h, att_args, past_key_values, rows, want, hidden)
         if self.num_layers in want:
             hidden[self.num_layers] = self._norm(h, self.final_norm)

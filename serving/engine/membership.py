@@ -60,7 +60,8 @@ class RowMembership:
         for sub in [s for s in self._waiting if s.request.request_id in ids]:
             self._waiting.remove(sub)
             self._forget(sub.request.request_id)
-            sub.client.send(
+            self._outbox.send(
+                sub.client,
                 GenerationChunk(
                     request_id=sub.request.request_id,
                     token_ids=[],
@@ -86,7 +87,7 @@ class RowMembership:
             except Exception as e:
                 log.exception("admission failed for %s", sub.request.request_id)
                 self._forget(sub.request.request_id)
-                sub.client.send(RequestError(f"prefill failed: {e}"))
+                self._outbox.send(sub.client, RequestError(f"prefill failed: {e}"))
                 continue
             self._rows.append(row)
             if self._drafter is not None and self._drafter.feature_layers:
@@ -123,7 +124,7 @@ class RowMembership:
         if reason is None:
             if row.features_layers and kept is not None:
                 row.features.append(kept)
-            if not row.client.send(row.chunk(emitted, pushed.text, None)):
+            if not self._outbox.send(row.client, row.chunk(emitted, pushed.text, None)):
                 self._request_abort(row.request_id)  # the caller's event loop is gone
             return False
         text = pushed.text + row.text.flush()
@@ -132,7 +133,7 @@ class RowMembership:
 
     def _finish(self, row: Row, reason: str, tokens: list[int], text: str) -> None:
         self._forget(row.request_id)
-        row.client.send(row.chunk(tokens, text, reason))
+        self._outbox.send(row.client, row.chunk(tokens, text, reason))
         if self._drafter is not None and row.draft_ok:
             try:
                 # an opted-out request ("train": false) leaves nothing that outlives it: its output
@@ -145,7 +146,7 @@ class RowMembership:
 
     def _fail(self, row: Row, error: RequestError) -> None:
         self._forget(row.request_id)
-        row.client.send(error)
+        self._outbox.send(row.client, error)
         if self._drafter is not None and row.draft_ok:
             try:
                 self._drafter.remove_request(row.request_id, None)

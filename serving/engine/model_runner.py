@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -114,19 +115,25 @@ class ModelRunner:
         return cache
 
     def forward(self, cache: RaggedKVCache, input_ids: torch.Tensor, logits_to_keep: int = 0,
-                row_tokens: torch.Tensor | None = None):
+                row_tokens: torch.Tensor | None = None, before_layers: Callable[[], None] | None = None):
         """One target forward of ``input_ids`` [B, q] appended to ``cache`` (uncommitted until the
         caller commits); ``.logits`` [B, q or logits_to_keep, V], ``.hidden_states`` when
         ``feature_layers`` are set. ``row_tokens`` [B]: row b's inputs beyond its first
-        ``row_tokens[b]`` are padding (their logits are not read; the fast forward may skip them)."""
+        ``row_tokens[b]`` are padding (their logits are not read; the fast forward may skip them).
+        ``before_layers()``: called once the layers are about to run (natively, without the GIL,
+        on the fast path): work for other threads to do beside them (serving/engine/outbox.py)."""
         positions, mask = cache.prepare(input_ids.shape[1])  # [B, q], [B, 1, q, L]
         graphs = self.graphs
         if graphs is not None and graphs.applies(cache, input_ids.shape[1], logits_to_keep, self.feature_layers):
+            if before_layers is not None:
+                before_layers()
             return graphs(cache, input_ids.to(self.device), positions, mask)
         if self.fast is not None:
             return self.fast(input_ids.to(self.device), positions, mask, cache,
                              logits_to_keep=logits_to_keep, hidden_layers=self.feature_layers,
-                             row_tokens=row_tokens)
+                             row_tokens=row_tokens, before_layers=before_layers)
+        if before_layers is not None:
+            before_layers()
         if self._additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
                 ~mask, torch.finfo(self.model.dtype).min

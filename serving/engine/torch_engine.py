@@ -52,6 +52,7 @@ from serving.engine.drafter_swap import DrafterSwaps
 from serving.engine.drafting import DraftPlan, plan_from_proposal
 from serving.engine.membership import RowMembership
 from serving.engine.model_runner import ModelRunner
+from serving.engine.outbox import Outbox
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
 from serving.engine.rows import Client, Row, Submission
 from serving.engine.tree import trim_plan
@@ -111,6 +112,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
         # Owned by the step thread.
         self._waiting: collections.deque[Submission] = collections.deque()
         self._rows: list[Row] = []
+        self._outbox = Outbox()
+        """Replies to clients, held for the next forward's native stretch (outbox.py)."""
         self._cache = self._new_cache()
         self.steps = 0
         self.drafter_errors = 0
@@ -209,6 +212,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
                     self._inbox.clear()
                     aborts, self._abort_ids = self._abort_ids, set()
                     wanted, self._snapshot_wanted = self._snapshot_wanted, []
+                    if self._waiting or self._pending_swap is not None or wanted:
+                        self._outbox.flush()  # a prefill, a swap or a snapshot is no native stretch
                 try:
                     self._apply_swap()
                     self._apply_aborts(aborts)
@@ -218,6 +223,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
                         self._step_or_fail()
                 except Exception:  # never let the loop die
                     log.exception("engine loop error")
+                if not self._rows:
+                    self._outbox.flush()  # no forward comes next
             self._shutdown()
 
     def _shutdown(self) -> None:
@@ -233,7 +240,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
         while self._waiting:
             sub = self._waiting.popleft()
             self._forget(sub.request.request_id)
-            sub.client.send(Unavailable("the engine stopped before serving this request"))
+            self._outbox.send(sub.client, Unavailable("the engine stopped before serving this request"))
+        self._outbox.flush()
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -277,7 +285,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
         parents = plan.node_parents()  # [B, K+1]
         if plan.is_tree():
             self._cache.set_tree(tree_depths(parents), tree_ancestors(parents))
-        out = self.runner.forward(self._cache, inputs, row_tokens=plan.lengths + 1)  # padding skipped
+        out = self.runner.forward(self._cache, inputs, row_tokens=plan.lengths + 1,  # padding skipped
+                                  before_layers=self._outbox.flush)
         result = verify_rows(rows, plan, parents, out)
         num_accepted = result.num_accepted.tolist()
         next_tokens = result.next_tokens.tolist()
