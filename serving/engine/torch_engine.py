@@ -212,8 +212,9 @@ class TorchEngine(DrafterSwaps, RowMembership):
                     self._inbox.clear()
                     aborts, self._abort_ids = self._abort_ids, set()
                     wanted, self._snapshot_wanted = self._snapshot_wanted, []
-                    if self._waiting or self._pending_swap is not None or wanted:
-                        self._outbox.flush()  # a prefill, a swap or a snapshot is no native stretch
+                    slow = bool(self._waiting) or self._pending_swap is not None or bool(wanted)
+                if slow:  # a prefill, a swap or a snapshot comes first: no stretch to hold them for
+                    self._outbox.flush()
                 try:
                     self._apply_swap()
                     self._apply_aborts(aborts)
