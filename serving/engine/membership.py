@@ -80,6 +80,7 @@ class RowMembership:
     def _admit(self) -> None:
         while self._waiting and len(self._rows) < self.config.max_batch_size:
             sub = self._waiting.popleft()
+            self._outbox.flush()  # the loop's work runs beside the prefill, not after it
             try:
                 row = Row(sub, self.tokenizer, self.eos_ids, self.max_context)
                 cache, feats = self._prefill(row.token_ids)

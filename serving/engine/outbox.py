@@ -11,9 +11,10 @@ in native code without the GIL, the loop's work runs beside them instead.
 
 Every reply the step thread makes goes through the outbox, so a request's chunks and its error or
 end arrive in the order they were made. The engine flushes it where the step thread is about to
-compute without the GIL or to wait (``TorchEngine._run``): the forward's ``before_layers``, before
-a prefill or a swap, when the batch is empty, at shutdown. A chunk waits at most one draft and a
-forward's preparation, ~2 ms on a 2-core CPU: the next token is a whole step away anyway.
+compute without the GIL or to wait: the forward's ``before_layers``, before a prefill
+(``RowMembership._admit``), before a swap or a snapshot, when the batch is empty, at shutdown
+(``TorchEngine._run``). A chunk waits at most one draft and a forward's preparation, ~2 ms on a
+2-core CPU: the next token is a whole step away anyway.
 """
 
 from __future__ import annotations

@@ -212,8 +212,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
                     self._inbox.clear()
                     aborts, self._abort_ids = self._abort_ids, set()
                     wanted, self._snapshot_wanted = self._snapshot_wanted, []
-                    slow = bool(self._waiting) or self._pending_swap is not None or bool(wanted)
-                if slow:  # a prefill, a swap or a snapshot comes first: no stretch to hold them for
+                    slow = self._pending_swap is not None or bool(wanted)
+                if slow:  # a swap or a snapshot comes first: no stretch to hold them for
                     self._outbox.flush()
                 try:
                     self._apply_swap()
