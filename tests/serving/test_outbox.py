@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from serving.engine.base import GenerationRequest
 from serving.engine.config import EngineConfig
 from serving.engine.outbox import Outbox
@@ -35,10 +37,12 @@ def test_held_replies_reach_their_clients_in_order_and_a_closed_loop_is_refused(
     assert not box.send(Client(closed, None), "x") and len(box) == 0  # the engine aborts that row
 
 
-def test_a_steps_chunks_are_handed_over_when_the_next_forward_runs_its_layers(ids_target, run, drafters, helpers):
+@pytest.mark.parametrize("forward", ["auto", "hf"])
+def test_a_steps_chunks_are_handed_over_when_the_next_forward_runs_its_layers(ids_target, run, drafters, helpers,
+                                                                              forward):
     """Each draft runs while the previous step's chunks are still held (the client's event loop
     does not take the GIL from it), the forward's layers start with them handed over, and every
-    request still gets all its tokens, in order, lossless."""
+    request still gets all its tokens, in order, lossless: on our forward and on Hugging Face's."""
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     refs = [target_greedy_reference(ids_target.model, p, 12) for p in prompts]
     held_at_propose: list[int] = []
@@ -50,7 +54,8 @@ def test_a_steps_chunks_are_handed_over_when_the_next_forward_runs_its_layers(id
             return super().propose(views, k)
 
     vocab = int(ids_target.model.config.vocab_size)
-    engine = TorchEngine(ids_target, Watching(vocab), EngineConfig(k=2, max_batch_size=2))
+    engine = TorchEngine(ids_target, Watching(vocab), EngineConfig(k=2, max_batch_size=2, forward=forward))
+    assert (engine.runner.fast is None) == (forward == "hf")
     flushed_before_layers: list[int] = []
     forward = engine.runner.forward
 
