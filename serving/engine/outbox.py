@@ -5,7 +5,7 @@ Python: the request's coroutine, the HTTP response, asyncio's own bookkeeping. H
 row commits, that work ran while the step thread ran Python of its own (the drafter's propose, the
 policy, the next forward's preparation), and the two threads took turns at the GIL: a one-token
 learned draft right after a verify waited ~0.2 ms for it (``time.sleep(0)`` there read 0.17 ms),
-and read 0.133-0.138 of a target step against 0.110-0.118 with the chunks held (ARCHITECTURE.md,
+and cost 0.117-0.123 of a 2-token verify against 0.099-0.108 with the chunks held (ARCHITECTURE.md,
 "Replies held for the forward"). Held until the next target forward enters its layers, which run
 in native code without the GIL, the loop's work runs beside them instead.
 
