@@ -32,10 +32,11 @@ def set_group_layout(layout: str) -> None:
     CHOICE.set(layout)
 
 
-def tune_group_layout(weight, tokens: int = 16, rounds: int = 5) -> dict | None:
+def tune_group_layout(weight, tokens: int | None = None, rounds: int | None = None) -> dict | None:
     """Time ``weight`` (a served PackedLinear on the FMA panels, e.g. the target's lm_head) on
-    ``tokens`` tokens in each layout, alternating for ``rounds`` rounds, and keep the faster by the
-    minimum of its rounds. Once per process: later calls return the first result. ``$ENV`` =
-    passes | chunks sets that layout instead. Returns {"layout", "passes_ms", "chunks_ms",
-    "source"}, or None where nothing was decided (no kernel, tiles, or a weight too small)."""
+    ``tokens`` tokens (default: ``CHOICE``'s 16) in each layout, alternating for ``rounds`` rounds
+    (``CHOICE``'s 5), and keep the faster by the minimum of its rounds. Once per process: later calls
+    return the first result. ``$ENV`` = passes | chunks sets that layout instead. Returns {"layout",
+    "passes_ms", "chunks_ms", "source"}, or None where nothing was decided (no kernel, tiles, or a
+    weight too small)."""
     return CHOICE.tune(weight, tokens, rounds)

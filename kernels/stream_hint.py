@@ -30,8 +30,9 @@ def set_stream_hint(hint: str) -> None:
     CHOICE.set(hint)
 
 
-def tune_stream_hint(weight, tokens: int = 1, rounds: int = 7) -> dict | None:
-    """Time ``weight`` (a served PackedLinear, e.g. the target's lm_head) on ``tokens`` tokens under
-    each hint, alternating for ``rounds`` rounds, and keep the faster. Once per process; ``$ENV``
-    fixes it. Returns {"hint", "l2_ms", "nta_ms", "source"}, or None where nothing was decided."""
+def tune_stream_hint(weight, tokens: int | None = None, rounds: int | None = None) -> dict | None:
+    """Time ``weight`` (a served PackedLinear, e.g. the target's lm_head) on ``tokens`` tokens
+    (default: ``CHOICE``'s 1) under each hint, alternating for ``rounds`` rounds (``CHOICE``'s 7), and
+    keep the faster. Once per process; ``$ENV`` fixes it. Returns {"hint", "l2_ms", "nta_ms",
+    "source"}, or None where nothing was decided."""
     return CHOICE.tune(weight, tokens, rounds)
