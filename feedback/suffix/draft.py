@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from feedback.suffix.index import Cursor, Step, SuffixAutomaton, SuffixIndex, walk
+from feedback.suffix.seed import seed_automaton
 from feedback.suffix.tree import grow_tree
 
 
@@ -109,6 +111,10 @@ class SuffixConfig(BaseSettings):
     max_tenants: int = Field(
         16, ge=1, description="Tenant indexes kept; the least recently used is dropped beyond it."
     )
+    seed_file: Path | None = Field(
+        None, description="A suffix seed (feedback/suffix/seed.py: the target's own answers before "
+        "any traffic) every tenant's index starts with; None: indexes start empty."
+    )
 
 
 @dataclass
@@ -157,6 +163,10 @@ class SuffixProposer:
     def __init__(self, config: SuffixConfig | None = None):
         self.config = config or SuffixConfig()
         self.indexes: OrderedDict[str, SuffixIndex] = OrderedDict()
+        self.seed: SuffixAutomaton | None = None
+        """Every tenant index's read-only oldest generation (``config.seed_file``)."""
+        if self.config.seed_file is not None and self.config.use_global_index:
+            self.seed = seed_automaton(self.config.seed_file)
 
     # -- the tenant indexes ----------------------------------------------------------------
 
@@ -165,7 +175,7 @@ class SuffixProposer:
         idx = self.indexes.get(tenant)
         if idx is None:
             idx = self.indexes[tenant] = SuffixIndex(
-                self.config.max_index_tokens, self.config.index_generations
+                self.config.max_index_tokens, self.config.index_generations, seed=self.seed
             )
             while len(self.indexes) > self.config.max_tenants:
                 self.indexes.popitem(last=False)
@@ -199,6 +209,8 @@ class SuffixProposer:
             own = SuffixAutomaton()
             for t in tokens:
                 own.append(t)
+        if self.seed is not None:
+            self.index(tenant)  # a seeded index drafts from a tenant's first request on
         return SuffixRequest(tenant, prompt_len, tokens, own)
 
     def extend(self, req: SuffixRequest, new: list[int]) -> None:

@@ -258,11 +258,16 @@ class SuffixIndex:
     is therefore bounded by about ``max_tokens`` tokens, and at least the most recent
     ``max_tokens * (generations - 1) / generations`` tokens are always indexed. A sequence longer
     than a generation is cut to its first ``max_tokens / generations`` tokens.
+
+    ``seed``: a read-only automaton (the target's own answers before any traffic,
+    feedback/suffix/seed.py) that every tenant's index starts with as its oldest generation. It is
+    shared between indexes, never appended to, and evicted like any generation once traffic has
+    filled the others.
     """
 
     _ids = itertools.count()
 
-    def __init__(self, max_tokens: int = 200_000, generations: int = 4):
+    def __init__(self, max_tokens: int = 200_000, generations: int = 4, seed: SuffixAutomaton | None = None):
         if max_tokens < generations or generations < 1:
             raise ValueError("need max_tokens >= generations >= 1")
         self.max_tokens = max_tokens
@@ -270,6 +275,10 @@ class SuffixIndex:
         self.gen_tokens = max_tokens // generations
         self.gens: deque[tuple[int, SuffixAutomaton]] = deque()
         self.num_sequences = 0
+        self._seed_gid: int | None = None
+        if seed is not None and seed.num_tokens:
+            self._seed_gid = next(self._ids)
+            self.gens.append((self._seed_gid, seed))
 
     @property
     def num_tokens(self) -> int:
@@ -283,7 +292,8 @@ class SuffixIndex:
         tokens = list(tokens)[: self.gen_tokens]
         if not tokens:
             return
-        if not self.gens or self.gens[-1][1].num_tokens + len(tokens) > self.gen_tokens:
+        newest = self.gens[-1] if self.gens else None
+        if newest is None or newest[0] == self._seed_gid or newest[1].num_tokens + len(tokens) > self.gen_tokens:
             self.gens.append((next(self._ids), SuffixAutomaton()))
             while len(self.gens) > self.generations:
                 self.gens.popleft()

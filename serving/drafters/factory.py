@@ -38,7 +38,7 @@ def build_drafter(
     refuses an artifact built for another target.
     """
     if kind == "suffix":
-        return _suffix(options)
+        return _suffix(target, options)
     learned = {"eagle": _eagle, "standalone": _standalone, "selfspec": _selfspec}.get(kind)
     if learned is not None:
         branches = options.pop("branches", None)
@@ -53,11 +53,14 @@ def build_drafter(
     raise ValueError(f"unknown drafter kind {kind!r}: one of {', '.join(KINDS)}")
 
 
-def _suffix(options: dict):
+def _suffix(target: Target, options: dict):
+    from feedback.suffix.seed import read_seed
     from serving.drafters.suffix import SuffixConfig, SuffixDrafter
 
-    config = options.pop("config", None)
-    return SuffixDrafter(config or SuffixConfig(**options))
+    config = options.pop("config", None) or SuffixConfig(**options)
+    if config.seed_file is not None and config.use_global_index:
+        read_seed(config.seed_file, target.fingerprint)  # another target's answers: refused
+    return SuffixDrafter(config)
 
 
 def _load(target: Target, artifact_dir, kind: str):
@@ -206,7 +209,7 @@ def _hybrid(
             f"hybrid: learned drafter must be eagle, standalone or selfspec, not {learned!r}"
         )
     learned_drafter = build_drafter(learned, target, artifact_dir, **(learned_options or {}))
-    suffix_drafter = suffix if suffix is not None else _suffix(dict(suffix_options or {}))
+    suffix_drafter = suffix if suffix is not None else _suffix(target, dict(suffix_options or {}))
     if isinstance(policy, dict):
         policy = HybridPolicy(**policy)
     return HybridDrafter(suffix_drafter, learned_drafter, policy, predecessor=predecessor)

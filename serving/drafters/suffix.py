@@ -85,9 +85,10 @@ class SuffixDrafter:
     # -- the Drafter protocol --------------------------------------------------------------
 
     def add_request(self, view: DraftRequestView, features: torch.Tensor | None = None) -> None:
-        self._requests[view.request_id] = self.proposer.start(
-            view.tenant, view.token_ids, view.prompt_len
-        )
+        with self._lock:  # a seeded proposer creates the tenant's index here
+            self._requests[view.request_id] = self.proposer.start(
+                view.tenant, view.token_ids, view.prompt_len
+            )
 
     def on_verified(
         self, request_id: str, accepted_ids: list[int], features: torch.Tensor | None = None

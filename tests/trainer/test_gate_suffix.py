@@ -73,6 +73,25 @@ def _history_tenants():
     ],
 )
 def test_gate_simulates_the_proposals_serving_makes(history, config, k, monkeypatch):
+    _assert_same_proposals(history, config, k, monkeypatch)
+
+
+def test_gate_simulates_a_seeded_index_as_serving_drafts_from_it(tmp_path, monkeypatch):
+    """Both sides read the same seed (SPECLOOP_SUFFIX_SEED_FILE): a tenant the training traces
+    never saw drafts from the seed in both."""
+    from feedback.suffix.seed import SuffixSeed, write_seed
+
+    fp = make_trace("a", seed=0).target
+    seeded = [make_trace("b", seed=700 + i).output_ids.tolist() for i in range(3)]  # t3's answer among them
+    path = write_seed(tmp_path / "seed.json", SuffixSeed(fingerprint=fp, source="test", sequences=seeded))
+    monkeypatch.setenv("SPECLOOP_SUFFIX_SEED_FILE", str(path))
+    config = SuffixConfig(tree_branches=1)
+    assert config.seed_file == path
+    _assert_same_proposals(_history_tenants, config, 4, monkeypatch)
+    assert build_suffix_index([], config).index("t3").num_tokens == sum(map(len, seeded))
+
+
+def _assert_same_proposals(history, config, k, monkeypatch):
     train, held = history()
     proposer = build_suffix_index(train, config)
     serving = SuffixDrafter(config)
