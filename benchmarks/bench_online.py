@@ -33,6 +33,7 @@ from infra.loop_metrics import paired_speedup_interval, shift_index, summarise
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
 from infra.paired_serving import serve_paired, target_only_loop, warmed
 from infra.prompts import encode, stream_items
+from infra.suffix_seed import seed_option, seed_summary, use_suffix_seed
 
 log = logging.getLogger(__name__)
 KINDS = ("hybrid", "suffix", "standalone")
@@ -208,6 +209,7 @@ def bench_online(
                                       "pre-trained with `specloop train --corpus`."),
     static: str = typer.Option("offline", help="Static baseline after the shift: offline (same kind trained offline "
                                "on the target's pre-shift responses) | snapshot (the loop's drafter frozen at the shift)."),
+    suffix_seed: int = seed_option(),
 ) -> None:
     """Online adaptation on a domain-shift stream: speedups, recovery, swaps, freshness."""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
@@ -219,6 +221,7 @@ def bench_online(
 
     torch.set_num_threads(threads)
     target = load_target()
+    seed = use_suffix_seed(target, suffix_seed)  # serving's suffix indexes and the trainer's gate
     stream = encode(stream_items(prompts, chat, code), target.tokenizer)
     cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned, day0_artifact=day0_artifact)
     with tempfile.TemporaryDirectory(prefix="specloop-bench-online-") as tmp:
@@ -229,6 +232,7 @@ def bench_online(
             out = asyncio.run(run_all(target, info, stream, cfg, f"{tmp}/static", tuple(drafter), static,
                                       load_target=load_target))
             out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
+            out["suffix_seed"] = seed_summary(seed)
         finally:
             stack.down()
     print_json(out, json_out)

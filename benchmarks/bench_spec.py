@@ -55,6 +55,7 @@ from infra.prompts import (
     load_prompts,
     split_by_domain,
 )
+from infra.suffix_seed import seed_summary, use_suffix_seed
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +140,11 @@ async def bench_spec_async(
     batch_repeats: int = 4,
     device: str = "cpu",
     cuda_graphs: bool = True,
+    suffix_seed: int = 0,
 ) -> dict:
     """``target``: an already loaded Target (tests); else ``model`` is loaded at ``dtype`` on
-    ``device``. ``cuda_graphs``: every engine's EngineConfig.cuda_graphs (on CUDA only)."""
+    ``device``. ``cuda_graphs``: every engine's EngineConfig.cuda_graphs (on CUDA only).
+    ``suffix_seed``: requests per domain of the suffix seed (infra/suffix_seed.py; 0: none)."""
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
     from serving.engine.goodput_policy import GoodputPolicy
@@ -156,6 +159,7 @@ async def bench_spec_async(
         torch.set_num_threads(threads)
     if target is None:
         target = load_target(model, dtype=getattr(torch, dtype), device=device)
+    seed = use_suffix_seed(target, suffix_seed)  # every suffix drafter built below starts from it
     tok = target.tokenizer
     selection = select_prompts(items, limit, warm)
 
@@ -261,6 +265,7 @@ async def bench_spec_async(
         "baseline_by_domain": {d: {"tok_s": round(b.tok_s, 3), "tokens": b.tokens} for d, b in base.items()},
     }
     out["tree"] = tree
+    out["suffix_seed"] = seed_summary(seed)
     if batches:
         out["by_batch"] = await _by_batch(
             target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree, batches,
@@ -404,7 +409,7 @@ def _mean(xs: list[float]) -> float:
 def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, warm: int,
         artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None,
         policy: str = "fixed", tree: bool = True, batches: tuple[int, ...] = (),
-        batch_repeats: int = 4, device: str = "cpu", cuda_graphs: bool = True) -> dict:
+        batch_repeats: int = 4, device: str = "cpu", cuda_graphs: bool = True, suffix_seed: int = 0) -> dict:
     items = load_prompts(prompts)
     if domains:
         items = [p for p in items if (p.domain or "default") in domains]
@@ -415,6 +420,7 @@ def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, 
         items, drafter_kind=drafter, artifact_dir=artifact, limit=limit, warm=warm,
         max_tokens=max_tokens, k=k, threads=threads, dtype=dtype, policy=policy, tree=tree,
         batches=batches, batch_repeats=batch_repeats, device=device, cuda_graphs=cuda_graphs,
+        suffix_seed=suffix_seed,
     ))
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out

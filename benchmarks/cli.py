@@ -8,6 +8,7 @@ import sys
 import typer
 
 from benchmarks.output import json_option, print_json
+from infra.suffix_seed import seed_option
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -38,6 +39,7 @@ def spec(
     cuda_graphs: bool = typer.Option(True, "--cuda-graphs/--no-cuda-graphs", help="On CUDA, steps "
                                      "replay CUDA graphs (EngineConfig.cuda_graphs); off: launched op by op."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
+    suffix_seed: int = seed_option(),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
     _setup_logging(verbose)
@@ -45,7 +47,7 @@ def spec(
 
     batches = _batch_sizes(batch)
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
-              tree, batches, batch_repeats, device, cuda_graphs)
+              tree, batches, batch_repeats, device, cuda_graphs, suffix_seed)
     print_json(out, json_out)
 
 

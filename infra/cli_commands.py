@@ -43,6 +43,9 @@ def register(app: typer.Typer, stack_app: typer.Typer, bench_app: typer.Typer) -
 
     trainer_cli.use_generator(engine_generator)
     app.command("train")(trainer_cli.train)
+    from infra import suffix_seed as _suffix_seed  # light: heavy imports happen inside the command
+
+    app.command("suffix-seed")(_suffix_seed.cmd_suffix_seed)
 
     from infra import demo as _demo  # light: heavy imports happen inside the command
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import typer
 
+from infra.suffix_seed import current_seed, seed_option, seed_summary, use_suffix_seed
+
 log = logging.getLogger(__name__)
 
 
@@ -202,6 +204,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
         "speedup_after_shift": matched(lambda i: i >= shift),
         "speedup_overall_ci95": interval(lambda i: True),
         "final_drafter_version": str(getattr(loop.engine.drafter, "version", "-")),
+        "suffix_seed": seed_summary(current_seed()),
         **trainer_figures(loop),
     })
     summary["plot"] = str(plot(loop.points, loop.events, shift, run_dir / "demo.png", base_tok_s))
@@ -232,6 +235,7 @@ def demo(
                                        help="Start the learned drafter from this selfspec artifact (e.g. "
                                        "pre-trained with `specloop train --corpus`): the hybrid drafts with it "
                                        "from the first request and the trainer refines it."),
+    suffix_seed: int = seed_option(),
 ) -> None:
     """Run the closed loop live: serve -> trace -> train -> register -> swap, on a domain shift."""
     if learned not in ("target-layers", "selfspec"):
@@ -255,6 +259,9 @@ def demo(
         info = stack.up()
         console.print(f"stack up: kafka {info.bootstrap_servers}, {info.redis_url}, mlflow {info.mlflow_uri}")
         target = load_target()
+        seed = use_suffix_seed(target, suffix_seed)  # serving's suffix index and the trainer's gate
+        if seed is not None:
+            console.print(f"suffix seed: {seed}")
         stream = encode(stream_items(None, chat, code), target.tokenizer)
         cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned,
                          day0_artifact=str(day0_artifact) if day0_artifact else None)

@@ -15,7 +15,7 @@ def _default_loader(overrides: dict):
 
 
 _loader = _default_loader
-_CORPUS_CACHE = Path.home() / ".cache" / "specloop" / "corpus"
+CORPUS_CACHE = Path.home() / ".cache" / "specloop" / "corpus"
 
 
 def use_settings(loader) -> None:
@@ -94,7 +94,7 @@ def train(
     init: Path | None = typer.Option(None, exists=True, file_okay=False,
                                      help="--offline/--corpus/--requests: start from this drafter artifact "
                                      "(same kind and target) instead of the day-0 drafter."),
-    corpus_cache: Path = typer.Option(_CORPUS_CACHE, help="--corpus/--requests/--offline: where "
+    corpus_cache: Path = typer.Option(CORPUS_CACHE, help="--corpus/--requests/--offline: where "
                                       "teacher-forced and generated traces are kept between runs."),
     out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline/--corpus/--requests: artifact "
                              "directory written."),
