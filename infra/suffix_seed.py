@@ -2,7 +2,7 @@
 requests written from the installed packages (trainer/package_prompts.py), answered by serving's
 engine (infra/offline_generation.py) and cached per target and recipe.
 
-``specloop suffix-seed`` writes one; ``specloop demo`` and ``specloop bench online`` build theirs
+``specloop suffix-seed`` writes one; ``specloop demo``, ``bench online`` and ``bench spec`` build theirs
 here (``--suffix-seed N``, once per machine: ~7 minutes for 640 + 640 answers on two cores) and
 point ``SPECLOOP_SUFFIX_SEED_FILE`` at it, which serving's suffix drafter and the trainer's gate
 read alike. Heavy imports stay inside the functions."""

@@ -37,7 +37,8 @@ class SuffixSeed(BaseModel):
     format: Literal[1] = SEED_FORMAT
     fingerprint: TargetFingerprint
     source: str
-    """How the sequences were made (e.g. ``package requests n=160 seed=0, 96 tokens, greedy``)."""
+    """How the sequences were made (e.g. ``package requests: 640 code + 640 chat, seed 0, 96 tokens,
+    greedy``)."""
     sequences: list[list[int]]
 
     @property
@@ -76,16 +77,16 @@ def read_seed(path: str | Path, expected: TargetFingerprint | None = None) -> Su
     return seed
 
 
-def seed_automaton(path: str | Path, expected: TargetFingerprint | None = None) -> SuffixAutomaton:
+def seed_automaton(path: str | Path) -> SuffixAutomaton:
     """The read-only automaton of the seed at ``path``, built once per process and file version
     (the trainer's gate builds a fresh proposer every round; the seed is the same each time).
     Drafters of several engines may share it without a common lock: nothing appends to it, so a
     reader only fills its top-children cache, with the same values any other reader would."""
-    st = Path(path).stat()
-    sam = _automaton(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
-    if expected is not None:
-        read_seed(path, expected)  # refuses another target's seed (cheap next to building it)
-    return sam
+    try:
+        st = Path(path).stat()
+    except OSError as e:
+        raise SuffixSeedError(f"suffix seed {path}: {type(e).__name__}: {e.strerror}") from e
+    return _automaton(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
 @lru_cache(maxsize=4)

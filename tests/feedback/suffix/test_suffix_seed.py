@@ -82,5 +82,8 @@ def test_another_targets_seed_is_refused(tmp_path):
     assert read_seed(path).fingerprint == OTHER
     with pytest.raises(SuffixSeedError, match="not by the target served"):
         read_seed(path, expected=FP)
-    with pytest.raises(SuffixSeedError, match="not by the target served"):
-        seed_automaton(path, expected=FP)
+
+
+def test_a_missing_seed_file_is_refused_with_a_clear_error(tmp_path):
+    with pytest.raises(SuffixSeedError, match="FileNotFoundError"):
+        SuffixProposer(SuffixConfig(seed_file=tmp_path / "nope.json"))
