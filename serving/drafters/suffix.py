@@ -45,7 +45,9 @@ class SuffixDrafter:
         """Tenant indexes and the drafting rule (shared with the trainer's gate)."""
         self.config = self.proposer.config
         self._requests: dict[str, SuffixRequest] = {}
-        self._lock = threading.Lock()  # observe() may run on a trace-consumer thread
+        # observe() may run on a trace-consumer thread; re-entrant: propose -> draft -> _sync may
+        # (re)start a request, which takes it too
+        self._lock = threading.RLock()
         self._served: OrderedDict[str, None] = OrderedDict()  # ids indexed by remove_request
         self.trees = self.config.tree_branches > 1
         """Propose token trees (point-mass; the engine verifies them in one forward)."""
