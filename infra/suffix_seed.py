@@ -9,10 +9,13 @@ read alike. Heavy imports stay inside the functions."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import typer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "specloop" / "suffix-seed"
 SEED_ENV = "SPECLOOP_SUFFIX_SEED_FILE"
@@ -58,12 +61,17 @@ def ensure_suffix_seed(target, requests: int = DEFAULT_REQUESTS, *, seed: int = 
     """The seed file for ``target`` (serving.target.Target): read back from ``cache_dir`` if this
     recipe was written before, else from the target's answers (``answers_cache``, default the
     trainer's corpus cache; answered now on the engine where missing) and written."""
-    from feedback.suffix.seed import SuffixSeed, read_seed, write_seed
+    from feedback.suffix.seed import SuffixSeed, SuffixSeedError, read_seed, write_seed
 
     path = Path(out) if out is not None else seed_path(target.fingerprint, requests, seed, max_new_tokens, cache_dir)
     if path.exists():
-        read_seed(path, target.fingerprint)  # refuses a broken file or another target's
-        return path
+        try:
+            read_seed(path, target.fingerprint)  # refuses a broken file or another target's
+            return path
+        except SuffixSeedError as e:
+            if out is not None:
+                raise  # the user's file: theirs to mend
+            log.warning("%s: writing it again", e)  # the cache's own (e.g. cut short by a full disk)
     import torch
 
     from infra.offline_generation import engine_generator

@@ -71,6 +71,16 @@ def test_a_written_seed_is_read_back_not_answered_again(target, built, monkeypat
                            answers_cache=root / "answers")
 
 
+def test_a_broken_seed_in_the_cache_is_written_again(target, built, tmp_path):
+    root, path = built
+    cache = tmp_path / "seeds"
+    cache.mkdir()
+    broken = cache / path.name
+    broken.write_text(path.read_text()[:100])  # cut short
+    again = ensure_suffix_seed(target, 2, max_new_tokens=TOKENS, cache_dir=cache, answers_cache=root / "answers")
+    assert again == broken and read_seed(again).sequences == read_seed(path).sequences
+
+
 def test_another_targets_seed_is_refused_by_the_builder_and_by_serving(target, tmp_path, monkeypatch):
     other = TargetFingerprint(model_id="other", tokenizer_hash="f" * 16, vocab_size=target.fingerprint.vocab_size)
     path = write_seed(tmp_path / "other.json", SuffixSeed(fingerprint=other, source="x", sequences=[[1, 2, 3]]))
