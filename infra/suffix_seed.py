@@ -3,7 +3,7 @@ requests written from the installed packages (trainer/package_prompts.py), answe
 engine (infra/offline_generation.py) and cached per target and recipe.
 
 ``specloop suffix-seed`` writes one; ``specloop demo``, ``bench online`` and ``bench spec`` build theirs
-here (``--suffix-seed N``, once per machine: ~7 minutes for 640 + 640 answers on two cores) and
+here (``--suffix-seed N``, once per machine: ~6 minutes for 640 + 640 answers on two cores) and
 point ``SPECLOOP_SUFFIX_SEED_FILE`` at it, which serving's suffix drafter and the trainer's gate
 read alike. Heavy imports stay inside the functions."""
 
