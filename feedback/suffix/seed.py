@@ -57,8 +57,36 @@ def write_seed(path: str | Path, seed: SuffixSeed) -> Path:
 
 
 def read_seed(path: str | Path, expected: TargetFingerprint | None = None) -> SuffixSeed:
-    """The seed at ``path``; raises SuffixSeedError if it is unreadable, malformed, holds a token
-    outside the target's vocabulary, or was written by another target than ``expected``."""
+    """The seed at ``path`` (parsed once per process and file version: the builder, serving's
+    ``build_drafter`` check, the automaton and the runs' summaries all read it; callers must not
+    modify it); raises SuffixSeedError if it is unreadable, malformed, holds a token outside the
+    target's vocabulary, or was written by another target than ``expected``."""
+    seed = _parsed(*_version(path))
+    if expected is not None and not seed.fingerprint.matches(expected):
+        raise SuffixSeedError(f"suffix seed {path} was written by {seed.fingerprint.key()}, "
+                              f"not by the target served ({expected.key()})")
+    return seed
+
+
+def seed_automaton(path: str | Path) -> SuffixAutomaton:
+    """The read-only automaton of the seed at ``path``, built once per process and file version
+    (the trainer's gate builds a fresh proposer every round; the seed is the same each time).
+    Drafters of several engines may share it without a common lock: nothing appends to it, so a
+    reader only fills its top-children cache, with the same values any other reader would."""
+    return _automaton(*_version(path))
+
+
+def _version(path: str | Path) -> tuple[str, int, int]:
+    """(resolved path, mtime, size): what the caches below are keyed on."""
+    try:
+        st = Path(path).stat()
+    except OSError as e:
+        raise SuffixSeedError(f"suffix seed {path}: {type(e).__name__}: {e.strerror}") from e
+    return str(Path(path).resolve()), st.st_mtime_ns, st.st_size
+
+
+@lru_cache(maxsize=4)
+def _parsed(path: str, mtime_ns: int, size: int) -> SuffixSeed:
     try:
         seed = SuffixSeed.model_validate(json.loads(Path(path).read_text()))
     except ValidationError as e:
@@ -71,28 +99,13 @@ def read_seed(path: str | Path, expected: TargetFingerprint | None = None) -> Su
         bad = next((t for t in seq if not 0 <= t < vocab), None)
         if bad is not None:
             raise SuffixSeedError(f"suffix seed {path}: token id {bad} outside the target's vocabulary ({vocab})")
-    if expected is not None and not seed.fingerprint.matches(expected):
-        raise SuffixSeedError(f"suffix seed {path} was written by {seed.fingerprint.key()}, "
-                              f"not by the target served ({expected.key()})")
     return seed
-
-
-def seed_automaton(path: str | Path) -> SuffixAutomaton:
-    """The read-only automaton of the seed at ``path``, built once per process and file version
-    (the trainer's gate builds a fresh proposer every round; the seed is the same each time).
-    Drafters of several engines may share it without a common lock: nothing appends to it, so a
-    reader only fills its top-children cache, with the same values any other reader would."""
-    try:
-        st = Path(path).stat()
-    except OSError as e:
-        raise SuffixSeedError(f"suffix seed {path}: {type(e).__name__}: {e.strerror}") from e
-    return _automaton(str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
 
 
 @lru_cache(maxsize=4)
 def _automaton(path: str, mtime_ns: int, size: int) -> SuffixAutomaton:
     sam = SuffixAutomaton()
-    for seq in read_seed(path).sequences:
+    for seq in _parsed(path, mtime_ns, size).sequences:
         if seq:
             sam.add_sequence(seq)
     return sam
