@@ -74,18 +74,43 @@ static inline __mmask16 visible16(const uint8_t *vis, long j0, long n) {
 }
 
 /* A row of scores (-inf where not visible; Lp a multiple of 16, padded with -inf) -> its softmax
- * numerators exp(s - max) in place, exactly 0 where -inf; returns 1 / their sum. */
+ * numerators exp(s - max) in place, exactly 0 where -inf; returns 1 / their sum.
+ *
+ * The sum is a vector sum, key j in lane j % 16, of the visible keys in the order a decode step
+ * sees them. A step (and a chain verify) sees keys [0, c): lane = column. A token tree's node sees
+ * the prefix and its ancestors, which sit at the tree's columns, not at the columns the same
+ * tokens take once committed one after another: there the visible numerators are packed first
+ * (key i of the visible ones in lane i % 16), so that the node's sum, and so its attention, is
+ * the bits a decode step along its path computes (before, a tree's nodes could differ from the
+ * step in the last bit of the sum, enough to flip a near-tie in a later argmax). */
 static inline float softmax_row(float *sc, long Lp) {
     const __m512 neg = _mm512_set1_ps(-INFINITY);
     __m512 mx = neg, sum = _mm512_setzero_ps();
     for (long j = 0; j < Lp; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
     __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __mmask16 lives[Lp / 16];
+    int ended = 0, holes = 0; /* a block not wholly visible seen; a visible key after a hidden one */
     for (long j = 0; j < Lp; j += 16) {
         __m512 s = _mm512_loadu_ps(sc + j);
         __mmask16 live = _mm512_cmp_ps_mask(s, neg, _CMP_NEQ_OQ);
         __m512 e = _mm512_maskz_mov_ps(live, (__m512)vexp_nonpos((vf)_mm512_sub_ps(s, vmax)));
         _mm512_storeu_ps(sc + j, e);
         sum = _mm512_add_ps(sum, e);
+        unsigned m = live;
+        holes |= (ended && m) || (m & (m + 1)) != 0; /* the visible lanes are not a prefix */
+        ended |= m != 0xffff;
+        lives[j / 16] = live;
+    }
+    if (holes) { /* a tree node: its visible numerators packed in key order, then summed alike */
+        float packed[Lp + 16] __attribute__((aligned(64)));
+        long n = 0;
+        for (long b = 0; b < Lp / 16; b++) {
+            _mm512_mask_compressstoreu_ps(packed + n, lives[b], _mm512_loadu_ps(sc + 16 * b));
+            n += __builtin_popcount(lives[b]);
+        }
+        _mm512_storeu_ps(packed + n, _mm512_setzero_ps()); /* the last block's other lanes */
+        sum = _mm512_setzero_ps();
+        for (long i = 0; i < n; i += 16) sum = _mm512_add_ps(sum, _mm512_load_ps(packed + i));
     }
     return 1.0f / hsum((vf)sum); /* a token always sees itself: sum > 0 */
 }

@@ -156,3 +156,51 @@ def test_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d):
         )
         assert torch.equal(one[:, 0], many[:, i]), f"token {i}"
     assert torch.equal(keys, many_k) and torch.equal(values, many_v)
+
+
+@needs_native
+@pytest.mark.parametrize("t", [3, 7, 12])
+def test_a_tree_node_gets_the_bits_of_decode_steps_along_its_path(t):
+    """A token tree's node sits at the tree's column, sees the prefix and its ancestors there, and
+    still gets the bits that decode steps along its path give it once the path is committed to
+    consecutive columns (the softmax's sum packs the visible keys first): so a tree verify cannot
+    flip a near-tie that target-only decoding would resolve the other way."""
+    hq, hkv, d, n = 9, 3, 64, 37
+    g = torch.Generator().manual_seed(t)
+    parent = [-1] + [(i - 1) // 2 for i in range(1, t)]  # a binary tree, nodes in level order
+    depth = [0] * t
+    for i in range(1, t):
+        depth[i] = depth[parent[i]] + 1
+    qkv = torch.randn(1, t, (hq + 2 * hkv) * d, generator=g)
+    prefix_k = torch.randn(1, hkv, 64, d, generator=g)
+    prefix_v = torch.randn(1, hkv, 64, d, generator=g)
+
+    def rotary(positions):  # cos, sin [1, q, D] at these positions
+        freqs = torch.tensor(positions)[:, None].float() / (10000 ** (torch.arange(d // 2).float() / (d // 2)))
+        emb = torch.cat([freqs, freqs], dim=-1)[None]
+        return emb.cos().contiguous(), emb.sin().contiguous()
+
+    cos, sin = rotary([n + dep for dep in depth])
+    mask = torch.zeros(1, t, n + t, dtype=torch.bool)
+    mask[:, :, :n] = True
+    for i in range(t):
+        j = i
+        while j >= 0:
+            mask[0, i, n + j] = True
+            j = parent[j]
+    keys, values = prefix_k.clone(), prefix_v.clone()
+    cols = (n + torch.arange(t))[None]
+    tree = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5)
+    path, j = [], t - 1
+    while j >= 0:
+        path.append(j)
+        j = parent[j]
+    path.reverse()
+    keys, values = prefix_k.clone(), prefix_v.clone()
+    for step, node in enumerate(path):  # decode steps along the path, at consecutive columns
+        c, s = rotary([n + step])
+        one = da.decode_attention(
+            qkv[:, node : node + 1].contiguous(), c, s, keys, values, torch.tensor([[n + step]]),
+            (torch.arange(n + step + 1) <= n + step)[None, None].contiguous(), hq, hkv, d**-0.5,
+        )
+        assert torch.equal(one[:, 0], tree[:, node]), f"node {node} at depth {step}"
