@@ -56,48 +56,6 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
     for (long d = half; d < D; d++) out[d] = x[d] * cos[d] + x[d - half] * sin[d];
 }
 
-/* One query (already rotated) against columns [0, L) of one kv head: out = softmax(q.K^T * scale
- * over the visible columns) . V. scores: scratch of L floats. */
-static void attend_one(const float *q, const float *K, const float *V, const uint8_t *visible,
-                       long L, long D, float scale, float *scores, float *out) {
-    float m = -INFINITY;
-    for (long j = 0; j < L; j++) {
-        if (!visible[j]) {
-            scores[j] = -INFINITY; /* exp gives 0, and the sums below skip it */
-            continue;
-        }
-        const float *k = K + j * D;
-        vf acc = (vf){0};
-        long d = 0;
-        for (; d + VW <= D; d += VW) acc += load(q + d) * load(k + d);
-        float s = hsum(acc);
-        for (; d < D; d++) s += q[d] * k[d];
-        s *= scale;
-        scores[j] = s;
-        if (s > m) m = s;
-    }
-    for (long d = 0; d < D; d++) out[d] = 0.0f;
-    if (m == -INFINITY) return; /* nothing visible: zeros (never happens: a token sees itself) */
-    long j = 0;
-    for (; j + VW <= L; j += VW) { /* exp of every lane */
-        vf e = vexp_nonpos(load(scores + j) - m);
-        store(scores + j, e);
-    }
-    for (; j < L; j++) scores[j] = expf(scores[j] - m);
-    float sum = 0.0f;
-    for (j = 0; j < L; j++) {
-        if (!visible[j]) continue;
-        float p = scores[j];
-        sum += p;
-        const float *v = V + j * D;
-        long d = 0;
-        for (; d + VW <= D; d += VW) store(out + d, load(out + d) + load(v + d) * p);
-        for (; d < D; d++) out[d] += v[d] * p;
-    }
-    float inv = 1.0f / sum;
-    for (long d = 0; d < D; d++) out[d] *= inv;
-}
-
 /* The PV pass keeps DCH vectors of each head's output in registers while the values stream by. */
 #if VW == 16
 #define DCH 4 /* AVX-512: up to 4 heads x 4 accumulators + 4 value vectors */
@@ -124,20 +82,56 @@ static inline float softmax(float *sc, const uint8_t *visible, long L, long S, f
     return softmax_row(sc, S);
 }
 #else
-#define SCORE_STRIDE(L) (L)
-/* Row sc of L scores (-inf where not visible) -> exp(s - m) in place; returns 1 / the sum over the
- * visible ones. */
+#define SCORE_STRIDE(L) (((L) + VW - 1) / VW * VW)
+/* Row sc of L scores (-inf where not visible; S = SCORE_STRIDE(L) floats) -> exp(s - m) in
+ * place; returns 1 / the sum over the visible ones, in key order. Every numerator comes from the
+ * vector exp, the row padded to whole vectors: a key's numerator does not depend on L (a scalar
+ * expf for the last L % VW keys made a verify's numerators, whose rows are wider, differ from a
+ * decode step's in the last bit). */
 static inline float softmax(float *sc, const uint8_t *visible, long L, long S, float m) {
-    (void)S;
+    for (long j = L; j < S; j++) sc[j] = -INFINITY;
+    for (long j = 0; j < S; j += VW) store(sc + j, vexp_nonpos(load(sc + j) - m));
     float sum = 0.0f;
-    long j = 0;
-    for (; j + VW <= L; j += VW) store(sc + j, vexp_nonpos(load(sc + j) - m));
-    for (; j < L; j++) sc[j] = expf(sc[j] - m);
-    for (j = 0; j < L; j++)
+    for (long j = 0; j < L; j++)
         if (visible[j]) sum += sc[j];
     return 1.0f / sum; /* a token always sees itself: sum > 0 */
 }
 #endif
+
+/* One query (already rotated) against columns [0, L) of one kv head: out = softmax(q.K^T * scale
+ * over the visible columns) . V, with the softmax and the value pass of attend_group (for head
+ * sizes it cannot take). scores: scratch of SCORE_STRIDE(L) floats. */
+static void attend_one(const float *q, const float *K, const float *V, const uint8_t *visible,
+                       long L, long D, float scale, float *scores, float *out) {
+    float m = -INFINITY;
+    for (long j = 0; j < L; j++) {
+        if (!visible[j]) {
+            scores[j] = -INFINITY; /* exp gives 0, and the sums below skip it */
+            continue;
+        }
+        const float *k = K + j * D;
+        vf acc = (vf){0};
+        long d = 0;
+        for (; d + VW <= D; d += VW) acc += load(q + d) * load(k + d);
+        float s = hsum(acc);
+        for (; d < D; d++) s += q[d] * k[d];
+        s *= scale;
+        scores[j] = s;
+        if (s > m) m = s;
+    }
+    for (long d = 0; d < D; d++) out[d] = 0.0f;
+    if (m == -INFINITY) return; /* nothing visible: zeros (never happens: a token sees itself) */
+    float inv = softmax(scores, visible, L, SCORE_STRIDE(L), m);
+    for (long j = 0; j < L; j++) {
+        if (!visible[j]) continue;
+        float p = scores[j];
+        const float *v = V + j * D;
+        long d = 0;
+        for (; d + VW <= D; d += VW) store(out + d, load(out + d) + load(v + d) * p);
+        for (; d < D; d++) out[d] += v[d] * p;
+    }
+    for (long d = 0; d < D; d++) out[d] *= inv;
+}
 
 /* G query heads that share one kv head, one token (the grouped-query case): each key and value
  * row is read once for all G heads, and the outputs are summed in registers, not through memory.

@@ -139,20 +139,24 @@ def test_real_tokens_alone_with_their_cache_rows_equal_the_padded_call(tree):
 @needs_native
 @pytest.mark.parametrize("t", [2, 5, 8, 17])
 @pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
 def test_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d):
     """A verify of t tokens gives each token the bits that t one-token calls (decode steps, each
-    seeing the columns the mask gives it) give it: with AVX-512 the kernel scores several tokens
-    of a cache row 16 keys at a time (attention_tiles.h) and one token per query head, and both
-    add the same products in the same order. So a speculative step's logits are a plain step's."""
+    seeing the columns the mask gives it, over a mask no wider than a step's) give it: with
+    AVX-512 the kernel scores several tokens of a cache row 16 keys at a time (attention_tiles.h)
+    and one token per query head, and both add the same products in the same order; head sizes
+    the grouped loop cannot take (16, 80) go one head at a time through the same softmax. So a
+    speculative step's logits are a plain step's."""
     hq, hkv = 9, 3
     qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
     many_k, many_v = keys.clone(), values.clone()
     many = da.decode_attention(qkv, cos, sin, many_k, many_v, cols, mask, hq, hkv, d**-0.5)
     for i in range(t):  # one token at a time, as decode steps would write and read the cache
+        step_width = 30 + i + 1  # a decode step's mask reaches its own column, not the verify's last
         one = da.decode_attention(
             qkv[:, i : i + 1].contiguous(), cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous(),
-            keys, values, cols[:, i : i + 1].contiguous(), mask[:, i : i + 1].contiguous(), hq, hkv, d**-0.5,
+            keys, values, cols[:, i : i + 1].contiguous(), mask[:, i : i + 1, :step_width].contiguous(),
+            hq, hkv, d**-0.5,
         )
         assert torch.equal(one[:, 0], many[:, i]), f"token {i}"
     assert torch.equal(keys, many_k) and torch.equal(values, many_v)
