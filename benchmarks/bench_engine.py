@@ -107,6 +107,21 @@ _PANEL_DTYPE = {"amx": "bfloat16", "bf16": "bfloat16", "fp32": "float32"}
 """The panels' dtype by layout (the ``panels`` field earlier runs reported)."""
 
 
+def _rounds(engine) -> bool:
+    """Whether a forward of ``engine``'s target with bf16 activations runs on other kernels than
+    its exact one (a bf16 dot product or AMX tiles; elsewhere ``rounded()`` changes nothing)."""
+    head = engine.runner.fast.lm_head_served
+    return isinstance(head, packed_linear.PackedLinear) and head.rounded() is not head
+
+
+def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """The share of reference tokens each greedy run reproduced before its first difference."""
+    same = 0
+    for g, w in zip(got, want):
+        same += next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+    return round(same / max(1, sum(len(w) for w in want)), 3)
+
+
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
     from serving.engine.batch_cache import RaggedKVCache
 
@@ -153,6 +168,11 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if layout == "amx":  # the same bf16 weights on the FMA kernel: what the tiles buy
         fma = TorchEngine(target, config=EngineConfig(k=0, forward="auto", amx_panels=False))
         paths.insert(1, _Path("fma_panels", fma, step_thread=True))
+    rounded = None
+    if fast.runner.fast is not None and fast.runner.fast.native and _rounds(fast):
+        # the same panels read with bf16 activations: what the CPU's bf16 dot product buys
+        rounded = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_activations=True))
+        paths.insert(1, _Path("bf16_activations", rounded, step_thread=True))
     graphs = fast.runner.graphs
     if graphs is not None:  # the same forward launched op by op: what the CUDA graphs buy
         eager = TorchEngine(target, config=EngineConfig(k=0, forward="auto", cuda_graphs=False))
@@ -216,8 +236,11 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         bw = max(probe.gbs(), probe_256mb.gbs())
         prompts = [[1, 504, 3101, 314, 253, 6467, 28], [1, 4093, 15, 1392, 314, 260], [1, 2683, 1259, 30]]
         prompts = [[t % vocab for t in pr] for pr in prompts]
-        lossless = all(
-            _greedy(fast, pr, lossless_tokens) == _greedy(ref, pr, lossless_tokens) for pr in prompts
+        reference_tokens = [_greedy(ref, pr, lossless_tokens) for pr in prompts]
+        lossless = all(_greedy(fast, pr, lossless_tokens) == want for pr, want in zip(prompts, reference_tokens))
+        rounded_agreement = (
+            _agreement([_greedy(rounded, pr, lossless_tokens) for pr in prompts], reference_tokens)
+            if rounded is not None else None
         )
 
     def figures(name: str) -> dict:
@@ -270,6 +293,12 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if layout == "amx":
         out["fma_panels"] = figures("fma_panels")
         out["speedup_vs_fma_panels"] = _speedup(out["fma_panels"], out)
+    if rounded is not None:
+        out["bf16_activations"] = {
+            **figures("bf16_activations"),
+            "greedy_agreement_with_reference": rounded_agreement,
+        }
+        out["speedup_vs_exact_activations"] = _speedup(out, out["bf16_activations"])
     if graphs is not None:
         out["cuda_graphs"] = {"captured": graphs.captures, "capture_s": round(graphs.capture_s, 2),
                               "failure": graphs.failure}

@@ -141,9 +141,11 @@ async def bench_spec_async(
     device: str = "cpu",
     cuda_graphs: bool = True,
     suffix_seed: int = 0,
+    bf16_activations: bool = False,
 ) -> dict:
     """``target``: an already loaded Target (tests); else ``model`` is loaded at ``dtype`` on
-    ``device``. ``cuda_graphs``: every engine's EngineConfig.cuda_graphs (on CUDA only).
+    ``device``. ``cuda_graphs``, ``bf16_activations``: every engine's EngineConfig's, baseline
+    and speculative alike (on CUDA only; on a CPU with a bf16 dot product or AMX only).
     ``suffix_seed``: requests per domain of the suffix seed (infra/suffix_seed.py; 0: none)."""
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
@@ -169,8 +171,9 @@ async def bench_spec_async(
     base_timer = StepTimer()
     # No prefix cache on either side (module docstring): the baseline serves every evaluation
     # prompt several times, each speculative engine once.
-    baseline = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=1, cuda_graphs=cuda_graphs,
-                                                      prefix_cache_tokens=0), observers=[base_timer])
+    engine_options = {"cuda_graphs": cuda_graphs, "bf16_activations": bf16_activations}
+    baseline = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=1, prefix_cache_tokens=0,
+                                                      **engine_options), observers=[base_timer])
     base: dict[str, RunResult] = {}
     base_steps: dict[str, dict] = {}
     # One untimed request per domain first: a process's first forwards pay for allocation, kernel
@@ -194,8 +197,8 @@ async def bench_spec_async(
                 # warm-up prompts of its own domain.
                 drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
                 choose = GoodputPolicy(k) if pol == "adaptive" else None
-                engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1, cuda_graphs=cuda_graphs,
-                                                                   prefix_cache_tokens=0),
+                engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1, prefix_cache_tokens=0,
+                                                                   **engine_options),
                                      observers=[timer], policy=choose)
                 if phase == "warmed":
                     log.info("%s: warming on %d %s prompts", drafter_kind, len(warmups), domain)
@@ -249,6 +252,7 @@ async def bench_spec_async(
         "dtype": dtype,
         "device": str(target.device),
         "cuda_graphs": cuda_graphs and target.device.type == "cuda",
+        "bf16_activations": bool(baseline.runner.fast is not None and baseline.runner.fast.round_activations),
         "threads": torch.get_num_threads(),
         "baseline_tok_s": round(base_tokens / base_wall, 3) if base_wall else 0.0,
         "target_ms": round(sum(s["verify_ms"] for s in all_base_steps) / max(len(all_base_steps), 1), 3),
@@ -269,7 +273,7 @@ async def bench_spec_async(
     if batches:
         out["by_batch"] = await _by_batch(
             target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree, batches,
-            batch_repeats, warm > 0, cuda_graphs,
+            batch_repeats, warm > 0, engine_options,
         )
     if len(policies) == 2:
         fixed, adaptive = by_policy["fixed"], by_policy["adaptive"]
@@ -295,7 +299,7 @@ def _tail(timer: StepTimer, batch: int) -> float | None:
 
 
 async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree,
-                    batches, repeats, warmed, cuda_graphs: bool = True) -> dict:
+                    batches, repeats, warmed, engine_options: dict | None = None) -> dict:
     """Never-slower check: target-only vs speculative (adaptive) at each batch size, A/B
     alternating in this process. The drafter is built (and warmed) once per batch size."""
     from serving.drafters.factory import build_drafter
@@ -308,10 +312,11 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
     out = {}
     for b in batches:
         base_timer, timer = StepTimer(), StepTimer()
-        base_engine = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=b, cuda_graphs=cuda_graphs), observers=[base_timer])
+        base_engine = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=b, **(engine_options or {})),
+                                  observers=[base_timer])
         drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
         policy = GoodputPolicy(k)
-        spec_engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=b, cuda_graphs=cuda_graphs),
+        spec_engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=b, **(engine_options or {})),
                                   observers=[timer], policy=policy)
         if warmups:
             await run_prompts(spec_engine, ids(warmups), max_tokens, concurrency=b)
@@ -409,7 +414,8 @@ def _mean(xs: list[float]) -> float:
 def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, warm: int,
         artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None,
         policy: str = "fixed", tree: bool = True, batches: tuple[int, ...] = (),
-        batch_repeats: int = 4, device: str = "cpu", cuda_graphs: bool = True, suffix_seed: int = 0) -> dict:
+        batch_repeats: int = 4, device: str = "cpu", cuda_graphs: bool = True, suffix_seed: int = 0,
+        bf16_activations: bool = False) -> dict:
     items = load_prompts(prompts)
     if domains:
         items = [p for p in items if (p.domain or "default") in domains]
@@ -420,7 +426,7 @@ def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, 
         items, drafter_kind=drafter, artifact_dir=artifact, limit=limit, warm=warm,
         max_tokens=max_tokens, k=k, threads=threads, dtype=dtype, policy=policy, tree=tree,
         batches=batches, batch_repeats=batch_repeats, device=device, cuda_graphs=cuda_graphs,
-        suffix_seed=suffix_seed,
+        suffix_seed=suffix_seed, bf16_activations=bf16_activations,
     ))
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out

@@ -16,6 +16,15 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def bf16_activations_option():
+    """``--bf16-activations/--exact-activations``: the target's every forward (baseline and
+    speculative alike) on bf16 activations (EngineConfig.bf16_activations)."""
+    return typer.Option(False, "--bf16-activations/--exact-activations",
+                        help="Every engine's target forward rounds its activations to bf16 and "
+                        "multiplies on the CPU's bf16 dot product (AVX-512 BF16) or AMX tiles, "
+                        "baseline and speculative alike; exact: fp32 activations.")
+
+
 def spec(
     json_out: bool = json_option(),
     prompts: str = typer.Option(None, help="JSONL prompt file (lines with prompt or messages, optional domain), or \"sharegpt\" (held-out real user prompts)."),
@@ -40,6 +49,7 @@ def spec(
                                      "replay CUDA graphs (EngineConfig.cuda_graphs); off: launched op by op."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
     suffix_seed: int = seed_option(),
+    bf16_activations: bool = bf16_activations_option(),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
     _setup_logging(verbose)
@@ -47,7 +57,7 @@ def spec(
 
     batches = _batch_sizes(batch)
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
-              tree, batches, batch_repeats, device, cuda_graphs, suffix_seed)
+              tree, batches, batch_repeats, device, cuda_graphs, suffix_seed, bf16_activations)
     print_json(out, json_out)
 
 

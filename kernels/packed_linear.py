@@ -79,6 +79,29 @@ def _load_amx() -> ctypes.CDLL | None:
     return lib
 
 
+def _declare_dot(lib: ctypes.CDLL) -> None:
+    lib.packed_linear_fused_bf16dot.argtypes = _FUSED_ARGS
+    lib.packed_linear_fused_bf16dot.restype = ctypes.c_int
+    lib.packed_linear_dot_available.restype = ctypes.c_int
+
+
+def _load_dot() -> ctypes.CDLL | None:
+    """The bf16 dot-product kernel (kernels/native/packed_linear_dot.c) where it is built and the
+    CPU has AVX-512 BF16 (and its panels are the FMA kernel's width); None with
+    ``SPECLOOP_BF16_DOT=0``."""
+    if os.environ.get("SPECLOOP_BF16_DOT", "1") == "0" or _load() is None:
+        return None
+    lib = native_build.load("packed_linear_dot", _declare_dot)
+    if lib is None or not lib.packed_linear_dot_available():
+        return None
+    return lib
+
+
+def dot_available() -> bool:
+    """Whether ``PackedLinear.rounded()`` of bf16 panels runs on the CPU's bf16 dot product."""
+    return _load_dot() is not None
+
+
 def amx_available() -> bool:
     """Whether ``pack(w, amx=True)`` can pack for AMX tiles on this machine."""
     return _load_amx() is not None
@@ -123,18 +146,22 @@ def _lib_for(w: torch.Tensor) -> ctypes.CDLL | None:
 
 
 def _panel_layout(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w [N, K] -> panels [ceil(N/P), K, P] of ``dtype`` (zero-padded to whole panels)."""
+    """w [N, K] -> panels [ceil(N/P), K, P] of ``dtype`` (zero-padded to whole panels); bf16
+    ones [ceil(N/P), K/2, P, 2], each pair of rows k, k+1 interleaved (K even; see
+    kernels/native/panel_layout.h)."""
     n, k = w.shape
     p = panel_width()
     count = -(-n // p)
     padded = torch.zeros(count * p, k, dtype=dtype)
     padded[:n] = w
+    if dtype == torch.bfloat16:
+        return padded.view(count, p, k // 2, 2).permute(0, 2, 1, 3).contiguous()  # [N/P, K/2, P, 2]
     return padded.view(count, p, k).transpose(1, 2).contiguous()  # [N/P, K, P]
 
 
 class PackedLinear:
-    """A weight ``w`` [N, K] as panels (zero-padded to whole panels): ``layout`` "fp32" or "bf16",
-    [ceil(N/P), K, P]; "amx", [ceil(N/32), K/32, 2, 16, 16, 2] bf16 tiles; or "int8", one byte
+    """A weight ``w`` [N, K] as panels (zero-padded to whole panels): ``layout`` "fp32",
+    [ceil(N/P), K, P]; "bf16", [ceil(N/P), K/2, P, 2] (rows k and k+1 interleaved); "amx", [ceil(N/32), K/32, 2, 16, 16, 2] bf16 tiles; or "int8", one byte
     buffer holding [ceil(N/P), K, P] int8 and then ceil(N/P) x P fp32 scales (``pack_int8``)."""
 
     def __init__(self, panels: torch.Tensor, out_features: int, in_features: int, layout: str,
@@ -149,14 +176,30 @@ class PackedLinear:
 
     def rounded(self) -> PackedLinear:
         """This weight (the same panels, no copy) read with each activation, after the prologue,
-        rounded to its nearest bf16 value: on AMX tiles one part instead of three exact ones.
-        Not fp32-exact (relative error up to 2^-9 per activation), so only for forwards whose
-        results are checked afterwards, a drafter's. Itself where the layout is not "amx"
-        (elsewhere the activations are fp32 anyway, and the weights cost what they cost)."""
-        if self.layout != "amx" or self.rounds_activations:
+        rounded to its nearest bf16 value: on AMX tiles one part instead of three exact ones; on
+        bf16 panels, where the CPU has AVX-512 BF16, two multiply-adds per lane and instruction
+        instead of one (kernels/native/packed_linear_dot.c). Not fp32-exact (relative error up to
+        2^-9 per activation), so only for forwards chosen as a whole to run rounded (a drafter's;
+        a target's with ``EngineConfig.bf16_activations``): within such a forward a token's result
+        does not depend on how many tokens share the call. Itself elsewhere (fp32 or int8 panels,
+        no bf16 dot product: the activations stay fp32)."""
+        if self.rounds_activations:
             return self
-        return PackedLinear(self.panels, self.out_features, self.in_features, self.layout,
-                            _load_amx().packed_linear_fused_amx_bf16a, rounds_activations=True)
+        if self.layout == "amx":
+            return PackedLinear(self.panels, self.out_features, self.in_features, self.layout,
+                                _load_amx().packed_linear_fused_amx_bf16a, rounds_activations=True)
+        if self.layout == "bf16" and (dot := _load_dot()) is not None:
+            return PackedLinear(self.panels, self.out_features, self.in_features, self.layout,
+                                dot.packed_linear_fused_bf16dot, rounds_activations=True)
+        return self
+
+    def exact(self) -> PackedLinear:
+        """This weight (the same panels) read with fp32 activations: ``rounded()`` undone."""
+        if not self.rounds_activations:
+            return self
+        lib = _load_amx() if self.layout == "amx" else _load()
+        entry = lib.packed_linear_fused_amx if self.layout == "amx" else lib.packed_linear_fused_bf16
+        return PackedLinear(self.panels, self.out_features, self.in_features, self.layout, entry)
 
     @classmethod
     def pack(cls, w: torch.Tensor, bf16: bool = True, amx: bool = False) -> PackedLinear | None:
@@ -166,7 +209,7 @@ class PackedLinear:
         if lib is None:
             return None
         n, k = w.shape
-        exact = bf16 and bf16_exact(w)
+        exact = bf16 and bf16_exact(w) and k % 2 == 0  # bf16 panels pair rows k, k+1
         if exact and amx and k % _AMX_K == 0 and (amx_lib := _load_amx()) is not None:
             return cls(_amx_tiles(w), n, k, "amx", amx_lib.packed_linear_fused_amx)
         with torch.no_grad():  # exact either way
@@ -197,8 +240,8 @@ class PackedLinear:
 
     @property
     def entry(self):
-        """The C entry (ctypes function) for this layout: ``packed_linear_fused``,
-        ``packed_linear_fused_bf16`` or ``packed_linear_fused_amx`` (kernels/llama_layers.py calls
+        """The C entry (ctypes function) for this layout and rounding: ``packed_linear_fused``,
+        ``_bf16``, ``_int8``, ``_amx``, ``_amx_bf16a`` or ``_bf16dot`` (kernels/llama_layers.py calls
         it from C)."""
         return self._fused
 
@@ -218,6 +261,8 @@ class PackedLinear:
             return q.float() * scales[:, None]
         if self.layout == "amx":  # [p, kb, s, kp, nn, i] -> [p, s, nn, kb, kp, i] = [N, K]
             return self.panels.permute(0, 2, 4, 1, 3, 5).reshape(-1, k)[:n].float()
+        if self.layout == "bf16":  # [p, K/2, P, 2] -> [p, P, K/2, 2] = [N, K]
+            return self.panels.permute(0, 2, 1, 3).reshape(-1, k)[:n].float()
         return self.panels.transpose(1, 2).reshape(-1, k)[:n].float()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -75,6 +75,8 @@ class TimedChoice:
                 self.set(fixed)
                 self.decided = {self.key: fixed, **{f"{v}_ms": None for v in self.values}, "source": self.env}
                 return self.decided
+            if isinstance(weight, PackedLinear):
+                weight = weight.exact()  # the FMA kernel's settings: time the FMA kernel
             if (not isinstance(weight, PackedLinear) or weight.layout not in ("fp32", "bf16", "int8")
                     or weight.nbytes < MIN_TUNING_BYTES or self.read() is None):
                 return None

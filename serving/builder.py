@@ -153,6 +153,7 @@ def build_engine(
         num_threads=settings.num_threads,
         capture_features=settings.trace_features,
         prefix_cache_tokens=settings.prefix_cache_tokens,
+        bf16_activations=settings.bf16_activations,
     )
     log.info(
         "engine: target %s, drafter %s (%s), k=%d, batch %d, traces -> %s",

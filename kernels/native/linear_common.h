@@ -6,6 +6,7 @@
 #define SPECLOOP_LINEAR_COMMON_H
 
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "simd.h"
@@ -50,6 +51,27 @@ static inline const float *prologue_row(const float *x, int prologue, const floa
         return h + t * K;
     }
     return x + t * K;
+}
+
+/* a [K] -> its nearest bf16 values [K] (ties to even; activations are finite): what the
+ * kernels that round activations (packed_linear_amx.c's and packed_linear_dot.c's) multiply. */
+static inline void round_row_bf16(const float *a, uint16_t *out, long K) {
+    long k = 0;
+#if defined(__AVX512F__)
+    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+    for (; k + 16 <= K; k += 16) {
+        __m512i u = _mm512_castps_si512(_mm512_loadu_ps(a + k));
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(half, odd));
+        _mm256_storeu_si256((__m256i *)(out + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
+#endif
+    for (; k < K; k++) {
+        uint32_t u;
+        memcpy(&u, a + k, 4);
+        u += 0x7FFFu + ((u >> 16) & 1u);
+        out[k] = (uint16_t)(u >> 16);
+    }
 }
 
 /* y[t, n0 .. n0 + valid] = acc[t, 0 .. valid] (+ res[t, n0 ..]) for t < rows, valid = the

@@ -36,28 +36,7 @@
 #include "linear_common.h"
 #include "pool.h"
 #include "simd.h"
-
-#if VW == 16
-/* AVX-512, 32 registers: 3 x 9 accumulators + 3 weights + 1 broadcast, 9 tokens in one pass.
- * 4 x 8 (64-wide panels) spills 5 accumulators to the stack; measured alike on a Zen 4 EPYC,
- * and on a Xeon 48-wide panels were ~10 % faster at 16 tokens and the same at 1-8. 9 rather than
- * 8 tokens a group: batch 8 plus one drafted token stays one group (with bf16 panels the 30
- * layers + lm_head at 9 tokens took 16.3-17.0 ms against 18.8-19.3 as 5 + 4; 1-8 and 16
- * tokens alike). */
-#define PV 3 /* vectors of outputs per panel */
-#define RMAX 9
-#else
-#define PV 4
-#define RMAX 3 /* AVX2, 16 registers: 4 x 3 accumulators + 4 weights + 1 broadcast */
-#endif
-#define P (PV * VW)
-
-/* The panel's rows k + PREFETCH_ROWS are asked for in software while row k computes. Without it
- * one core keeps too few loads in flight once a row carries several tokens' FMAs: on a 2-core
- * Xeon (AVX-512) the 121 projections of SmolLM2-135M took 35 ms at 8 tokens against 22 at one
- * token (2 threads); with it 23-24 ms (16, 24, 32 and 48 rows ahead measured alike; into L1
- * instead of L2 was slower, non-temporal twice as slow). One token is unchanged. */
-#define PREFETCH_ROWS 16
+#include "panel_layout.h"
 
 /* Up to CHUNK_GROUPS groups of up to RMAX tokens (balanced: with AVX-512 10 tokens are 5 + 5, not
  * 9 + 1) share one stream of a panel: the panel is read in chunks of KC rows (KC x P floats: 3 KB
@@ -109,16 +88,21 @@ static int group_passes = GROUP_PASSES; /* both layouts: one FMA chain per outpu
  * same bits either way. */
 static int stream_nt = 0;
 
-/* A vector of VW bf16 values widened to fp32 (exact: a bf16 is the top half of an fp32). */
-typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
+/* bf16 panels hold each pair of rows k, k+1 (k even) interleaved, [K/2, P, 2] (panel_layout.h):
+ * one vector of 2 x VW values holds VW outputs' weights at k (the low half of each 32-bit lane)
+ * and at k+1 (the high half). A bf16 is the top half of an fp32, so each row widens exactly in
+ * one operation: row k by a shift, row k+1 by a mask. (Interleaved because the bf16 dot product,
+ * packed_linear_dot.c, multiplies such pairs as they are.) */
 typedef uint32_t vu __attribute__((vector_size(VW * 4)));
-static inline vf load_f32(const float *p) { return *(const vf *)p; }
-static inline vf load_bf16(const uint16_t *p) {
-    vu u = __builtin_convertvector(*(const vh *)p, vu) << 16;
+typedef uint32_t vu_u __attribute__((vector_size(VW * 4), aligned(2)));
+static inline vf as_vf(vu u) {
     vf f;
     __builtin_memcpy(&f, &u, sizeof f);
     return f;
 }
+static inline vf bf16_even(const uint16_t *p) { return as_vf(*(const vu_u *)p << 16); }
+static inline vf bf16_odd(const uint16_t *p) { return as_vf(*(const vu_u *)p & 0xFFFF0000u); }
+static inline vf load_f32(const float *p) { return *(const vf *)p; }
 
 /* A vector of VW int8 values widened to fp32 (exact). int8 panels (``packed_linear_fused_int8``)
  * hold each output's weights as q * scale, |q| <= 127, one scale per output: the FMA chains run on
@@ -162,14 +146,43 @@ static inline vf load_i8(const int8_t *p) {
             for (int j = 0; j < PV; j++) state[t * PV + j] = acc[t][j];                      \
     }
 
-/* bf16 rows are half as long: prefetching twice as many rows ahead keeps the same bytes in
- * flight */
+/* The same for bf16 panels, two rows (one interleaved pair) an iteration: k0 and k1 even. Each
+ * output's chain still adds k, then k+1, in order: the bits of fp32 panels. A pair is read twice
+ * (the second time from L1) rather than kept widened, so that the R x PV accumulators keep their
+ * registers. bf16 rows are half as long: prefetching twice as many rows ahead keeps the same
+ * bytes in flight. */
+#define DEFINE_PAIR_PANEL(NAME, R, LOC)                                                      \
+    static void NAME##_##R(const float *restrict x, const uint16_t *restrict wp,             \
+                           vf *restrict state, long K, long k0, long k1) {                   \
+        vf acc[R][PV];                                                                       \
+        for (int t = 0; t < R; t++)                                                          \
+            for (int j = 0; j < PV; j++) acc[t][j] = k0 ? state[t * PV + j] : (vf){0};       \
+        for (long k = k0; k < k1; k += 2) {                                                  \
+            const uint16_t *pair = wp + (k - k0) * P; /* rows k and k+1 */                   \
+            for (int j = 0; j < PV; j++) /* 2P values: PV vectors of 2 VW each */            \
+                __builtin_prefetch(pair + 2 * PREFETCH_ROWS * P + j * 2 * VW, 0, LOC);       \
+            vf w[PV];                                                                        \
+            for (int j = 0; j < PV; j++) w[j] = bf16_even(pair + j * 2 * VW);                \
+            for (int t = 0; t < R; t++) {                                                    \
+                vf xb = vbroadcast(x[t * K + k]);                                            \
+                for (int j = 0; j < PV; j++) acc[t][j] += w[j] * xb;                         \
+            }                                                                                \
+            for (int j = 0; j < PV; j++) w[j] = bf16_odd(pair + j * 2 * VW);                 \
+            for (int t = 0; t < R; t++) {                                                    \
+                vf xb = vbroadcast(x[t * K + k + 1]);                                        \
+                for (int j = 0; j < PV; j++) acc[t][j] += w[j] * xb;                         \
+            }                                                                                \
+        }                                                                                    \
+        for (int t = 0; t < R; t++)                                                          \
+            for (int j = 0; j < PV; j++) state[t * PV + j] = acc[t][j];                      \
+    }
+
 #define DEFINE_PANELS(R)                                                                     \
     DEFINE_PANEL(panel, float, load_f32, PREFETCH_ROWS, R, 1)                                \
-    DEFINE_PANEL(panel_bf16, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R, 1)                   \
+    DEFINE_PAIR_PANEL(panel_bf16, R, 1)                                                      \
     DEFINE_PANEL(panel_i8, int8_t, load_i8, 4 * PREFETCH_ROWS, R, 1)                         \
     DEFINE_PANEL(panel_nt, float, load_f32, PREFETCH_ROWS, R, 0)                             \
-    DEFINE_PANEL(panel_bf16_nt, uint16_t, load_bf16, 2 * PREFETCH_ROWS, R, 0)
+    DEFINE_PAIR_PANEL(panel_bf16_nt, R, 0)
 
 DEFINE_PANELS(1)
 DEFINE_PANELS(2)
@@ -223,18 +236,23 @@ static const panel_i8_fn PANELS_I8[RMAX + 1] = {0, panel_i8_1, panel_i8_2, panel
 /* Panel weights: fp32, bf16, or int8 with one fp32 scale per output. */
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
 
-/* Rows [k0, k1) of a chunk widened to fp32 into buf. */
+/* Rows [k0, k1) of a chunk widened to fp32 into buf ([k1 - k0, P]; bf16: k0, k1 even). */
 static void widen_chunk(int kind, const void *w, float *buf, long k0, long k1) {
+    if (kind == W_BF16) {
+        const uint16_t *wh = (const uint16_t *)w + k0 * P;
+        for (long k = 0; k < k1 - k0; k += 2)
+            for (int j = 0; j < PV; j++) {
+                const uint16_t *v = wh + k * P + j * 2 * VW;
+                __builtin_prefetch(v + 2 * PREFETCH_ROWS * P, 0, 1);
+                *(vf *)(buf + k * P + j * VW) = bf16_even(v);
+                *(vf *)(buf + (k + 1) * P + j * VW) = bf16_odd(v);
+            }
+        return;
+    }
+    const int8_t *wq = w;
     for (long i = 0; i < (k1 - k0) * P; i += VW) {
-        if (kind == W_BF16) {
-            const uint16_t *wh = w;
-            __builtin_prefetch(wh + (k0 + 2 * PREFETCH_ROWS) * P + i, 0, 1);
-            *(vf *)(buf + i) = load_bf16(wh + k0 * P + i);
-        } else {
-            const int8_t *wq = w;
-            __builtin_prefetch(wq + (k0 + 4 * PREFETCH_ROWS) * P + i, 0, 1);
-            *(vf *)(buf + i) = load_i8(wq + k0 * P + i);
-        }
+        __builtin_prefetch(wq + (k0 + 4 * PREFETCH_ROWS) * P + i, 0, 1);
+        *(vf *)(buf + i) = load_i8(wq + k0 * P + i);
     }
 }
 

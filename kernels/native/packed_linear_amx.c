@@ -103,24 +103,6 @@ static void split_row(const float *a, uint16_t *hi, uint16_t *mid, uint16_t *lo,
     }
 }
 
-/* a [K] -> its nearest bf16 values [K] (ties to even; activations are finite). */
-static void round_row(const float *a, uint16_t *out, long K) {
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-    long k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512i u = _mm512_castps_si512(_mm512_loadu_ps(a + k));
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(half, odd));
-        _mm256_storeu_si256((__m256i *)(out + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-    }
-    for (; k < K; k++) {
-        uint32_t u;
-        memcpy(&u, a + k, 4);
-        u += 0x7FFFu + ((u >> 16) & 1u);
-        out[k] = (uint16_t)(u >> 16);
-    }
-}
-
 /* Into L2: the block PF_BLOCKS ahead of block b of a panel (its two B tiles). */
 static inline void prefetch_ahead(const uint16_t *b) {
     for (int line = 0; line < NT * TILE * 2 / 64; line++)
@@ -272,7 +254,7 @@ static void split_rows(const struct job *j, uint16_t *parts, long lo, long hi) {
         const float *a = prologue_row(j->x, j->prologue, j->g, j->eps, j->h, t, j->K);
         uint16_t *p = parts + t * j->K;
         if (j->parts == 1)
-            round_row(a, p, j->K);
+            round_row_bf16(a, p, j->K);
         else
             split_row(a, p, p + j->Tpad * j->K, p + 2 * j->Tpad * j->K, j->K);
     }

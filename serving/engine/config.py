@@ -89,6 +89,17 @@ class EngineConfig(BaseModel):
         "decode step; fp32-precise, not bit for bit the FMA panels' numbers. Ignored elsewhere "
         "and with bf16_panels off.",
     )
+    bf16_activations: bool = Field(
+        False,
+        description="Round every projection's input (after its norm or activation) to bf16 and "
+        "multiply on the CPU's bf16 dot product where it has one (AVX-512 BF16: "
+        "kernels/native/packed_linear_dot.c; AMX tiles: one part instead of three), as a GPU's "
+        "bf16 matmuls do: twice the multiply-adds per instruction, so verifies of 8-16 tokens cost "
+        "far less where the FMAs bound them. Not fp32-exact against the weights (each activation "
+        "rounded, relative error up to 2^-9); speculation stays lossless against this engine's own "
+        "target-only decoding (every forward of the target runs so). Ignored without such a CPU "
+        "and with bf16_panels off.",
+    )
     cuda_graphs: bool = Field(
         True,
         description="On CUDA, replay the target's decode and verify forwards as CUDA graphs "

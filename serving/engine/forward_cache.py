@@ -18,7 +18,7 @@ import torch
 from serving.engine.llama_forward import LlamaForward, tensor_version
 
 _SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""model -> {(native, bf16_panels, amx): (weights stamp, LlamaForward)}."""
+"""model -> {(native, bf16_panels, amx, round_activations): (weights stamp, LlamaForward)}."""
 _SHARED_LOCK = threading.Lock()
 
 
@@ -29,16 +29,24 @@ def _weights_stamp(model: torch.nn.Module) -> tuple:
 
 
 def shared_forward(model: torch.nn.Module, native: bool | None = None, bf16_panels: bool = True,
-                   amx: bool = True) -> LlamaForward:
-    """The LlamaForward of ``model`` with these options, built once per process (and weights)."""
+                   amx: bool = True, round_activations: bool = False) -> LlamaForward:
+    """The LlamaForward of ``model`` with these options, built once per process (and weights).
+    ``round_activations``: the same packed panels read with bf16 activations (a forward of its
+    own that shares the exact one's panels, where one is built)."""
     stamp = _weights_stamp(model)
     with _SHARED_LOCK:
         per_model = _SHARED.setdefault(model, {})
-        key = (native, bf16_panels, amx)
+        key = (native, bf16_panels, amx, round_activations)
         hit = per_model.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        forward = LlamaForward(model, native=native, bf16_panels=bf16_panels, amx=amx)
+        if round_activations:
+            exact = per_model.get((native, bf16_panels, amx, False))
+            reuse = exact[1] if exact is not None and exact[0] == stamp else None
+            forward = LlamaForward(model, native=native, bf16_panels=bf16_panels, amx=amx,
+                                   reuse=reuse, round_activations=True)
+        else:
+            forward = LlamaForward(model, native=native, bf16_panels=bf16_panels, amx=amx)
         per_model[key] = (stamp, forward)
         return forward
 

@@ -56,9 +56,14 @@ _THIN_MAX = 4
 good or better (measured)."""
 
 
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """Which tensor ``t`` is (identity and version, not values)."""
+    return id(t), t.data_ptr(), tensor_version(t)
+
+
 def _layer_key(layer: torch.nn.Module) -> tuple:
-    """Which tensors a decoder layer's weights are (identity and version, not values)."""
-    return tuple((id(t), t.data_ptr(), tensor_version(t)) for t in layer.parameters())
+    """Which tensors a decoder layer's weights are."""
+    return tuple(_tensor_key(t) for t in layer.parameters())
 
 
 def tensor_version(t: torch.Tensor) -> int | None:
@@ -95,14 +100,16 @@ class LlamaForward:
         tiles where the CPU has them (a verify of up to 16 tokens for about one step's price);
         thin_max: the BLAS w @ x^T path's limit otherwise.
 
-        For a learned drafter's forward (``forward_cache.drafter_forward``): ``reuse``, a forward
-        whose packed layers this model's layers may share (a layer built from the very same weight
-        tensors is taken as it is, not packed again); ``round_to_bf16``, pack the other weights' bf16 roundings (half
+        For a learned drafter's forward (``forward_cache.drafter_forward``), or the target's read
+        with rounded activations: ``reuse``, a forward whose packed layers (and lm_head) this
+        model's may share (a layer built from the very same weight tensors is taken as it is, not
+        packed again); ``round_to_bf16``, pack the other weights' bf16 roundings (half
         the bytes a draft reads; a draft's numerics move its acceptance, never the output);
         ``round_activations``, round every projection's input to bf16 where the weights are on
-        AMX tiles (``PackedLinear.rounded``: a third of the multiplies, projections 2-3x faster
-        from 32 tokens on, so a drafter commits a request's history 1.4-1.9x faster; the reused
-        target layers' panels are read that way too);
+        AMX tiles or bf16 panels on a CPU with a bf16 dot product (``PackedLinear.rounded``: a
+        third of the tile multiplies, half the dot instructions; projections 2-3x faster from 32
+        tokens on, so a drafter commits a request's history 1.4-1.9x faster; the reused target
+        layers' panels are read that way too; ``EngineConfig.bf16_activations`` for a target);
         ``head_rows``, read the lm_head at these rows only (a draft vocabulary); ``int8_panels``,
         pack every projection and the head as int8 panels (a drafter's: not exact)."""
         if not self.supports(model):
@@ -150,8 +157,13 @@ class LlamaForward:
                         self._served(m.down_proj.weight),
                     )
                 )
-            head = self.lm_head if head_rows is None else self.lm_head[head_rows.to(torch.long)]
-            self.lm_head_served = self._served(head)
+            self.head_key = _tensor_key(self.lm_head) if head_rows is None else None
+            """Which tensor the whole lm_head was served from (None: a draft vocabulary's rows)."""
+            if self.head_key is not None and reuse is not None and reuse.head_key == self.head_key:
+                self.lm_head_served = self._read(reuse.lm_head_served)
+            else:
+                head = self.lm_head if head_rows is None else self.lm_head[head_rows.to(torch.long)]
+                self.lm_head_served = self._served(head)
         self.q_dim = self.num_heads * self.head_dim
         self.kv_dim = self.num_kv_heads * self.head_dim
         self.inter = cfg.intermediate_size

@@ -38,6 +38,7 @@ class ModelRunner:
         bf16_panels: bool = True,
         amx_panels: bool = True,
         cuda_graphs: bool = True,
+        bf16_activations: bool = False,
         prefix_cache_tokens: int = 0,
     ):
         self.model = model
@@ -51,7 +52,8 @@ class ModelRunner:
         model is a Llama-family model on sdpa; None runs the Hugging Face forward."""
         if forward == "auto" and attn == "sdpa" and LlamaForward.supports(model):
             self.fast = shared_forward(model, native=None if native_kernels else False,
-                                       bf16_panels=bf16_panels, amx=amx_panels)
+                                       bf16_panels=bf16_panels, amx=amx_panels,
+                                       round_activations=bf16_activations)
         self.group_layout: dict | None = None
         """How the FMA kernel's token groups share a panel's stream here, timed once per process
         on the lm_head (kernels/group_layout.py); None where nothing was decided."""

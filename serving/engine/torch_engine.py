@@ -95,7 +95,8 @@ class TorchEngine(DrafterSwaps, RowMembership):
         self.device = target.device
         self.runner = ModelRunner(self.model, self.device, cfg.forward, cfg.native_kernels,
                                   cfg.bf16_panels, cfg.amx_panels, cfg.cuda_graphs,
-                                  prefix_cache_tokens=cfg.prefix_cache_tokens)
+                                  prefix_cache_tokens=cfg.prefix_cache_tokens,
+                                  bf16_activations=cfg.bf16_activations)
         self.eos_ids = _eos_ids(target)
         self.observers = list(observers)
         self.policy: SpeculationPolicy = policy or FixedK(cfg.k)

@@ -244,13 +244,25 @@ def test_amx_rounded_activations_are_the_product_of_their_bf16_roundings(tokens,
     assert not torch.allclose(rounded(x), exact(x), rtol=1e-6, atol=1e-6)  # it does round
 
 
-def test_rounded_is_the_weight_itself_off_the_tiles():
-    """Off AMX tiles the activations are fp32 anyway: ``rounded()`` changes nothing."""
+def test_rounded_is_the_weight_itself_where_nothing_multiplies_bf16(monkeypatch):
+    """fp32 and int8 panels, and bf16 panels without a bf16 dot product (``SPECLOOP_BF16_DOT=0``
+    stands in for a CPU without one) and off AMX tiles, keep fp32 activations: ``rounded()``
+    changes nothing."""
     g = torch.Generator().manual_seed(3)
-    for packed in (PackedLinear.pack(_bf16_valued(64, 48, generator=g)),
-                   PackedLinear.pack(torch.randn(64, 64, generator=g), amx=True)):
+    monkeypatch.setenv("SPECLOOP_BF16_DOT", "0")
+    for packed in (PackedLinear.pack(_bf16_valued(64, 48, generator=g), amx=False),
+                   PackedLinear.pack(torch.randn(64, 64, generator=g), amx=True),
+                   PackedLinear.pack_int8(torch.randn(64, 64, generator=g))):
         if packed is not None:
             assert packed.rounded() is packed
+
+
+@needs_native
+def test_an_odd_width_keeps_fp32_panels():
+    """bf16 panels pair rows k and k+1: a weight with an odd K keeps fp32 panels (exact either way)."""
+    w = _bf16_valued(40, 33, generator=torch.Generator().manual_seed(4))
+    packed = PackedLinear.pack(w)
+    assert packed.layout == "fp32" and torch.equal(packed.unpacked(), w)
 
 
 @needs_native

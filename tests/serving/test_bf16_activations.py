@@ -1,0 +1,140 @@
+"""A target served on bf16 activations (EngineConfig.bf16_activations): the forward is the model's
+with every projection's input rounded to bf16, and speculation, token trees included, stays
+token-identical to the same engine's target-only decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import packed_linear
+from serving.engine.base import GenerationRequest, SamplingParams
+from serving.engine.batch_cache import RaggedKVCache
+from serving.engine.config import EngineConfig
+from serving.engine.forward_cache import shared_forward
+from serving.engine.torch_engine import TorchEngine
+from serving.target import tiny_target
+
+needs_rounding = pytest.mark.skipif(
+    not (packed_linear.dot_available() or packed_linear.amx_available()),
+    reason="no bf16 dot product (AVX-512 BF16) or AMX on this CPU",
+)
+
+PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12], [42, 42, 42], [5, 17]]
+VOCAB = 101
+
+
+def _bf16_target(seed: int = 3):
+    """A tiny target whose weights are exactly bf16 (as SmolLM2's are): served from bf16 panels."""
+    target = tiny_target(vocab_size=VOCAB, hidden_size=64, num_layers=2, seed=seed)
+    with torch.no_grad():
+        for p in target.model.parameters():
+            p.copy_(p.bfloat16().float())
+    return target
+
+
+def _hf_rounded(model, ids: torch.Tensor) -> torch.Tensor:
+    """The Hugging Face forward with every Linear's input rounded to bf16: logits [1, q, V]."""
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (args[0].bfloat16().float(),))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        return model(input_ids=ids).logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@needs_rounding
+@torch.inference_mode()
+def test_the_forward_is_the_model_on_rounded_inputs_and_shares_the_exact_panels():
+    target = _bf16_target()
+    exact = shared_forward(target.model)
+    rounded = shared_forward(target.model, round_activations=True)
+    assert rounded is not exact and rounded is shared_forward(target.model, round_activations=True)
+    assert rounded.lm_head_served.rounds_activations and not exact.lm_head_served.rounds_activations
+    assert rounded.lm_head_served.panels is exact.lm_head_served.panels  # no second copy
+    ids = torch.randint(0, VOCAB, (1, 23), generator=torch.Generator().manual_seed(0))
+    cache = RaggedKVCache.for_model(target.model, batch_size=1)
+    positions, mask = cache.prepare(ids.shape[1])
+    got = rounded(ids, positions, mask, cache).logits
+    torch.testing.assert_close(got, _hf_rounded(target.model, ids), rtol=1e-3, atol=2e-3)
+    exact_cache = RaggedKVCache.for_model(target.model, batch_size=1)
+    positions, mask = exact_cache.prepare(ids.shape[1])
+    assert not torch.equal(got, exact(ids, positions, mask, exact_cache).logits)  # it does round
+
+
+def _serve(target, k: int, prompts, max_tokens: int = 30, batch: int = 4) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` from an engine on bf16 activations; k > 0 drafts suffix trees."""
+    from serving.drafters.suffix import SuffixDrafter
+
+    drafter = SuffixDrafter() if k else None
+    engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=batch, bf16_activations=True))
+    assert engine.runner.fast.round_activations
+
+    async def main():
+        await engine.start()
+        try:
+            outs = []
+            for i, p in enumerate(prompts):
+                req = GenerationRequest(request_id=f"r{i}", prompt_ids=list(p),
+                                        params=SamplingParams(max_tokens=max_tokens))
+                outs.append([t for chunk in [c async for c in engine.generate(req)] for t in chunk.token_ids])
+            return outs
+        finally:
+            await engine.stop()
+
+    import asyncio
+
+    return asyncio.run(main())
+
+
+@needs_rounding
+def test_suffix_trees_on_bf16_activations_equal_target_only_decoding():
+    """Repetitive prompts, so that the suffix drafter's trees are accepted in part: every output
+    is the target-only engine's on the same activations, token for token."""
+    target = _bf16_target()
+    prompts = [p * 4 for p in PROMPTS]
+    plain = _serve(target, 0, prompts)
+    spec = _serve(target, 8, prompts + prompts)  # the second round drafts from the first
+    assert spec == plain + plain
+
+
+@pytest.mark.parametrize("rounded", [False, True], ids=["exact", "bf16-activations"])
+@torch.inference_mode()
+def test_a_tree_node_gets_the_logits_of_decode_steps_along_its_path(rounded):
+    """Bit for bit, whatever the tree: a node sits at the tree's column and sees its ancestors
+    there, yet its logits are those of target-only decode steps along its path (what keeps tree
+    speculation token-identical even at a near-tie; on bf16 activations a last-bit difference
+    grows to a bf16 step of an activation)."""
+    if rounded and not (packed_linear.dot_available() or packed_linear.amx_available()):
+        pytest.skip("no bf16 dot product (AVX-512 BF16) or AMX on this CPU")
+    target = _bf16_target()
+    forward = shared_forward(target.model, round_activations=rounded)
+    g = torch.Generator().manual_seed(1)
+    parent = [-1, 0, 0, 1, 1, 2, 3, 3, 6, 4, 8]  # node 10's path: 0, 1, 3, 6, 8, 10
+    t, n = len(parent), 29
+    depth = [0] * t
+    ancestors = torch.zeros(1, t, t, dtype=torch.bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            ancestors[0, i, j] = True
+            j = parent[j]
+        depth[i] = int(ancestors[0, i].sum()) - 1
+    prompt = torch.randint(0, VOCAB, (1, n), generator=g)
+    nodes = torch.randint(0, VOCAB, (1, t), generator=g)
+
+    def prefilled():
+        cache = RaggedKVCache.for_model(target.model, batch_size=1)
+        forward(prompt, *cache.prepare(n), cache)
+        cache.commit([n])
+        return cache
+
+    cache = prefilled()
+    cache.set_tree(torch.tensor([depth]), ancestors)
+    tree = forward(nodes, *cache.prepare(t), cache).logits[0]  # [t, V]
+    cache = prefilled()
+    for node in (0, 1, 3, 6, 8, 10):
+        step = forward(nodes[:, node : node + 1], *cache.prepare(1), cache).logits[0, -1]
+        cache.commit([1])
+        assert torch.equal(step, tree[node]), f"node {node}"
