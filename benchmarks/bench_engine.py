@@ -11,7 +11,16 @@ run (so the before/after ratio is measured on the same machine at the same time)
   up as serving's step thread (its own torch ops serial, kernels/threads.py); ``bound_fraction`` =
   bound_ms / step_ms. ``step_ms_plain_thread``: the same from a thread left as torch starts it.
 - ``verify_cost["q"]``: forward of q tokens / one-token forward, same context.
-- ``lossless``: greedy outputs of the fast path equal the reference forward's on a few prompts.
+- ``lossless``: greedy outputs of the fast path equal the reference forward's on a few prompts
+  (for a fast path on bf16 activations, the reference with every Linear's input rounded to bf16:
+  the same arithmetic up to the order of fp32 additions).
+- ``bf16_activations``: whether the fast path (serving's default; ``--exact-activations`` turns it
+  off) rounds each projection's input to bf16 and multiplies on the CPU's bf16 dot product or AMX
+  tiles (EngineConfig.bf16_activations). Where it does, ``exact_activations`` times the same
+  forward on fp32 activations in the same run (``speedup_vs_exact_activations``: its ms / the fast
+  path's), and ``greedy_agreement_with_fp32_reference`` says how much of the fp32 reference's
+  greedy output the fast path reproduces before its first difference; where the fast path is
+  exact and the CPU could round, ``bf16_activations_path`` times the rounded one.
 - ``startup_s``: model load + building the fast forward + a warm-up forward.
 - ``fp32_panels``: where the fast forward streams bf16 panels (weights that are exactly bf16, as
   the default target's are), the same forward over fp32 panels, timed in the same run
@@ -29,6 +38,7 @@ run (so the before/after ratio is measured on the same machine at the same time)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import sys
@@ -39,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import typer
 
+from benchmarks.engine_options import bf16_activations_option
 from benchmarks.output import json_option, print_json
 from kernels import packed_linear
 from kernels.cpu import cpu_info
@@ -108,10 +119,23 @@ _PANEL_DTYPE = {"amx": "bfloat16", "bf16": "bfloat16", "fp32": "float32"}
 
 
 def _rounds(engine) -> bool:
-    """Whether a forward of ``engine``'s target with bf16 activations runs on other kernels than
-    its exact one (a bf16 dot product or AMX tiles; elsewhere ``rounded()`` changes nothing)."""
+    """Whether ``engine``'s target forward rounds its activations, or could (a bf16 dot product or
+    AMX tiles; elsewhere ``rounded()`` changes nothing)."""
     head = engine.runner.fast.lm_head_served
-    return isinstance(head, packed_linear.PackedLinear) and head.rounded() is not head
+    return isinstance(head, packed_linear.PackedLinear) and (head.rounds_activations or head.rounded() is not head)
+
+
+@contextlib.contextmanager
+def _rounded_linear_inputs(model: torch.nn.Module, on: bool):
+    """While on, every Linear of ``model`` (its Hugging Face forward) reads its input rounded to
+    bf16: the reference of a forward on bf16 activations."""
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (args[0].bfloat16().float(), *args[1:]))
+             for m in model.modules() if on and isinstance(m, torch.nn.Linear)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
@@ -137,7 +161,7 @@ def _greedy(engine, prompt: list[int], n: int) -> list[int]:
 
 
 def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, lossless_tokens: int,
-        prefix_prompts: int = 0) -> dict:
+        prefix_prompts: int = 0, bf16_activations: bool = False) -> dict:
     from serving.engine.batch_cache import RaggedKVCache
     from serving.engine.config import EngineConfig
     from serving.engine.torch_engine import TorchEngine
@@ -148,7 +172,8 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     target = tiny_target(vocab_size=512, hidden_size=128, num_layers=4) if tiny else load_target(None)
     if device:
         target.model.to(device)
-    fast = TorchEngine(target, config=EngineConfig(k=0, forward="auto"))
+    fast = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_activations=bf16_activations))
+    rounds = fast.runner.fast is not None and fast.runner.fast.native and _rounds(fast)
     with torch.inference_mode():
         warm = RaggedKVCache.for_model(target.model, batch_size=1)
         fast.runner.forward(warm, torch.zeros(1, 8, dtype=torch.long))
@@ -168,11 +193,10 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if layout == "amx":  # the same bf16 weights on the FMA kernel: what the tiles buy
         fma = TorchEngine(target, config=EngineConfig(k=0, forward="auto", amx_panels=False))
         paths.insert(1, _Path("fma_panels", fma, step_thread=True))
-    rounded = None
-    if fast.runner.fast is not None and fast.runner.fast.native and _rounds(fast):
-        # the same panels read with bf16 activations: what the CPU's bf16 dot product buys
-        rounded = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_activations=True))
-        paths.insert(1, _Path("bf16_activations", rounded, step_thread=True))
+    other = None  # the same panels with the other activations: what the bf16 dot product buys
+    if rounds:
+        other = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_activations=not bf16_activations))
+        paths.insert(1, _Path("other_activations", other, step_thread=True))
     graphs = fast.runner.graphs
     if graphs is not None:  # the same forward launched op by op: what the CUDA graphs buy
         eager = TorchEngine(target, config=EngineConfig(k=0, forward="auto", cuda_graphs=False))
@@ -236,12 +260,12 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         bw = max(probe.gbs(), probe_256mb.gbs())
         prompts = [[1, 504, 3101, 314, 253, 6467, 28], [1, 4093, 15, 1392, 314, 260], [1, 2683, 1259, 30]]
         prompts = [[t % vocab for t in pr] for pr in prompts]
-        reference_tokens = [_greedy(ref, pr, lossless_tokens) for pr in prompts]
-        lossless = all(_greedy(fast, pr, lossless_tokens) == want for pr, want in zip(prompts, reference_tokens))
-        rounded_agreement = (
-            _agreement([_greedy(rounded, pr, lossless_tokens) for pr in prompts], reference_tokens)
-            if rounded is not None else None
-        )
+        fp32_tokens = [_greedy(ref, pr, lossless_tokens) for pr in prompts]
+        rounded = rounds and bf16_activations
+        with _rounded_linear_inputs(target.model, rounded):
+            reference_tokens = [_greedy(ref, pr, lossless_tokens) for pr in prompts] if rounded else fp32_tokens
+        fast_tokens = [_greedy(fast, pr, lossless_tokens) for pr in prompts]
+        lossless = fast_tokens == reference_tokens
 
     def figures(name: str) -> dict:
         med = {q: statistics.median(v) for q, v in times[name].items()}
@@ -282,6 +306,8 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         "step_ms_plain_thread": round(statistics.median(thread_ms), 2),
         "startup_s": round(startup_s, 2),
         "lossless": lossless,
+        "bf16_activations": rounded,
+        "greedy_agreement_with_fp32_reference": _agreement(fast_tokens, fp32_tokens),
         "reference": figures("reference"),
     }
     if native:
@@ -293,12 +319,12 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if layout == "amx":
         out["fma_panels"] = figures("fma_panels")
         out["speedup_vs_fma_panels"] = _speedup(out["fma_panels"], out)
-    if rounded is not None:
-        out["bf16_activations"] = {
-            **figures("bf16_activations"),
-            "greedy_agreement_with_reference": rounded_agreement,
-        }
-        out["speedup_vs_exact_activations"] = _speedup(out, out["bf16_activations"])
+    if other is not None and rounded:
+        out["exact_activations"] = figures("other_activations")
+        out["speedup_vs_exact_activations"] = _speedup(out["exact_activations"], out)
+    elif other is not None:
+        out["bf16_activations_path"] = figures("other_activations")
+        out["speedup_vs_bf16_activations"] = _speedup(out["bf16_activations_path"], out)
     if graphs is not None:
         out["cuda_graphs"] = {"captured": graphs.captures, "capture_s": round(graphs.capture_s, 2),
                               "failure": graphs.failure}
@@ -342,8 +368,9 @@ def bench_engine(
     lossless_tokens: int = typer.Option(24, min=1, help="Greedy tokens per prompt for the lossless check."),
     prefix_prompts: int = typer.Option(24, min=0, help="Chat and code prompts per stream for the prefix "
                                        "cache's prefill figures (0 = skip them)."),
+    bf16_activations: bool = bf16_activations_option(),
 ) -> None:
     """Decode step vs the memory bound, and verify cost by width: fast path vs HF reference."""
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    out = run(threads, context, reps, device, tiny, lossless_tokens, prefix_prompts)
+    out = run(threads, context, reps, device, tiny, lossless_tokens, prefix_prompts, bf16_activations)
     print_json(out, json_out)

@@ -7,6 +7,7 @@ import sys
 
 import typer
 
+from benchmarks.engine_options import bf16_activations_option
 from benchmarks.output import json_option, print_json
 from infra.suffix_seed import seed_option
 
@@ -14,15 +15,6 @@ from infra.suffix_seed import seed_option
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def bf16_activations_option():
-    """``--bf16-activations/--exact-activations``: the target's every forward (baseline and
-    speculative alike) on bf16 activations (EngineConfig.bf16_activations)."""
-    return typer.Option(False, "--bf16-activations/--exact-activations",
-                        help="Every engine's target forward rounds its activations to bf16 and "
-                        "multiplies on the CPU's bf16 dot product (AVX-512 BF16) or AMX tiles, "
-                        "baseline and speculative alike; exact: fp32 activations.")
 
 
 def spec(

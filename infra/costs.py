@@ -9,19 +9,21 @@ import torch
 from infra.measure import median_ms, median_ratio
 
 
-def measure_costs(target, student, k: int, context: int = 256) -> dict:
+def measure_costs(target, student, k: int, context: int = 256, bf16_activations: bool = False) -> dict:
     """On this machine, relative to one target decode step at ``context``: one draft token of
     ``student`` (at its draft vocabulary, as a promoted version is served) and a verify forward of
     2..k+1 tokens (``verify_costs``; ``verify_cost`` is the k+1 one), all timed on
     the paths serving runs (TorchEngine's ModelRunner; the learned drafter serving builds, its
     whole ``propose`` of one token) and on a thread set up as its step thread, so the gate's
-    simulation charges what serving pays and promotes only drafters that pay here."""
+    simulation charges what serving pays and promotes only drafters that pay here.
+    ``bf16_activations``: serving's (ServingSettings.bf16_activations): the target's forwards as
+    served."""
     from kernels.threads import on_a_step_thread
 
-    return on_a_step_thread(lambda: _measure_costs(target, student, k, context))
+    return on_a_step_thread(lambda: _measure_costs(target, student, k, context, bf16_activations))
 
 
-def _measure_costs(target, student, k: int, context: int) -> dict:
+def _measure_costs(target, student, k: int, context: int, bf16_activations: bool) -> dict:
     import copy
 
     from serving.drafters.base import DraftRequestView
@@ -31,7 +33,7 @@ def _measure_costs(target, student, k: int, context: int) -> dict:
     ids = torch.randint(0, min(1000, int(target.model.config.vocab_size)), (1, context))
     model = copy.deepcopy(student.model).to(target.model.get_output_embeddings().weight.dtype).eval()
     with torch.inference_mode():
-        runner = ModelRunner(target.model, target.device)
+        runner = ModelRunner(target.model, target.device, bf16_activations=bf16_activations)
         cache = runner.new_cache(batch_size=1)
         runner.forward(cache, ids, logits_to_keep=1)
         cache.commit([context])

@@ -215,7 +215,8 @@ class OnlineLoop:
                                             c.selfspec_adapter_layers, c.day0_artifact)
         else:
             student = make_student(self.target, c.draft_vocab_size, c.day0_init)
-        self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(self.target, student, c.k)
+        self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(
+            self.target, student, c.k, bf16_activations=self.settings.serving.bf16_activations)
         log.info("gate costs (x one target step): %s", self.costs)
         self.settings = self.settings.with_changes(trainer={
             "draft_cost": self.costs["draft_cost"], "verify_cost": self.costs["verify_cost"],

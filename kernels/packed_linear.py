@@ -102,6 +102,12 @@ def dot_available() -> bool:
     return _load_dot() is not None
 
 
+def rounding_available() -> bool:
+    """Whether ``rounded()`` multiplies bf16 activations on this CPU at all (a bf16 dot product or
+    AMX tiles); elsewhere a forward asked to round runs exact."""
+    return dot_available() or amx_available()
+
+
 def amx_available() -> bool:
     """Whether ``pack(w, amx=True)`` can pack for AMX tiles on this machine."""
     return _load_amx() is not None

@@ -92,11 +92,13 @@ class ServingSettings(EngineChoice):
         "copied in instead of prefilled, bit for bit a full prefill's on the CPU fast forward (0 = off)."
     )
     bf16_activations: bool = Field(
-        False, description="TorchEngine: the target's every forward rounds each projection's input "
-        "to bf16 and multiplies on the CPU's bf16 dot product (AVX-512 BF16) or AMX tiles: verifies "
-        "of 8-16 tokens cost far less where fp32 multiply-adds bound them; outputs follow the target "
-        "at bf16 activations (as on a GPU), lossless against this engine's own target-only decoding. "
-        "Ignored on CPUs without either."
+        True, description="TorchEngine: the target's every forward rounds each projection's input to "
+        "bf16 (the checkpoint's own dtype) and multiplies on the CPU's bf16 dot product (AVX-512 BF16) "
+        "or AMX tiles, accumulating in fp32, as a GPU's bf16 matmuls do: verifies of 8-16 tokens and "
+        "batches of 4-8 rows cost far less where fp32 multiply-adds bound them. Outputs are those "
+        "of the target at bf16 activations (most greedy answers equal the fp32 upcast's; some part "
+        "ways after a few dozen tokens), and speculation is lossless against this engine's own "
+        "target-only decoding. Ignored on CPUs without either. False: fp32 activations."
     )
     default_max_tokens: int = Field(
         256, ge=1, description="max_tokens when a request gives none (capped by the context left)."

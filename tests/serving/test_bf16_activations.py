@@ -15,10 +15,8 @@ from serving.engine.forward_cache import shared_forward
 from serving.engine.torch_engine import TorchEngine
 from serving.target import tiny_target
 
-needs_rounding = pytest.mark.skipif(
-    not (packed_linear.dot_available() or packed_linear.amx_available()),
-    reason="no bf16 dot product (AVX-512 BF16) or AMX on this CPU",
-)
+needs_rounding = pytest.mark.skipif(not packed_linear.rounding_available(),
+                                    reason="no bf16 dot product (AVX-512 BF16) or AMX on this CPU")
 
 PROMPTS = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12], [42, 42, 42], [5, 17]]
 VOCAB = 101
@@ -106,7 +104,7 @@ def test_a_tree_node_gets_the_logits_of_decode_steps_along_its_path(rounded):
     there, yet its logits are those of target-only decode steps along its path (what keeps tree
     speculation token-identical even at a near-tie; on bf16 activations a last-bit difference
     grows to a bf16 step of an activation)."""
-    if rounded and not (packed_linear.dot_available() or packed_linear.amx_available()):
+    if rounded and not packed_linear.rounding_available():
         pytest.skip("no bf16 dot product (AVX-512 BF16) or AMX on this CPU")
     target = _bf16_target()
     forward = shared_forward(target.model, round_activations=rounded)
