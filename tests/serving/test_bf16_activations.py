@@ -136,3 +136,18 @@ def test_a_tree_node_gets_the_logits_of_decode_steps_along_its_path(rounded):
         step = forward(nodes[:, node : node + 1], *cache.prepare(1), cache).logits[0, -1]
         cache.commit([1])
         assert torch.equal(step, tree[node]), f"node {node}"
+
+
+def test_serving_runs_bf16_activations_by_default_and_the_environment_turns_them_off(monkeypatch):
+    """What ``specloop serve`` builds: the served engine asks for bf16 activations unless
+    SPECLOOP_BF16_ACTIVATIONS=0 (EngineConfig itself stays exact: the tests' building block)."""
+    from serving.builder import build_engine
+    from serving.config import ServingSettings
+
+    assert EngineConfig().bf16_activations is False
+    target = _bf16_target()
+    engine = build_engine(ServingSettings(k=0), target=target)
+    assert engine.config.bf16_activations and engine.runner.fast.round_activations
+    monkeypatch.setenv("SPECLOOP_BF16_ACTIVATIONS", "0")
+    engine = build_engine(ServingSettings(k=0), target=target)
+    assert not engine.config.bf16_activations and not engine.runner.fast.round_activations
