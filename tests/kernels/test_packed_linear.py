@@ -218,30 +218,13 @@ def test_amx_packing_only_where_it_can_run():
 @needs_amx
 @pytest.mark.parametrize("tokens", [1, 8, 9, 16, 17, 32, 33, 70])
 @pytest.mark.parametrize("n,k", [(960, 576), (577, 64)])
-def test_amx_rounded_activations_are_the_product_of_their_bf16_roundings(tokens, n, k):
+def test_amx_rounded_activations_are_the_product_of_their_bf16_roundings(tokens, n, k, check_rounded):
     """``rounded()``: the same panels (no copy) read with each activation (after the prologue)
     rounded to its nearest bf16; one or two 16-token groups at a time, the last one partial."""
     g = torch.Generator().manual_seed(tokens * 13 + n)
     w = _bf16_valued(n, k, generator=g)
     exact = PackedLinear.pack(w, amx=True)
-    rounded = exact.rounded()
-    assert rounded.panels is exact.panels and rounded.rounds_activations
-    assert rounded.rounded() is rounded
-    x = torch.randn(tokens, k, generator=g)
-    res = torch.randn(tokens, n, generator=g)
-    norm_w = torch.rand(k, generator=g) + 0.5
-    gu = torch.randn(tokens, 2 * k, generator=g)
-
-    def of_rounding(h):  # the float64 product of the bf16-rounded activations, rounded once
-        return (h.bfloat16().double() @ w.double().T).float()
-
-    torch.testing.assert_close(rounded(x), of_rounding(x), rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(rounded(x, residual=res), of_rounding(x) + res, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(rounded.normed(x, norm_w, 1e-5),
-                               of_rounding(F.rms_norm(x, (k,), norm_w, 1e-5)), rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(rounded.swiglu(gu, residual=res),
-                               of_rounding(F.silu(gu[:, :k]) * gu[:, k:]) + res, rtol=1e-5, atol=1e-4)
-    assert not torch.allclose(rounded(x), exact(x), rtol=1e-6, atol=1e-6)  # it does round
+    check_rounded(exact, exact.rounded(), w, tokens, g, {"rtol": 1e-5, "atol": 1e-4})
 
 
 def test_rounded_is_the_weight_itself_where_nothing_multiplies_bf16(monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import packed_linear as pl
 from kernels.packed_linear import PackedLinear
@@ -27,33 +26,16 @@ def _exact_and_rounded(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor
 @needs_dot
 @pytest.mark.parametrize("tokens", [1, 2, 8, 9, 10, 17, 70])
 @pytest.mark.parametrize("n,k", [(960, 576), (577, 584), (49, 1536), (1, 20)])
-def test_rounded_activations_are_the_product_of_their_bf16_roundings(tokens, n, k):
+def test_rounded_activations_are_the_product_of_their_bf16_roundings(tokens, n, k, check_rounded):
     """The same panels (no copy), each activation rounded to bf16 after the prologue, with every
-    prologue and a residual; one group, several groups, a padded last panel."""
+    prologue and a residual; one group, several groups, a padded last panel. The kernel's norm and
+    activation agree with torch's to an fp32 ulp or so, which moves the odd activation across a
+    bf16 rounding boundary (one bf16 step, 2^-8 of it): looser there."""
     g = torch.Generator().manual_seed(tokens * 31 + n)
     w, exact, rounded = _exact_and_rounded(n, k, g)
-    assert rounded.panels is exact.panels and rounded.rounds_activations
-    assert rounded.rounded() is rounded
-    x = torch.randn(tokens, k, generator=g)
-    res = torch.randn(tokens, n, generator=g)
-    norm_w = torch.rand(k, generator=g) + 0.5
-    gu = torch.randn(tokens, 2 * k, generator=g)
-
-    def of_rounding(h):  # the float64 product of the bf16-rounded activations, rounded once
-        return (h.bfloat16().double() @ w.double().T).float()
-
-    tol = {"rtol": 1e-5, "atol": 3e-5}
-    torch.testing.assert_close(rounded(x), of_rounding(x), **tol)
-    torch.testing.assert_close(rounded(x, residual=res), of_rounding(x) + res, **tol)
-    # The kernel's norm and activation agree with torch's to an fp32 ulp or so, which moves the
-    # odd activation across a bf16 rounding boundary (one bf16 step, 2^-8 of it): looser there.
-    loose = {"rtol": 1e-3, "atol": 1e-2}
-    torch.testing.assert_close(rounded.normed(x, norm_w, 1e-5),
-                               of_rounding(F.rms_norm(x, (k,), norm_w, 1e-5)), **loose)
-    torch.testing.assert_close(rounded.swiglu(gu, residual=res),
-                               of_rounding(F.silu(gu[:, :k]) * gu[:, k:]) + res, **loose)
-    assert not torch.allclose(rounded(x), exact(x), rtol=1e-6, atol=1e-6)  # it does round
+    check_rounded(exact, rounded, w, tokens, g, {"rtol": 1e-3, "atol": 1e-2})
     back = rounded.exact()  # the FMA kernel again (what kernels/timed_choice.py times)
+    x = torch.randn(tokens, k, generator=g)
     assert back.panels is exact.panels and not back.rounds_activations
     assert torch.equal(back(x), exact(x))
 
