@@ -44,6 +44,7 @@ from pydantic import BaseModel
 from infra.processes import _http_ok
 from infra.stack import Stack, StackInfo, free_port
 from infra.stack_cli import RunDirOption
+from infra.suffix_seed import SEED_ENV, ensure_suffix_seed, seed_option
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
 SGLANG_ONLY = ("SPECLOOP_ENGINE", "SPECLOOP_DRAFTER_DIR", "SPECLOOP_DEVICE", "SGLANG_PLUGINS")
@@ -156,7 +157,8 @@ class Topology:
         self.run_dir = self.stack.run_dir
         self.replicas, self.model, self.drafter = replicas, model, drafter
         self.extra_env = dict(extra_env or {})
-        """Added last to every process's environment (tests: small training rounds)."""
+        """Added last to every process's environment (the suffix seed's file; tests: small
+        training rounds)."""
         self.compose_env = compose_environment()
         """What docker-compose.yml is interpolated with: the shell's environment over ``.env``."""
 
@@ -214,11 +216,19 @@ def cmd_up(
     model: Annotated[str | None, typer.Option(help="Target: a Hugging Face directory or the default's name.")]
     = None,
     run_dir: RunDirOption = None,
+    suffix_seed: int = seed_option(),
 ) -> None:
     """Run what docker-compose.yml runs, as local processes: stack, serving replicas, trainer."""
     from infra.stack import ServiceStartError
 
-    topo = Topology(run_dir, replicas=replicas, model=model)
+    extra_env = {}
+    if suffix_seed > 0:  # every replica's suffix index and the trainer's gate start from it
+        from serving.target import load_target
+
+        path = ensure_suffix_seed(load_target(model), suffix_seed)
+        extra_env[SEED_ENV] = str(path)
+        typer.echo(f"suffix seed {path}")
+    topo = Topology(run_dir, replicas=replicas, model=model, extra_env=extra_env)
     try:
         info = topo.up()
     except ServiceStartError as e:

@@ -128,3 +128,33 @@ def test_a_seeded_suffix_drafter_drafts_a_new_tenants_first_requests_losslessly(
     assert seeded.outputs == plain.outputs == cold.outputs  # lossless
     assert cold.accepted == 0  # an empty index, no prompt lookup: nothing to draft from
     assert seeded.accepted >= TOKENS // 2  # the seed holds this very answer
+
+
+def test_specloop_up_starts_its_replicas_and_trainer_with_the_seed(target, built, monkeypatch):
+    """``specloop up --suffix-seed N`` finds (or writes) the seed and hands its file to every
+    process it starts (Topology's extra environment); 0 hands none."""
+    from typer.testing import CliRunner
+
+    import infra.topology as topology
+    import serving.target
+    from infra.cli import app
+    from infra.stack import ServiceStartError
+
+    root, path = built
+    started = []
+
+    class Recorder:  # stands in for the processes: the wire under test ends at their environment
+        def __init__(self, run_dir, replicas, model, extra_env):
+            started.append(extra_env)
+
+        def up(self):
+            raise ServiceStartError("not started in this test")
+
+    monkeypatch.setattr(topology, "Topology", Recorder)
+    monkeypatch.setattr(serving.target, "load_target", lambda model=None: target)
+    monkeypatch.setattr(topology, "ensure_suffix_seed", lambda t, n: ensure_suffix_seed(
+        t, n, max_new_tokens=TOKENS, cache_dir=root / "seeds", answers_cache=root / "answers"))
+    result = CliRunner().invoke(app, ["up", "--suffix-seed", "2"])
+    assert result.exit_code == 1 and started[-1] == {SEED_ENV: str(path)}
+    CliRunner().invoke(app, ["up", "--suffix-seed", "0"])
+    assert started[-1] == {}
