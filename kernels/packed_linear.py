@@ -16,6 +16,12 @@ A learned drafter's weights can be packed as int8 panels instead (``pack_int8``:
 output, half the bytes of bf16; not exact, so never for the target): a draft token streams its
 layers and head from memory, so the bytes are most of its price.
 
+A forward may instead read the bf16 panels with every activation rounded to bf16 (``rounded()``):
+on a CPU with AVX-512 BF16 (``dot_available()``) the bf16 dot product then does two multiply-adds
+per lane and instruction (kernels/native/packed_linear_dot.c), the same panels, not fp32-exact;
+a target served so (``EngineConfig.bf16_activations``) stays lossless against its own target-only
+decoding, since every one of its forwards rounds alike.
+
 Where the CPU has AMX-BF16 (``amx_available()``), such weights can instead be packed for tile
 multiplies (``pack(w, amx=True)``; kernels/native/packed_linear_amx.c): a forward of up to 16
 tokens then costs about what one token does. Its fp32 results are as precise as the FMA panels'
@@ -167,8 +173,10 @@ def _panel_layout(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class PackedLinear:
     """A weight ``w`` [N, K] as panels (zero-padded to whole panels): ``layout`` "fp32",
-    [ceil(N/P), K, P]; "bf16", [ceil(N/P), K/2, P, 2] (rows k and k+1 interleaved); "amx", [ceil(N/32), K/32, 2, 16, 16, 2] bf16 tiles; or "int8", one byte
-    buffer holding [ceil(N/P), K, P] int8 and then ceil(N/P) x P fp32 scales (``pack_int8``)."""
+    [ceil(N/P), K, P]; "bf16", [ceil(N/P), K/2, P, 2] (rows k and k+1 interleaved); "amx",
+    [ceil(N/32), K/32, 2, 16, 16, 2] bf16 tiles; or "int8", one byte buffer holding [ceil(N/P), K,
+    P] int8 and then ceil(N/P) x P fp32 scales (``pack_int8``). ``rounds_activations``: read with
+    bf16 activations (``rounded()``)."""
 
     def __init__(self, panels: torch.Tensor, out_features: int, in_features: int, layout: str,
                  fused, rounds_activations: bool = False):
