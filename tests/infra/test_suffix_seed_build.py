@@ -135,8 +135,8 @@ def test_specloop_up_starts_its_replicas_and_trainer_with_the_seed(target, built
     process it starts (Topology's extra environment); 0 hands none."""
     from typer.testing import CliRunner
 
-    import infra.topology as topology
     import serving.target
+    from infra import topology
     from infra.cli import app
     from infra.stack import ServiceStartError
 
