@@ -103,7 +103,7 @@ _EXPORT_THREADS = ("kafka-trace-sink", "-network-thread")
 
 
 async def _one_run(target, sink, arm: str, prompts, domains, *, max_tokens: int, k: int,
-                   concurrency: int, features: bool) -> tuple[RunResult, dict]:
+                   concurrency: int, features: bool, bf16_activations: bool = False) -> tuple[RunResult, dict]:
     """One arm's run: its result, and for the capture arm the trace path's own cost in it."""
     from serving.drafters.factory import build_drafter
     from serving.engine.config import EngineConfig
@@ -111,7 +111,8 @@ async def _one_run(target, sink, arm: str, prompts, domains, *, max_tokens: int,
 
     capture = arm == "capture"
     recorder = _timed_recorder(sink, target.fingerprint, features) if capture else None
-    config = EngineConfig(k=k, max_batch_size=concurrency, capture_features=capture and features)
+    config = EngineConfig(k=k, max_batch_size=concurrency, capture_features=capture and features,
+                          bf16_activations=bf16_activations)
     engine = TorchEngine(target, build_drafter("suffix", target), config,
                          observers=[recorder] if recorder else [])
     await engine.start()
@@ -133,7 +134,7 @@ async def _one_run(target, sink, arm: str, prompts, domains, *, max_tokens: int,
 async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, limit: int = 8,
                               max_tokens: int = 64, k: int = 4, concurrency: int = 4,
                               repeats: int = 3, features: bool = False,
-                              dtype: str = "bfloat16") -> dict:
+                              dtype: str = "bfloat16", bf16_activations: bool = False) -> dict:
     from feedback.bus.kafka_sink import KafkaTraceSink
     from infra.stack import Stack
     from serving.target import load_target, tiny_target
@@ -152,7 +153,7 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
         try:
             run = lambda arm, n_tokens=max_tokens: _one_run(
                 target, sink, arm, prompts, domains, max_tokens=n_tokens, k=k,
-                concurrency=concurrency, features=features)
+                concurrency=concurrency, features=features, bf16_activations=bf16_activations)
             # Warm-up (untimed): allocator, kernels, producer connection, topic creation.
             for arm in ("none", "capture"):
                 await run(arm, min(max_tokens, 16))  # (its result and cost are not kept)
@@ -223,7 +224,8 @@ def _median_of(costs: list[dict], key: str) -> float | None:
 
 
 def run(prompts: str | None, tiny: bool, limit: int, max_tokens: int, k: int, concurrency: int,
-        repeats: int, features: bool, threads: int | None, dtype: str) -> dict:
+        repeats: int, features: bool, threads: int | None, dtype: str,
+        bf16_activations: bool = False) -> dict:
     if threads:
         torch.set_num_threads(threads)
     # SIGTERM unwinds like Ctrl-C, so the broker we started is stopped on the way out.
@@ -232,7 +234,8 @@ def run(prompts: str | None, tiny: bool, limit: int, max_tokens: int, k: int, co
     t0 = time.perf_counter()
     out = asyncio.run(bench_capture_async(
         items, tiny=tiny, limit=limit, max_tokens=max_tokens, k=k, concurrency=concurrency,
-        repeats=repeats, features=features, dtype=dtype))
+        repeats=repeats, features=features, dtype=dtype, bf16_activations=bf16_activations))
+    out["bf16_activations"] = bf16_activations
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 

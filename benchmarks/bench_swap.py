@@ -26,7 +26,8 @@ MLflow registry and validated on every swap). Prints one JSON object:
     null_stall_p99_ms  the noise floor of stall_p99_ms: the same sum over windows as long as the
                      median swap's (call to first new step) that hold no swap and no artifact load
                      (the quiet stretch between a swap's first step and the next load), same base
-    lossless         every output equals target-only greedy decoding of its prompt
+    lossless         every output equals target-only greedy decoding of its prompt (Hugging Face's
+                     on fp32 activations; a k = 0 engine's on bf16 activations, the same arithmetic)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import typer
 
+from benchmarks.engine_options import bf16_activations_option
 from benchmarks.output import json_option, print_json
 
 _TEXT_PROMPTS = [
@@ -178,14 +180,43 @@ def _register_versions(target, tmp: Path, registry, tenant: str) -> list[str]:
     return versions
 
 
+def _target_only(target, prompts: list[list[int]], max_tokens: int, bf16_activations: bool) -> dict[int, tuple]:
+    """Each prompt's target-only greedy output, the yardstick of ``lossless``: Hugging Face's
+    (fp32 activations), or on bf16 activations a k = 0 engine's of the same arithmetic."""
+    from serving.engine.base import GenerationRequest, SamplingParams
+    from serving.engine.config import EngineConfig
+    from serving.engine.reference import target_greedy_reference
+    from serving.engine.torch_engine import TorchEngine
+
+    if not bf16_activations:
+        return {p: tuple(target_greedy_reference(target.model, ids, max_tokens)) for p, ids in enumerate(prompts)}
+    engine = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=1, bf16_activations=True))
+
+    async def main() -> dict[int, tuple]:
+        await engine.start()
+        try:
+            out = {}
+            for p, ids in enumerate(prompts):
+                req = GenerationRequest(request_id=f"ref-{p}", prompt_ids=ids,
+                                        params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                out[p] = tuple([t async for chunk in engine.generate(req) for t in chunk.token_ids])
+            return out
+        finally:
+            await engine.stop()
+
+    return asyncio.run(main())
+
+
 def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
-              swap_every_s: float) -> dict:
+              swap_every_s: float, bf16_activations: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="specloop-bench-swap-") as tmp:  # registry + artifacts
-        return _run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s, Path(tmp))
+        out = _run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s, Path(tmp), bf16_activations)
+    out["bf16_activations"] = bf16_activations
+    return out
 
 
 def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
-               swap_every_s: float, tmp: Path) -> dict:
+               swap_every_s: float, tmp: Path, bf16_activations: bool = False) -> dict:
     import logging
 
     import torch
@@ -195,7 +226,6 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
     from serving.drafters.factory import build_drafter
     from serving.engine.base import GenerationRequest, SamplingParams
     from serving.engine.config import EngineConfig
-    from serving.engine.reference import target_greedy_reference
     from serving.engine.torch_engine import TorchEngine
     from serving.live_acceptance import LiveAcceptance
     from serving.swap import SwapConfig, Swapper
@@ -217,7 +247,8 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
 
     clock, live = _StepClock(), LiveAcceptance()
     engine = TorchEngine(target, build_drafter("standalone", target, num_layers=1),
-                         config=EngineConfig(max_batch_size=concurrency, k=k), observers=[live, clock])
+                         config=EngineConfig(max_batch_size=concurrency, k=k, bf16_activations=bf16_activations),
+                         observers=[live, clock])
     swapper = Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
                       config=SwapConfig(tenant="bench", floor_ratio=0.0, poll_interval_s=0,
                                         log_interval_s=3600))
@@ -302,10 +333,8 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
     def pct(xs, q):
         return round(float(np.percentile(xs, q)), 2) if xs else None
 
-    lossless = all(
-        outs == {tuple(target_greedy_reference(target.model, prompts[p], max_tokens))}
-        for p, outs in outputs.items()
-    )
+    references = _target_only(target, prompts, max_tokens, bf16_activations)
+    lossless = all(outs == {references[p]} for p, outs in outputs.items())
     return {
         "model": target.model_id,
         "swaps": len(stalls),
@@ -340,7 +369,8 @@ def bench_swap(
     max_tokens: int = typer.Option(48, help="Tokens per request."),
     k: int = typer.Option(4, help="Draft length."),
     swap_every_s: float = typer.Option(1.0, help="Seconds between swaps."),
+    bf16_activations: bool = bf16_activations_option(),
 ) -> None:
     """Swap drafters repeatedly under concurrent load; print swaps, failed_requests, stall_p99_ms."""
-    result = run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s)
+    result = run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s, bf16_activations)
     print_json(result, json_out)

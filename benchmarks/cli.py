@@ -78,11 +78,13 @@ def capture(
     threads: int = typer.Option(2, min=1, help="torch threads."),
     dtype: str = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
+    bf16_activations: bool = bf16_activations_option(),
 ) -> None:
     """Serving throughput with trace export to a (self-started) broker vs without capture."""
     _setup_logging(verbose)
     logging.getLogger("kafka").setLevel(logging.WARNING)  # connection chatter at INFO
     from benchmarks.bench_capture import run
 
-    out = run(prompts, tiny, limit, max_tokens, k, concurrency, repeats, features, threads, dtype)
+    out = run(prompts, tiny, limit, max_tokens, k, concurrency, repeats, features, threads, dtype,
+              bf16_activations)
     print_json(out, json_out)
