@@ -183,6 +183,7 @@ def _register_versions(target, tmp: Path, registry, tenant: str) -> list[str]:
 def _target_only(target, prompts: list[list[int]], max_tokens: int, bf16_activations: bool) -> dict[int, tuple]:
     """Each prompt's target-only greedy output, the yardstick of ``lossless``: Hugging Face's
     (fp32 activations), or on bf16 activations a k = 0 engine's of the same arithmetic."""
+    from benchmarks.runner import collect
     from serving.engine.base import GenerationRequest, SamplingParams
     from serving.engine.config import EngineConfig
     from serving.engine.reference import target_greedy_reference
@@ -199,7 +200,7 @@ def _target_only(target, prompts: list[list[int]], max_tokens: int, bf16_activat
             for p, ids in enumerate(prompts):
                 req = GenerationRequest(request_id=f"ref-{p}", prompt_ids=ids,
                                         params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-                out[p] = tuple([t async for chunk in engine.generate(req) for t in chunk.token_ids])
+                out[p] = tuple((await collect(engine, req))[0])
             return out
         finally:
             await engine.stop()
