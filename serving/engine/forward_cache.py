@@ -31,8 +31,9 @@ def _weights_stamp(model: torch.nn.Module) -> tuple:
 def shared_forward(model: torch.nn.Module, native: bool | None = None, bf16_panels: bool = True,
                    amx: bool = True, round_activations: bool = False) -> LlamaForward:
     """The LlamaForward of ``model`` with these options, built once per process (and weights).
-    ``round_activations``: the same packed panels read with bf16 activations (a forward of its
-    own that shares the exact one's panels, where one is built)."""
+    ``round_activations``: the panels read with bf16 activations. A forward with the other
+    activations, where one is built, lends its panels: one copy of the weights either way (and an
+    A/B between the two arithmetics reads the same memory)."""
     stamp = _weights_stamp(model)
     with _SHARED_LOCK:
         per_model = _SHARED.setdefault(model, {})
@@ -40,13 +41,10 @@ def shared_forward(model: torch.nn.Module, native: bool | None = None, bf16_pane
         hit = per_model.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        if round_activations:
-            exact = per_model.get((native, bf16_panels, amx, False))
-            reuse = exact[1] if exact is not None and exact[0] == stamp else None
-            forward = LlamaForward(model, native=native, bf16_panels=bf16_panels, amx=amx,
-                                   reuse=reuse, round_activations=True)
-        else:
-            forward = LlamaForward(model, native=native, bf16_panels=bf16_panels, amx=amx)
+        other = per_model.get((native, bf16_panels, amx, not round_activations))
+        reuse = other[1] if other is not None and other[0] == stamp else None
+        forward = LlamaForward(model, native=native, bf16_panels=bf16_panels, amx=amx, reuse=reuse,
+                               round_activations=round_activations)
         per_model[key] = (stamp, forward)
         return forward
 

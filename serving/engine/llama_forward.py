@@ -198,8 +198,11 @@ class LlamaForward:
 
     def _read(self, w):
         """A served weight as this forward reads it: a packed one with rounded activations when
-        ``round_activations``; anything else as it is."""
-        return w.rounded() if self.round_activations and isinstance(w, PackedLinear) else w
+        ``round_activations``, else with fp32 ones (a reused forward may read the same panels the
+        other way); anything else as it is."""
+        if not isinstance(w, PackedLinear):
+            return w
+        return w.rounded() if self.round_activations else w.exact()
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors one decode step reads (every matrix once, as served: packed panels on the

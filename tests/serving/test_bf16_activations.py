@@ -59,6 +59,13 @@ def test_the_forward_is_the_model_on_rounded_inputs_and_shares_the_exact_panels(
     exact_cache = RaggedKVCache.for_model(target.model, batch_size=1)
     positions, mask = exact_cache.prepare(ids.shape[1])
     assert not torch.equal(got, exact(ids, positions, mask, exact_cache).logits)  # it does round
+    # built the other way round (serving's default first, then an exact baseline): one copy too
+    other = _bf16_target(seed=4)
+    first = shared_forward(other.model, round_activations=True)
+    then = shared_forward(other.model)
+    assert then.lm_head_served.panels is first.lm_head_served.panels
+    assert then.layers[0][1].panels is first.layers[0][1].panels
+    assert not then.lm_head_served.rounds_activations and not then.layers[0][1].rounds_activations
 
 
 def _serve(target, k: int, prompts, max_tokens: int = 30, batch: int = 4) -> list[list[int]]:
