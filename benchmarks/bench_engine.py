@@ -12,8 +12,10 @@ run (so the before/after ratio is measured on the same machine at the same time)
   bound_ms / step_ms. ``step_ms_plain_thread``: the same from a thread left as torch starts it.
 - ``verify_cost["q"]``: forward of q tokens / one-token forward, same context.
 - ``lossless``: greedy outputs of the fast path equal the reference forward's on a few prompts
-  (for a fast path on bf16 activations, the reference with every Linear's input rounded to bf16:
-  the same arithmetic up to the order of fp32 additions).
+  (for a fast path on bf16 activations, the reference with every Linear's input rounded to bf16
+  and, where the fast path takes its attention on bf16 operands (``bf16_attention``), its
+  attention computed that way: serving.engine.reference.rounded_arithmetic, the same arithmetic
+  up to the order of fp32 additions).
 - ``bf16_activations``: whether the fast path (serving's default; ``--exact-activations`` turns it
   off) rounds each projection's input to bf16 and multiplies on the CPU's bf16 dot product or AMX
   tiles (EngineConfig.bf16_activations). Where it does, ``exact_activations`` times the same
@@ -38,7 +40,6 @@ run (so the before/after ratio is measured on the same machine at the same time)
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 import sys
@@ -125,19 +126,6 @@ def _rounds(engine) -> bool:
     return isinstance(head, packed_linear.PackedLinear) and (head.rounds_activations or head.rounded() is not head)
 
 
-@contextlib.contextmanager
-def _rounded_linear_inputs(model: torch.nn.Module, on: bool):
-    """While on, every Linear of ``model`` (its Hugging Face forward) reads its input rounded to
-    bf16: the reference of a forward on bf16 activations."""
-    hooks = [m.register_forward_pre_hook(lambda _m, args: (args[0].bfloat16().float(), *args[1:]))
-             for m in model.modules() if on and isinstance(m, torch.nn.Linear)]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
 def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
     """The share of reference tokens each greedy run reproduced before its first difference."""
     same = 0
@@ -164,6 +152,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         prefix_prompts: int = 0, bf16_activations: bool = False) -> dict:
     from serving.engine.batch_cache import RaggedKVCache
     from serving.engine.config import EngineConfig
+    from serving.engine.reference import rounded_arithmetic
     from serving.engine.torch_engine import TorchEngine
     from serving.target import load_target, tiny_target
 
@@ -262,7 +251,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         prompts = [[t % vocab for t in pr] for pr in prompts]
         fp32_tokens = [_greedy(ref, pr, lossless_tokens) for pr in prompts]
         rounded = rounds and bf16_activations
-        with _rounded_linear_inputs(target.model, rounded):
+        with rounded_arithmetic(target.model, linear=rounded, attention=rounded and fast.runner.fast.bf16_attention):
             reference_tokens = [_greedy(ref, pr, lossless_tokens) for pr in prompts] if rounded else fp32_tokens
         fast_tokens = [_greedy(fast, pr, lossless_tokens) for pr in prompts]
         lossless = fast_tokens == reference_tokens
@@ -307,6 +296,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         "startup_s": round(startup_s, 2),
         "lossless": lossless,
         "bf16_activations": rounded,
+        "bf16_attention": rounded and fast.runner.fast.bf16_attention,
         "greedy_agreement_with_fp32_reference": _agreement(fast_tokens, fp32_tokens),
         "reference": figures("reference"),
     }

@@ -19,9 +19,11 @@ from kernels import native_build, threads
 
 def _declare(lib: ctypes.CDLL) -> None:
     lib.decode_attention.argtypes = (
-        [ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int]
+        [ctypes.c_void_p] * 9 + [ctypes.c_long] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
     lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention_bf16_takes.argtypes = [ctypes.c_long] * 3
+    lib.decode_attention_bf16_takes.restype = ctypes.c_int
 
 
 def _load() -> ctypes.CDLL | None:
@@ -31,6 +33,14 @@ def _load() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the native kernel is built and loaded (builds it on first call)."""
     return _load() is not None
+
+
+def bf16_takes(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether ``decode_attention(..., bf16=True)`` runs for heads of this shape here: the build
+    has AVX-512 BF16 and the tiles take the head size (64 or 128) and group (up to 8 query heads
+    a kv head)."""
+    lib = _load()
+    return lib is not None and bool(lib.decode_attention_bf16_takes(num_heads, num_kv_heads, head_dim))
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -56,10 +66,13 @@ def decode_attention(
     num_kv_heads: int,
     scale: float,
     rows: torch.Tensor | None = None,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """qkv [B, T, (Hq + 2 Hkv) D]; cos, sin [B, T, D]; keys, values [Bc, Hkv, C, D] (written at
     ``cols`` [B, T]); mask [B, T, L] bool; ``rows`` [B] int64: the cache row of each row (None:
-    the same row, Bc = B). Returns the attention output [B, T, Hq * D]."""
+    the same row, Bc = B). ``bf16``: scores and the weighted sum on bf16 operands, fp32
+    accumulation (native/attention_tiles_bf16.h; where ``bf16_takes``), for a forward on bf16
+    activations. Returns the attention output [B, T, Hq * D]."""
     lib = _load()
     if lib is None:
         raise RuntimeError("decode_attention: native kernel not available (check available())")
@@ -83,11 +96,11 @@ def decode_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
         cols.data_ptr(), rows.data_ptr() if rows is not None else None, mask.data_ptr(),
         out.data_ptr(), b, keys.shape[0], t, num_heads, num_kv_heads, d, capacity, length, scale,
-        threads.kernel_threads(),
+        threads.kernel_threads(), int(bf16),
     )
     if rc != 0:  # a column outside [0, L), a row outside the cache, or L > capacity: refused
         raise ValueError(
             f"decode_attention refused: cols outside [0, {length}), rows outside the cache's "
-            f"{keys.shape[0]}, or L > capacity {capacity}"
+            f"{keys.shape[0]}, L > capacity {capacity}, or bf16 where bf16_takes is False"
         )
     return out

@@ -34,7 +34,7 @@ class _Dims(ctypes.Structure):
 
 class _Attention(ctypes.Structure):
     _fields_ = [(name, _ptr) for name in ("fn", "cos", "sin", "cols", "rows", "mask")] + [
-        (name, ctypes.c_long) for name in ("B", "Bc", "T", "C", "L")]
+        (name, ctypes.c_long) for name in ("B", "Bc", "T", "C", "L")] + [("bf16", ctypes.c_int)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -60,7 +60,8 @@ gate|up [2I, H], down [H, I]), as LlamaForward serves them."""
 
 class LayerStack:
     def __init__(self, layers: Sequence[LayerWeights], lib: ctypes.CDLL, attention_fn: int, *,
-                 heads: int, kv_heads: int, head_dim: int, eps: float, scale: float):
+                 heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
+                 bf16_attention: bool = False):
         self._lib = lib
         self._keep = [t for layer in layers for t in layer]  # what the structs point into
         self._layers = (_Layer * len(layers))()
@@ -75,11 +76,15 @@ class LayerStack:
         self.qkv_dim = layers[0][1].out_features
         self._dims = _Dims(self.hidden, heads, kv_heads, head_dim, self.inter, eps, scale)
         self._attention_fn = attention_fn
+        self.bf16_attention = bf16_attention
+        """Attention on bf16 operands (``decode_attention(..., bf16=True)``)."""
 
     @classmethod
-    def build(cls, layers: Sequence[LayerWeights], **dims) -> LayerStack | None:
+    def build(cls, layers: Sequence[LayerWeights], bf16_attention: bool = False,
+              **dims) -> LayerStack | None:
         """The stack, or None where the native loop cannot run these layers (a kernel not built,
-        a projection not packed, a norm weight not a contiguous fp32 CPU tensor)."""
+        a projection not packed, a norm weight not a contiguous fp32 CPU tensor).
+        ``bf16_attention``: the caller has checked ``decode_attention.bf16_takes``."""
         lib = _load()
         attention = decode_attention._load()
         if lib is None or attention is None or not layers:
@@ -90,7 +95,8 @@ class LayerStack:
             if not all(n.dtype == torch.float32 and n.device.type == "cpu" and n.is_contiguous()
                        for n in (ln1, ln2)):
                 return None
-        return cls(layers, lib, _address(attention.decode_attention), **dims)
+        return cls(layers, lib, _address(attention.decode_attention), bf16_attention=bf16_attention,
+                   **dims)
 
     def __call__(
         self,
@@ -129,7 +135,7 @@ class LayerStack:
         att_args = _Attention(
             self._attention_fn, cos.data_ptr(), sin.data_ptr(), cols.data_ptr(),
             rows.data_ptr() if rows is not None else None, mask.data_ptr(),
-            b, keys[0].shape[0], t, capacity, mask.shape[-1],
+            b, keys[0].shape[0], t, capacity, mask.shape[-1], int(self.bf16_attention),
         )
         n = self.num_layers
         k_ptrs = (_ptr * n)(*(k.data_ptr() for k in keys))

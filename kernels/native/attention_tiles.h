@@ -42,8 +42,12 @@
  * SmolLM2-135M's whole forward (2 threads, 256 keys of context, medians of 21 alternating, two
  * runs) 8 tokens 12.79 / 12.57 -> 12.01 / 12.11 ms, 16 tokens 18.69 / 18.25 -> 18.13 / 17.70.
  * Prefetches only: the same bits. */
+#ifndef KEY_PF_BLOCKS
 #define KEY_PF_BLOCKS 2
+#endif
+#ifndef VALUE_PF_ROWS
 #define VALUE_PF_ROWS 32
+#endif
 
 /* r[i] <- column i of the 16 x 16 block r (row j of the result holds element i of input row j). */
 static inline void transpose16(__m512 r[16]) {

@@ -27,6 +27,10 @@
  * rows (on a 2-core Xeon, 30 layers at 264 keys: 8 tokens 1.52 -> 1.02 ms, 16 tokens 3.14 ->
  * 1.93; 8 rows x 4 tokens 6.05 -> 3.78). A one-token segment keeps the loop below, which then
  * computes with the tiles' arithmetic: a token's output is the same bits in either.
+ *
+ * With bf16 set (a forward on bf16 activations, where the build has AVX-512 BF16 and the heads are
+ * 64 or 128 wide), every segment, one token too, goes to attention_tiles_bf16.h: scores and the
+ * weighted sum on bf16 operands, two multiply-adds an instruction, as a GPU's bf16 attention.
  */
 #include <math.h>
 #include <stdint.h>
@@ -40,6 +44,12 @@
 #define TILES 1
 #else
 #define TILES 0
+#endif
+#if TILES && defined(__AVX512BF16__)
+#include "attention_tiles_bf16.h"
+#define TILES_BF16 1
+#else
+#define TILES_BF16 0
 #endif
 
 /* Unaligned vector load/store through vf (aligned(4), so any float address is fine). Not memcpy:
@@ -210,6 +220,7 @@ struct job {
     const long *seg;
     long nseg;
     long per_thread; /* scratch floats per thread */
+    int bf16;        /* every segment through the bf16 tiles (attention_tiles_bf16.h) */
 };
 
 /* Token bt (= b * T + t) with kv head g's query heads (in groups of up to GMAX). */
@@ -236,7 +247,7 @@ static void attend_token(const struct job *j, long bt, long g, float *scores) {
 static void run_tile(const struct job *j, long s, long g, float *scores) {
     long Hq = j->Hq, D = j->D, group = Hq / j->Hkv;
     long first = j->seg[s], tokens = j->seg[s + 1] - first;
-    if (tokens < TILE_MIN_TOKENS) {
+    if (tokens < TILE_MIN_TOKENS && !j->bf16) {
         attend_token(j, first, g, scores);
         return;
     }
@@ -252,6 +263,12 @@ static void run_tile(const struct job *j, long s, long g, float *scores) {
             out[R] = j->out + (bt * Hq + h) * D;
         }
     long kv = ((cb * j->Hkv + g) * j->C) * D;
+#if TILES_BF16
+    if (j->bf16) {
+        attend_tile_bf16(q, vis, out, R, j->kcache + kv, j->vcache + kv, j->L, D, j->scale, scores);
+        return;
+    }
+#endif
     attend_tile(q, vis, out, R, j->kcache + kv, j->vcache + kv, j->L, D, j->scale, scores);
 }
 #endif
@@ -313,13 +330,25 @@ static long segments(const int64_t *rows, long B, long T, long Hkv, int threads,
 }
 #endif
 
-/* See the header for layouts. Returns 0, or -1 on bad arguments. */
+/* Whether bf16 operands (attention_tiles_bf16.h) can take heads of this shape in this build. */
+int decode_attention_bf16_takes(long Hq, long Hkv, long D) {
+#if TILES_BF16
+    return Hq >= 1 && Hkv >= 1 && Hq % Hkv == 0 && tile_head_dim(D) && Hq / Hkv <= TILE_GROUP;
+#else
+    (void)Hq, (void)Hkv, (void)D;
+    return 0;
+#endif
+}
+
+/* See the header for layouts; bf16: the queries on bf16 operands (attention_tiles_bf16.h), where
+ * decode_attention_bf16_takes. Returns 0, or -1 on bad arguments (bf16 where it cannot take). */
 int decode_attention(const float *qkv, const float *cos, const float *sin, float *kcache,
                      float *vcache, const int64_t *cols, const int64_t *rows, const uint8_t *mask,
                      float *out, long B, long Bc, long T, long Hq, long Hkv, long D, long C, long L,
-                     float scale, int threads) {
+                     float scale, int threads, int bf16) {
     if (B < 1 || T < 1 || Hq < 1 || Hkv < 1 || D < 1 || Hq % Hkv || L < 1 || L > C || threads < 1)
         return -1;
+    if (bf16 && !decode_attention_bf16_takes(Hq, Hkv, D)) return -1;
     if (!rows && Bc != B) return -1;
     for (long i = 0; i < B * T; i++)
         if (cols[i] < 0 || cols[i] >= L) return -1;
@@ -332,6 +361,9 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         if (!seg) return -1;
         nseg = segments(rows, B, T, Hkv, threads, seg);
         per_thread = TILE_ROWS * SCORE_STRIDE(L);
+#if TILES_BF16
+        if (bf16) per_thread = (tile_bf16_scratch(TILE_ROWS, L, D) + 15) & ~15L;
+#endif
     }
 #endif
     float *qrot = malloc(sizeof(float) * B * T * Hq * D); /* rotated queries [B, T, Hq, D] */
@@ -343,7 +375,7 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         return -1;
     }
     struct job j = {qkv, cos, sin, kcache, vcache, out, qrot, scratch, cols, rows, mask,
-                    B, T, Hq, Hkv, D, C, L, scale, seg, nseg, per_thread};
+                    B, T, Hq, Hkv, D, C, L, scale, seg, nseg, per_thread, bf16};
     spl_parallel(run, &j, threads);
     free(qrot);
     free(scratch);

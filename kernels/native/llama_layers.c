@@ -27,7 +27,7 @@ typedef int (*linear_fn)(const float *x, int prologue, const float *g, float eps
 typedef int (*attention_fn)(const float *qkv, const float *cos, const float *sin, float *kcache,
                             float *vcache, const int64_t *cols, const int64_t *rows,
                             const uint8_t *mask, float *out, long B, long Bc, long T, long Hq,
-                            long Hkv, long D, long C, long L, float scale, int threads);
+                            long Hkv, long D, long C, long L, float scale, int threads, int bf16);
 
 /* One decoder layer as served: norm weights [H] and packed projections, each with the
  * packed_linear entry for its panels' dtype. Mirrors kernels/llama_layers.py's Layer. */
@@ -51,6 +51,7 @@ struct attention {
     const int64_t *cols, *rows;  /* [B, Tq], [B] or NULL */
     const uint8_t *mask;         /* [B, Tq, L] */
     long B, Bc, T, C, L;
+    int bf16;                    /* bf16 operands (decode_attention's bf16) */
 };
 
 /* Runs layers [0, n) on h [B * Tq, H] in place. keys[i], values[i]: layer i's cache buffers
@@ -71,7 +72,7 @@ int llama_layers(const struct layer *layers, int n, const struct dims *d,
         if (!rc)
             rc = a->fn(qkv, a->cos, a->sin, keys[i], values[i], a->cols, a->rows, a->mask, att,
                        a->B, a->Bc, a->T, d->heads, d->kv_heads, d->head_dim, a->C, a->L, d->scale,
-                       threads);
+                       threads, a->bf16);
         if (!rc) rc = l->o_fn(att, PROLOGUE_NONE, NULL, 0.0f, l->o, h, h2, tokens, d->hidden, q_dim,
                               threads);
         if (!rc) rc = l->gu_fn(h2, PROLOGUE_RMSNORM, l->ln2, d->eps, l->gu, NULL, gu, tokens,

@@ -137,6 +137,14 @@ class LlamaForward:
         self.round_activations = round_activations
         self.int8_panels = int8_panels
         self.native_attention = wanted and native_attention.available()
+        self.bf16_attention = (
+            round_activations and self.native and self.native_attention
+            and packed_linear.rounding_available()
+            and native_attention.bf16_takes(self.num_heads, self.num_kv_heads, self.head_dim)
+        )
+        """Attention on bf16 operands, as the projections on rounded activations: a forward that
+        rounds takes its attention as a GPU's bf16 attention does (kernels/native/
+        attention_tiles_bf16.h), its steps and verifies alike."""
         self.layers = []
         self.layer_keys: list[tuple] = [_layer_key(layer) for layer in inner.layers]
         """Per layer, which weight tensors it was built from (``reuse`` matches on them)."""
@@ -175,6 +183,7 @@ class LlamaForward:
             self.stack = LayerStack.build(
                 self.layers, heads=self.num_heads, kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, eps=self.eps, scale=self.scale,
+                bf16_attention=self.bf16_attention,
             )
 
     def layer_by_layer(self) -> LlamaForward:
@@ -282,6 +291,7 @@ class LlamaForward:
             return native_attention.decode_attention(
                 qkv, cos[:, 0], sin[:, 0], cache.keys[i], cache.values[i], cols,
                 attention_mask[:, 0], self.num_heads, self.num_kv_heads, self.scale, rows=rows,
+                bf16=self.bf16_attention,
             )  # [B, q, Hq*D]
         b, q, _ = qkv.shape
         qd, kvd, d = self.q_dim, self.kv_dim, self.head_dim

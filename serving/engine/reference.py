@@ -1,10 +1,60 @@
-"""Plain target-only greedy decoding, the yardstick for losslessness (tests and benchmark)."""
+"""Plain target-only greedy decoding, the yardstick for losslessness (tests and benchmark), and
+the Hugging Face forward computing as a forward on bf16 activations does (``rounded_arithmetic``)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+
+_BF16_ATTENTION = "specloop_bf16_reference"
+
+
+def _round(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _bf16_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+    """Attention as kernels/native/attention_tiles_bf16.h computes it (up to the order of fp32
+    sums): queries and keys rounded to bf16 for the scores, fp32 softmax, its numerators and the
+    values rounded to bf16 for the weighted sum, normalised after. query [B, Hq, q, D], key and
+    value [B, Hkv, L, D], attention_mask [B, 1, q, L] additive or bool (True: seen); returns
+    [B, q, Hq, D]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = _round(query) @ _round(key).transpose(-1, -2) * scaling  # [B, Hq, q, L]
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = (_round(e) @ _round(value)) / e.sum(-1, keepdim=True)  # [B, Hq, q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def rounded_arithmetic(model: torch.nn.Module, linear: bool = True, attention: bool = False):
+    """While active, ``model``'s Hugging Face forward reads every Linear's input rounded to bf16
+    (``linear``), and takes its attention on bf16 operands (``attention``): the reference of
+    ``LlamaForward(round_activations=True)``, whose ``bf16_attention`` says whether it does the
+    latter."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (_round(args[0]), *args[1:]))
+             for m in model.modules() if linear and isinstance(m, torch.nn.Linear)]
+    before = model.config._attn_implementation
+    if attention:
+        AttentionInterface.register(_BF16_ATTENTION, _bf16_attention)
+        AttentionMaskInterface.register(_BF16_ATTENTION, eager_mask)
+        model.set_attn_implementation(_BF16_ATTENTION)
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        if attention:
+            model.set_attn_implementation(before)
 
 
 @torch.inference_mode()

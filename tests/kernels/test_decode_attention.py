@@ -208,3 +208,137 @@ def test_a_tree_node_gets_the_bits_of_decode_steps_along_its_path(t):
             (torch.arange(n + step + 1) <= n + step)[None, None].contiguous(), hq, hkv, d**-0.5,
         )
         assert torch.equal(one[:, 0], tree[:, node]), f"node {node} at depth {step}"
+
+
+needs_bf16 = pytest.mark.skipif(not (da.available() and da.bf16_takes(9, 3, 64)),
+                                reason="no AVX-512 BF16 build")
+
+
+def _bf16_reference(qkv, cos, sin, keys, values, cols, mask, hq, hkv, scale):
+    """The bf16 arithmetic in torch (fp32 sums in torch's order): queries and keys rounded for the
+    scores, fp32 softmax, numerators and values rounded for the weighted sum, normalised after."""
+    b, t, _ = qkv.shape
+    d = keys.shape[-1]
+    q = qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2)
+    k = qkv[..., hq * d : (hq + hkv) * d].view(b, t, hkv, d).transpose(1, 2)
+    v = qkv[..., (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
+    q, k = _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None])
+    rows = torch.arange(b)[:, None].expand(-1, t)
+    keys[rows, :, cols] = k.transpose(1, 2)
+    values[rows, :, cols] = v.transpose(1, 2)
+    n = mask.shape[-1]
+    bf = lambda x: x.bfloat16().float()
+    kk = keys[:, :, :n].repeat_interleave(hq // hkv, 1)
+    vv = values[:, :, :n].repeat_interleave(hq // hkv, 1)
+    s = (bf(q) @ bf(kk).transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True))  # [B, Hq, T, L]
+    att = (bf(e) @ bf(vv)) / e.sum(-1, keepdim=True)
+    return att.transpose(1, 2).reshape(b, t, hq * d)
+
+
+@needs_bf16
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 17])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_operands_are_the_rounded_arithmetic(t, tree, d):
+    """bf16=True computes the attention of a forward on bf16 activations: the torch reference of
+    that arithmetic to fp32 summation order, and not the fp32 attention (it does round)."""
+    hq, hkv = 9, 3
+    qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
+    k32, v32 = keys.clone(), values.clone()
+    want = _bf16_reference(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5)
+    got = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5, bf16=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    exact = da.decode_attention(qkv, cos, sin, k32, v32, cols, mask, hq, hkv, d**-0.5)
+    assert not torch.equal(got, exact)
+    torch.testing.assert_close(got, exact, rtol=0, atol=0.05)  # bf16 operands: ~1e-2 at most
+
+
+@needs_bf16
+@pytest.mark.parametrize("t", [2, 5, 8, 17])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d):
+    """On bf16 operands too, a verify of t tokens gives each token the bits of its decode step."""
+    hq, hkv = 9, 3
+    qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
+    many = da.decode_attention(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5,
+                               bf16=True)
+    for i in range(t):
+        one = da.decode_attention(
+            qkv[:, i : i + 1].contiguous(), cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous(),
+            keys, values, cols[:, i : i + 1].contiguous(), mask[:, i : i + 1, : 30 + i + 1].contiguous(),
+            hq, hkv, d**-0.5, bf16=True,
+        )
+        assert torch.equal(one[:, 0], many[:, i]), f"token {i}"
+
+
+@needs_bf16
+@pytest.mark.parametrize("t", [3, 7, 12])
+@pytest.mark.parametrize("n", [36, 37])
+def test_bf16_a_tree_node_gets_the_bits_of_decode_steps_along_its_path(t, n):
+    """A tree node's values pair by visible index (the prefix's, then its ancestors'), as the
+    same tokens pair once committed to consecutive columns: its output is the decode steps'
+    bits, after an even or an odd prefix."""
+    hq, hkv, d = 9, 3, 64
+    g = torch.Generator().manual_seed(t + n)
+    parent = [-1] + [(i - 1) // 2 for i in range(1, t)]
+    depth = [0] * t
+    for i in range(1, t):
+        depth[i] = depth[parent[i]] + 1
+    qkv = torch.randn(1, t, (hq + 2 * hkv) * d, generator=g)
+    prefix_k = torch.randn(1, hkv, 64, d, generator=g)
+    prefix_v = torch.randn(1, hkv, 64, d, generator=g)
+
+    def rotary(positions):
+        freqs = torch.tensor(positions)[:, None].float() / (10000 ** (torch.arange(d // 2).float() / (d // 2)))
+        emb = torch.cat([freqs, freqs], dim=-1)[None]
+        return emb.cos().contiguous(), emb.sin().contiguous()
+
+    cos, sin = rotary([n + dep for dep in depth])
+    mask = torch.zeros(1, t, n + t, dtype=torch.bool)
+    mask[:, :, :n] = True
+    for i in range(t):
+        j = i
+        while j >= 0:
+            mask[0, i, n + j] = True
+            j = parent[j]
+    keys, values = prefix_k.clone(), prefix_v.clone()
+    tree = da.decode_attention(qkv, cos, sin, keys, values, (n + torch.arange(t))[None], mask, hq, hkv,
+                               d**-0.5, bf16=True)
+    for leaf in (t - 1, t - 2):
+        path, j = [], leaf
+        while j >= 0:
+            path.append(j)
+            j = parent[j]
+        keys, values = prefix_k.clone(), prefix_v.clone()
+        for step, node in enumerate(reversed(path)):
+            c, s = rotary([n + step])
+            one = da.decode_attention(
+                qkv[:, node : node + 1].contiguous(), c, s, keys, values, torch.tensor([[n + step]]),
+                (torch.arange(n + step + 1) <= n + step)[None, None].contiguous(), hq, hkv, d**-0.5,
+                bf16=True,
+            )
+            assert torch.equal(one[:, 0], tree[:, node]), f"node {node} at depth {step}"
+
+
+@needs_bf16
+def test_bf16_columns_nobody_sees_cannot_leak_into_the_output():
+    """A cache column no query sees may hold anything (NaN here): it enters as nothing."""
+    hq, hkv, d, t = 9, 3, 64, 4
+    qkv, cos, sin, keys, values, cols, mask = _case(2, t, hq, hkv, d, [20, 9], 64, seed=5)
+    clean = da.decode_attention(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5,
+                                bf16=True)
+    dirty_k, dirty_v = keys.clone(), values.clone()
+    dirty_k[1, :, 9:20] = float("nan")  # row 1's columns past its length, below row 0's
+    dirty_v[1, :, 9:20] = float("nan")
+    dirty = da.decode_attention(qkv, cos, sin, dirty_k, dirty_v, cols, mask, hq, hkv, d**-0.5, bf16=True)
+    assert torch.equal(clean, dirty)
+
+
+@needs_native
+def test_bf16_is_refused_where_the_tiles_cannot_take_the_heads():
+    qkv, cos, sin, keys, values, cols, mask = _case(1, 2, 2, 1, 16, [5], 16, seed=0)
+    assert not da.bf16_takes(2, 1, 16)
+    with pytest.raises(ValueError, match="bf16"):
+        da.decode_attention(qkv, cos, sin, keys, values, cols, mask, 2, 1, 0.25, bf16=True)

@@ -1,0 +1,294 @@
+/* Attention tiles on bf16 operands (AVX-512 BF16's vdpbf16ps), for forwards that run on bf16
+ * activations (included by decode_attention.c after attention_tiles.h, where the build has
+ * AVX-512 BF16).
+ *
+ * Why: attention_tiles.h's fp32 tiles are bound by their FMAs: two per query row, key and 16
+ * dims (scores and values), which at 8 tokens over 264 keys made attention ~1.5 ms of a 12 ms
+ * forward of SmolLM2-135M on a 2-core AMD EPYC, and most of what a verify costs above a decode
+ * step. vdpbf16ps does two multiply-adds per lane and instruction. A forward that rounds its
+ * projections' inputs to bf16 (packed_linear_dot.c) takes its attention the way a GPU's bf16
+ * attention does: queries and keys rounded to bf16 for the scores, fp32 softmax, its numerators
+ * and the values rounded to bf16 for the weighted sum, fp32 accumulation, normalised in fp32.
+ *
+ * The arithmetic, fixed so that a query's output does not depend on how many queries a call
+ * holds (a decode step and a verify, chain or tree, agree bit for bit):
+ *   score(q, key) = ((c0 + c1) + (c2 + c3)) * scale, chain c_a over the dim pairs m = a, a + 4,
+ *                   a + 8, ... in order, each link adding q[2m] k[2m] + q[2m+1] k[2m+1] (one
+ *                   vdpbf16ps lane);
+ *   softmax as softmax_row (attention_tiles.h): numerators e_j, 1 / their sum;
+ *   out[d]        = (sum over pairs of the keys the query sees, the 1st and 2nd, 3rd and 4th, ...
+ *                   in order, of e_a v_a[d] + e_b v_b[d]) * (1 / sum), e and v rounded to bf16,
+ *                   one chain per d (pairs by visible index: a tree node's ancestors pair as the
+ *                   same tokens do once committed to consecutive columns).
+ * Every query goes through these tiles here, one token too (decode_attention.c): the per-token
+ * loop has no bf16 twin. Rounding is the instruction's (vcvtne2ps2bf16: to nearest even).
+ */
+#ifndef SPECLOOP_ATTENTION_TILES_BF16_H
+#define SPECLOOP_ATTENTION_TILES_BF16_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "attention_tiles.h"
+
+#define QK_ROWS_BF16 6 /* query rows scored together: 4 chains each */
+
+/* 32 floats -> 32 bf16 in order (as 16 pairs, element 2i the even one). */
+static inline __m512i bf16x32(const float *x) {
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+}
+
+/* Scores of rows q2[0..RN) (each a query as D/2 bf16 pairs) for one block of 16 keys (kt2: the
+ * block's key pairs transposed, [D/2, 16] pairs): lane = key. */
+INLINE void score_rows_bf16(const int RN, const long D, const uint32_t *const *q2,
+                            const uint32_t *kt2, __m512 scale, __m512 *s) {
+    __m512 c[QK_ROWS_BF16][4];
+    for (int r = 0; r < RN; r++)
+        for (int a = 0; a < 4; a++) c[r][a] = _mm512_setzero_ps();
+    for (long m = 0; m < D / 2; m += 4)
+        for (int a = 0; a < 4; a++) {
+            __m512bh k = (__m512bh)_mm512_load_si512(kt2 + (m + a) * 16);
+            for (int r = 0; r < RN; r++)
+                c[r][a] = _mm512_dpbf16_ps(c[r][a], k, (__m512bh)_mm512_set1_epi32((int)q2[r][m + a]));
+        }
+    for (int r = 0; r < RN; r++)
+        s[r] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(c[r][0], c[r][1]),
+                                           _mm512_add_ps(c[r][2], c[r][3])), scale);
+}
+
+/* acc[r][c] = sum over key pairs of e[r] . V for rows [0, RN), d = 16 c .. 16 c + 15 (e2[r]: row
+ * r's numerators as bf16, Lp2 of them, 0 past L; u: whether any row of the tile sees key j). A
+ * pair no row sees is skipped, and a key no row sees enters as 0 (its cache column may hold
+ * anything): either way each row adds exactly what its own numerators give. */
+INLINE void weigh_values_bf16(const int RN, const long D, const uint16_t *const *e2,
+                              const uint8_t *u, const float *V, long L, __m512 *acc) {
+    const int DV = (int)(D / 16);
+    /* vpermt2w indices: even elements from the first key's row, odd from the second's */
+    static const uint16_t interleave[2][32] = {
+        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+    const __m512i lo_idx = _mm512_loadu_si512(interleave[0]), hi_idx = _mm512_loadu_si512(interleave[1]);
+    for (int a = 0; a < RN * DV; a++) acc[a] = _mm512_setzero_ps();
+    for (long j = 0; j < L; j += 2) {
+        int first = u[j], second = j + 1 < L && u[j + 1];
+        if (!first && !second) continue;
+        const float *v0 = V + j * D, *v1 = v0 + D;
+        if (j + VALUE_PF_ROWS < L)
+            for (long c = 0; c < 2 * D; c += 16)
+                _mm_prefetch((const char *)(v0 + VALUE_PF_ROWS * D + c), _MM_HINT_T0);
+        __m512bh pairs[TILE_MAX_D / 16];
+        for (long h = 0; h < D / 32; h++) {
+            __m512i a = first ? bf16x32(v0 + 32 * h) : _mm512_setzero_si512();
+            __m512i b = second ? bf16x32(v1 + 32 * h) : _mm512_setzero_si512();
+            pairs[2 * h] = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
+            pairs[2 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+        }
+        for (int r = 0; r < RN; r++) {
+            uint32_t ep;
+            memcpy(&ep, e2[r] + j, sizeof ep); /* e_j, e_{j+1} */
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)ep);
+            for (int c = 0; c < DV; c++) acc[r * DV + c] = _mm512_dpbf16_ps(acc[r * DV + c], pairs[c], w);
+        }
+    }
+}
+
+/* The value pass for rows that see one set of columns that is not a prefix [0, c] (a tree node:
+ * the prefix and its ancestors; a row with masked columns between): their values paired by
+ * visible index, keys i and i + 1 of the ones the rows see, as decode steps along the same path
+ * pair them once its tokens sit at consecutive columns (in a prefix, visible index = column).
+ * e2[r]: row r's numerators as bf16 by column; out[r] = the sum / its inv[r]. */
+static void weigh_gathered_bf16(const long D, const uint16_t *const *e2, int RN, const uint8_t *vis,
+                                const float *V, long L, float *const *out, const float *inv) {
+    const int DV = (int)(D / 16);
+    static const uint16_t interleave[2][32] = {
+        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+    const __m512i lo_idx = _mm512_loadu_si512(interleave[0]), hi_idx = _mm512_loadu_si512(interleave[1]);
+    __m512 acc[TILE_GROUP * TILE_MAX_D / 16];
+    for (int a = 0; a < RN * DV; a++) acc[a] = _mm512_setzero_ps();
+    long j = 0;
+    for (;;) {
+        long first = j, second;
+        while (first < L && !vis[first]) first++;
+        if (first >= L) break;
+        second = first + 1;
+        while (second < L && !vis[second]) second++;
+        const float *v0 = V + first * D, *v1 = V + second * D;
+        __m512bh pairs[TILE_MAX_D / 16];
+        for (long h = 0; h < D / 32; h++) {
+            __m512i a = bf16x32(v0 + 32 * h);
+            __m512i b = second < L ? bf16x32(v1 + 32 * h) : _mm512_setzero_si512();
+            pairs[2 * h] = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
+            pairs[2 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
+        }
+        for (int r = 0; r < RN; r++) {
+            uint32_t ep = e2[r][first] | (second < L ? (uint32_t)e2[r][second] << 16 : 0u);
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)ep);
+            for (int c = 0; c < DV; c++) acc[r * DV + c] = _mm512_dpbf16_ps(acc[r * DV + c], pairs[c], w);
+        }
+        j = second + 1;
+    }
+    for (int r = 0; r < RN; r++) {
+        __m512 s = _mm512_set1_ps(inv[r]);
+        for (int c = 0; c < DV; c++) _mm512_storeu_ps(out[r] + c * 16, _mm512_mul_ps(acc[r * DV + c], s));
+    }
+}
+
+/* The mask bytes j0 .. j0 + 63 (those below L) that are set, one bit each. */
+static inline uint64_t seen64(const uint8_t *vis, long j0, long L) {
+    long n = L - j0 < 64 ? L - j0 : 64;
+    __mmask64 in = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+    __m512i bytes = _mm512_maskz_loadu_epi8(in, vis + j0);
+    return _mm512_test_epi8_mask(bytes, bytes);
+}
+
+/* Whether a row sees exactly the columns [0, c] for some c (L mask bytes), 64 bytes at a time. */
+static inline int sees_a_prefix(const uint8_t *vis, long L) {
+    int ended = 0; /* a column not seen has come */
+    for (long j0 = 0; j0 < L; j0 += 64) {
+        uint64_t m = seen64(vis, j0, L);
+        if (ended ? m != 0 : (m & (m + 1)) != 0) return 0; /* set bits after a gap */
+        ended |= m != ~(uint64_t)0;
+    }
+    return vis[0] != 0;
+}
+
+/* attend_tile_bf16 for one head size D (a constant where inlined); arguments as attend_tile's.
+ * scratch: R x (Lp floats + Lp2 bf16 + D/2 pairs), Lp2 = L rounded up to 32. */
+INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_t *const *vis,
+                               float *const *out, int R, const float *K, const float *V, long L,
+                               float scale, float *scores) {
+    const long DV = D / 16, Lp = (L + 15) & ~15L, Lp2 = (L + 31) & ~31L;
+    const __m512 neg = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+    uint32_t kt2[TILE_MAX_D / 2 * 16] __attribute__((aligned(64))); /* [D/2, 16] key pairs */
+    uint16_t *e2base = (uint16_t *)(scores + R * Lp);
+    uint32_t *q2base = (uint32_t *)(e2base + R * Lp2);
+    const uint32_t *q2[TILE_ROWS];
+    const uint16_t *e2[TILE_ROWS];
+    for (int r = 0; r < R; r++) { /* the queries as bf16 pairs */
+        uint32_t *row = q2base + r * (D / 2);
+        for (long h = 0; h < D / 32; h++) _mm512_storeu_si512(row + 16 * h, bf16x32(q[r] + 32 * h));
+        q2[r] = row;
+        e2[r] = e2base + r * Lp2;
+    }
+    /* rows that see a prefix share one value pass, paired by column; the others (by the mask
+     * they share: a token's query heads) go through weigh_gathered_bf16 */
+    int prefix[TILE_ROWS], np = 0;
+    for (int r = 0; r < R; r++) prefix[r] = sees_a_prefix(vis[r], L), np += prefix[r];
+    uint8_t u[Lp2 + 64]; /* keys some prefix row sees (mask bytes are 0 or 1) */
+    for (long j0 = 0; j0 < L; j0 += 64) {
+        long n = L - j0 < 64 ? L - j0 : 64;
+        __mmask64 in = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
+        __m512i any = _mm512_setzero_si512();
+        for (int r = 0; r < R; r++)
+            if (prefix[r]) any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(in, vis[r] + j0));
+        _mm512_mask_storeu_epi8(u + j0, in, any);
+    }
+    /* 1. scores, 16 keys at a time: the block's key pairs transposed once for all R rows */
+    for (long j0 = 0; j0 < Lp; j0 += 16) {
+        long n = L - j0 < 16 ? L - j0 : 16;
+        __mmask16 any = 0, m[TILE_ROWS];
+        for (int r = 0; r < R; r++) any |= (m[r] = visible16(vis[r], j0, n));
+        if (!any) {
+            for (int r = 0; r < R; r++) _mm512_store_ps(scores + r * Lp + j0, neg);
+            continue;
+        }
+        for (long b = j0 == 0 ? 1 : KEY_PF_BLOCKS; b <= KEY_PF_BLOCKS; b++) {
+            long at = j0 + 16 * b, mm = L - at < 16 ? L - at : 16;
+            for (long jj = 0; jj < mm; jj++)
+                for (long c = 0; c < D; c += 16)
+                    _mm_prefetch((const char *)(K + (at + jj) * D + c), _MM_HINT_T1);
+        }
+        for (long h = 0; h < D / 32; h++) {
+            __m512 rows[16];
+            for (long jj = 0; jj < 16; jj++)
+                rows[jj] = jj < n ? (__m512)bf16x32(K + (j0 + jj) * D + 32 * h) : _mm512_setzero_ps();
+            transpose16(rows);
+            for (int i = 0; i < 16; i++) _mm512_store_ps((float *)(kt2 + (16 * h + i) * 16), rows[i]);
+        }
+        for (int r0 = 0; r0 < R; r0 += QK_ROWS_BF16) {
+            __m512 s[QK_ROWS_BF16];
+            int rn = R - r0 < QK_ROWS_BF16 ? R - r0 : QK_ROWS_BF16;
+            switch (rn) {
+            case 6: score_rows_bf16(6, D, q2 + r0, kt2, vscale, s); break;
+            case 5: score_rows_bf16(5, D, q2 + r0, kt2, vscale, s); break;
+            case 4: score_rows_bf16(4, D, q2 + r0, kt2, vscale, s); break;
+            case 3: score_rows_bf16(3, D, q2 + r0, kt2, vscale, s); break;
+            case 2: score_rows_bf16(2, D, q2 + r0, kt2, vscale, s); break;
+            default: score_rows_bf16(1, D, q2 + r0, kt2, vscale, s); break;
+            }
+            for (int r = 0; r < rn; r++)
+                _mm512_store_ps(scores + (r0 + r) * Lp + j0, _mm512_mask_mov_ps(neg, m[r0 + r], s[r]));
+        }
+    }
+    /* 2. softmax per row (fp32), its numerators rounded to bf16, zeros past L */
+    float inv[TILE_ROWS];
+    for (int r = 0; r < R; r++) {
+        float *p = scores + r * Lp;
+        inv[r] = softmax_row(p, Lp);
+        uint16_t *e = e2base + r * Lp2;
+        for (long j = 0; j < Lp2; j += 32) {
+            __m512 lo = j < Lp ? _mm512_load_ps(p + j) : _mm512_setzero_ps();
+            __m512 hi = j + 16 < Lp ? _mm512_load_ps(p + j + 16) : _mm512_setzero_ps();
+            _mm512_storeu_si512(e + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    /* 3. out = e . V / sum: the prefix rows' value pairs built once per group of rows */
+    const uint16_t *pe2[TILE_ROWS];
+    float *pout[TILE_ROWS];
+    float pinv[TILE_ROWS];
+    for (int r = 0, i = 0; r < R; r++)
+        if (prefix[r]) pe2[i] = e2[r], pout[i] = out[r], pinv[i++] = inv[r];
+    for (int r = 0; r < R; r++) { /* the other rows, one mask at a time */
+        if (prefix[r] || (r > 0 && !prefix[r - 1] && vis[r - 1] == vis[r])) continue;
+        int n = 1;
+        while (r + n < R && !prefix[r + n] && vis[r + n] == vis[r]) n++;
+        weigh_gathered_bf16(D, e2 + r, n, vis[r], V, L, out + r, inv + r);
+    }
+    const int per = (int)(PV_ACC / DV);
+    for (int r0 = 0; r0 < np; r0 += per) {
+        __m512 acc[PV_ACC];
+        int rn = np - r0 < per ? np - r0 : per;
+        if (DV == 4) {
+            switch (rn) {
+            case 6: weigh_values_bf16(6, D, pe2 + r0, u, V, L, acc); break;
+            case 5: weigh_values_bf16(5, D, pe2 + r0, u, V, L, acc); break;
+            case 4: weigh_values_bf16(4, D, pe2 + r0, u, V, L, acc); break;
+            case 3: weigh_values_bf16(3, D, pe2 + r0, u, V, L, acc); break;
+            case 2: weigh_values_bf16(2, D, pe2 + r0, u, V, L, acc); break;
+            default: weigh_values_bf16(1, D, pe2 + r0, u, V, L, acc); break;
+            }
+        } else {
+            switch (rn) {
+            case 3: weigh_values_bf16(3, D, pe2 + r0, u, V, L, acc); break;
+            case 2: weigh_values_bf16(2, D, pe2 + r0, u, V, L, acc); break;
+            default: weigh_values_bf16(1, D, pe2 + r0, u, V, L, acc); break;
+            }
+        }
+        for (int r = 0; r < rn; r++) {
+            __m512 s = _mm512_set1_ps(pinv[r0 + r]);
+            for (long c = 0; c < DV; c++)
+                _mm512_storeu_ps(pout[r0 + r] + c * 16, _mm512_mul_ps(acc[r * DV + c], s));
+        }
+    }
+}
+
+/* Scratch floats a bf16 tile of R rows needs over L keys (see attend_tile_bf16_d). */
+static inline long tile_bf16_scratch(long R, long L, long D) {
+    long Lp = (L + 15) & ~15L, Lp2 = (L + 31) & ~31L;
+    return R * (Lp + (Lp2 + 1) / 2 + D / 2) + 16;
+}
+
+/* attend_tile on bf16 operands (the header's arithmetic); tile_head_dim(D). */
+static void attend_tile_bf16(const float *const *q, const uint8_t *const *vis, float *const *out,
+                             int R, const float *K, const float *V, long L, long D, float scale,
+                             float *scores) {
+    if (D == 64) attend_tile_bf16_d(64, q, vis, out, R, K, V, L, scale, scores);
+    else attend_tile_bf16_d(128, q, vis, out, R, K, V, L, scale, scores);
+}
+
+#endif
