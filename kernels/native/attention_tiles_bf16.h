@@ -12,9 +12,11 @@
  *
  * The arithmetic, fixed so that a query's output does not depend on how many queries a call
  * holds (a decode step and a verify, chain or tree, agree bit for bit):
- *   score(q, key) = ((c0 + c1) + (c2 + c3)) * scale, chain c_a over the dim pairs m = a, a + 4,
- *                   a + 8, ... in order, each link adding q[2m] k[2m] + q[2m+1] k[2m+1] (one
- *                   vdpbf16ps lane);
+ *   score(q, key) = hsum(c) * scale: c_l, l < 16, a chain over the dim pairs m = l, l + 16, ...
+ *                   in order, each link adding q[2m] k[2m] + q[2m+1] k[2m+1] (one vdpbf16ps
+ *                   lane), then the 16 added in simd.h's hsum tree (one token's query heads
+ *                   compute it key by key, lanes = pairs; more tokens 16 keys at a time, lanes =
+ *                   keys, adding the chains in the same tree, as attention_tiles.h's fp32 tiles);
  *   softmax as softmax_row (attention_tiles.h): numerators e_j, 1 / their sum;
  *   out[d]        = (sum over pairs of the keys the query sees, the 1st and 2nd, 3rd and 4th, ...
  *                   in order, of e_a v_a[d] + e_b v_b[d]) * (1 / sum), e and v rounded to bf16,
@@ -31,7 +33,7 @@
 
 #include "attention_tiles.h"
 
-#define QK_ROWS_BF16 6 /* query rows scored together: 4 chains each */
+#define QK_ROWS_BF16 3 /* query rows scored together: 4 chains + 4 sums each */
 
 /* 32 floats -> 32 bf16 in order (as 16 pairs, element 2i the even one). */
 static inline __m512i bf16x32(const float *x) {
@@ -39,21 +41,55 @@ static inline __m512i bf16x32(const float *x) {
 }
 
 /* Scores of rows q2[0..RN) (each a query as D/2 bf16 pairs) for one block of 16 keys (kt2: the
- * block's key pairs transposed, [D/2, 16] pairs): lane = key. */
+ * block's key pairs transposed, [D/2, 16] pairs): lane = key. Pair lane l's chain over the pairs
+ * l, l + 16, ... as the one-token path's vector lanes (score_one_bf16), then the chains added in
+ * hsum's tree, as attention_tiles.h's score_rows does for fp32. */
 INLINE void score_rows_bf16(const int RN, const long D, const uint32_t *const *q2,
                             const uint32_t *kt2, __m512 scale, __m512 *s) {
-    __m512 c[QK_ROWS_BF16][4];
-    for (int r = 0; r < RN; r++)
-        for (int a = 0; a < 4; a++) c[r][a] = _mm512_setzero_ps();
-    for (long m = 0; m < D / 2; m += 4)
-        for (int a = 0; a < 4; a++) {
-            __m512bh k = (__m512bh)_mm512_load_si512(kt2 + (m + a) * 16);
-            for (int r = 0; r < RN; r++)
-                c[r][a] = _mm512_dpbf16_ps(c[r][a], k, (__m512bh)_mm512_set1_epi32((int)q2[r][m + a]));
+    __m512 quarter[QK_ROWS_BF16][4];
+    for (int i = 0; i < 4; i++) {
+        __m512 p[QK_ROWS_BF16][4];
+        for (int r = 0; r < RN; r++)
+            for (int a = 0; a < 4; a++) p[r][a] = _mm512_setzero_ps();
+        for (long h = 0; h < D / 32; h++)
+            for (int a = 0; a < 4; a++) { /* pair lane l = i + 4a */
+                long m = h * 16 + i + 4 * a;
+                __m512bh k = (__m512bh)_mm512_load_si512(kt2 + m * 16);
+                for (int r = 0; r < RN; r++)
+                    p[r][a] = _mm512_dpbf16_ps(p[r][a], k, (__m512bh)_mm512_set1_epi32((int)q2[r][m]));
+            }
+        for (int r = 0; r < RN; r++)
+            quarter[r][i] = _mm512_add_ps(_mm512_add_ps(p[r][3], p[r][1]), _mm512_add_ps(p[r][2], p[r][0]));
+    }
+    for (int r = 0; r < RN; r++) {
+        __m512 half0 = _mm512_add_ps(quarter[r][0], quarter[r][2]);
+        __m512 half1 = _mm512_add_ps(quarter[r][1], quarter[r][3]);
+        s[r] = _mm512_mul_ps(_mm512_add_ps(half0, half1), scale);
+    }
+}
+
+/* The same scores for one token's rows, one key at a time (lane = pair): each key row read once
+ * for the RN rows, in order, as a decode step streams the cache; sc[r * Lp + j], -inf where the
+ * token does not see key j. */
+static void score_keys_bf16(const long D, int RN, const uint32_t *const *q2, const uint8_t *vis,
+                            const float *K, long L, long Lp, float scale, float *sc) {
+    for (long j = 0; j < Lp; j++) {
+        if (j >= L || !vis[j]) {
+            for (int r = 0; r < RN; r++) sc[r * Lp + j] = -INFINITY;
+            continue;
         }
-    for (int r = 0; r < RN; r++)
-        s[r] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(c[r][0], c[r][1]),
-                                           _mm512_add_ps(c[r][2], c[r][3])), scale);
+        const float *k = K + j * D;
+        if (j + 8 < L)
+            for (long c = 0; c < D; c += 16) _mm_prefetch((const char *)(k + 8 * D + c), _MM_HINT_T0);
+        __m512bh kp[TILE_MAX_D / 32];
+        for (long h = 0; h < D / 32; h++) kp[h] = (__m512bh)bf16x32(k + 32 * h);
+        for (int r = 0; r < RN; r++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (long h = 0; h < D / 32; h++)
+                acc = _mm512_dpbf16_ps(acc, kp[h], (__m512bh)_mm512_loadu_si512(q2[r] + 16 * h));
+            sc[r * Lp + j] = hsum((vf)acc) * scale;
+        }
+    }
 }
 
 /* acc[r][c] = sum over key pairs of e[r] . V for rows [0, RN), d = 16 c .. 16 c + 15 (e2[r]: row
@@ -188,8 +224,12 @@ INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_
             if (prefix[r]) any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(in, vis[r] + j0));
         _mm512_mask_storeu_epi8(u + j0, in, any);
     }
-    /* 1. scores, 16 keys at a time: the block's key pairs transposed once for all R rows */
-    for (long j0 = 0; j0 < Lp; j0 += 16) {
+    /* 1. scores: one token's rows (they share a mask) key by key; more, 16 keys at a time with
+     * the block's key pairs transposed once for all R rows. The same bits either way. */
+    int one = 1;
+    for (int r = 1; r < R; r++) one &= vis[r] == vis[0];
+    if (one) score_keys_bf16(D, R, q2, vis[0], K, L, Lp, scale, scores);
+    for (long j0 = 0; j0 < Lp && !one; j0 += 16) {
         long n = L - j0 < 16 ? L - j0 : 16;
         __mmask16 any = 0, m[TILE_ROWS];
         for (int r = 0; r < R; r++) any |= (m[r] = visible16(vis[r], j0, n));
@@ -214,9 +254,6 @@ INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_
             __m512 s[QK_ROWS_BF16];
             int rn = R - r0 < QK_ROWS_BF16 ? R - r0 : QK_ROWS_BF16;
             switch (rn) {
-            case 6: score_rows_bf16(6, D, q2 + r0, kt2, vscale, s); break;
-            case 5: score_rows_bf16(5, D, q2 + r0, kt2, vscale, s); break;
-            case 4: score_rows_bf16(4, D, q2 + r0, kt2, vscale, s); break;
             case 3: score_rows_bf16(3, D, q2 + r0, kt2, vscale, s); break;
             case 2: score_rows_bf16(2, D, q2 + r0, kt2, vscale, s); break;
             default: score_rows_bf16(1, D, q2 + r0, kt2, vscale, s); break;

@@ -362,7 +362,11 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         nseg = segments(rows, B, T, Hkv, threads, seg);
         per_thread = TILE_ROWS * SCORE_STRIDE(L);
 #if TILES_BF16
-        if (bf16) per_thread = (tile_bf16_scratch(TILE_ROWS, L, D) + 15) & ~15L;
+        if (bf16) { /* sized for the longest segment: a step's rows need little */
+            long most = 1;
+            for (long s = 0; s < nseg; s++) most = seg[s + 1] - seg[s] > most ? seg[s + 1] - seg[s] : most;
+            per_thread = (tile_bf16_scratch(most * (Hq / Hkv), L, D) + 15) & ~15L;
+        }
 #endif
     }
 #endif

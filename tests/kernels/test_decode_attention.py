@@ -248,10 +248,11 @@ def test_bf16_operands_are_the_rounded_arithmetic(t, tree, d):
     k32, v32 = keys.clone(), values.clone()
     want = _bf16_reference(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5)
     got = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5, bf16=True)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # another order of fp32 sums can round a numerator to the neighbouring bf16 value (2^-9)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
     exact = da.decode_attention(qkv, cos, sin, k32, v32, cols, mask, hq, hkv, d**-0.5)
-    assert not torch.equal(got, exact)
     torch.testing.assert_close(got, exact, rtol=0, atol=0.05)  # bf16 operands: ~1e-2 at most
+    assert (got - want).abs().mean() < (got - exact).abs().mean() / 10  # and it is not fp32's
 
 
 @needs_bf16
