@@ -92,6 +92,24 @@ static void score_keys_bf16(const long D, int RN, const uint32_t *const *q2, con
     }
 }
 
+/* Two value rows (v0, v1; NULL: zeros) as D/16 vectors of bf16 pairs, lanes = d: pair d holds
+ * (v0[d], v1[d]), the operand of one vdpbf16ps link of the weighted sum. */
+static inline void value_pairs(const float *v0, const float *v1, long D, __m512bh *pairs) {
+    /* vpermt2w indices: even elements from the first key's row, odd from the second's */
+    static const uint16_t interleave[2][32] __attribute__((aligned(64))) = {
+        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+    const __m512i lo = _mm512_load_si512(interleave[0]), hi = _mm512_load_si512(interleave[1]);
+    for (long h = 0; h < D / 32; h++) {
+        __m512i a = v0 ? bf16x32(v0 + 32 * h) : _mm512_setzero_si512();
+        __m512i b = v1 ? bf16x32(v1 + 32 * h) : _mm512_setzero_si512();
+        pairs[2 * h] = (__m512bh)_mm512_permutex2var_epi16(a, lo, b);
+        pairs[2 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi, b);
+    }
+}
+
 /* acc[r][c] = sum over key pairs of e[r] . V for rows [0, RN), d = 16 c .. 16 c + 15 (e2[r]: row
  * r's numerators as bf16, Lp2 of them, 0 past L; u: whether any row of the tile sees key j). A
  * pair no row sees is skipped, and a key no row sees enters as 0 (its cache column may hold
@@ -99,13 +117,6 @@ static void score_keys_bf16(const long D, int RN, const uint32_t *const *q2, con
 INLINE void weigh_values_bf16(const int RN, const long D, const uint16_t *const *e2,
                               const uint8_t *u, const float *V, long L, __m512 *acc) {
     const int DV = (int)(D / 16);
-    /* vpermt2w indices: even elements from the first key's row, odd from the second's */
-    static const uint16_t interleave[2][32] = {
-        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-    const __m512i lo_idx = _mm512_loadu_si512(interleave[0]), hi_idx = _mm512_loadu_si512(interleave[1]);
     for (int a = 0; a < RN * DV; a++) acc[a] = _mm512_setzero_ps();
     for (long j = 0; j < L; j += 2) {
         int first = u[j], second = j + 1 < L && u[j + 1];
@@ -115,12 +126,7 @@ INLINE void weigh_values_bf16(const int RN, const long D, const uint16_t *const 
             for (long c = 0; c < 2 * D; c += 16)
                 _mm_prefetch((const char *)(v0 + VALUE_PF_ROWS * D + c), _MM_HINT_T0);
         __m512bh pairs[TILE_MAX_D / 16];
-        for (long h = 0; h < D / 32; h++) {
-            __m512i a = first ? bf16x32(v0 + 32 * h) : _mm512_setzero_si512();
-            __m512i b = second ? bf16x32(v1 + 32 * h) : _mm512_setzero_si512();
-            pairs[2 * h] = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
-            pairs[2 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
-        }
+        value_pairs(first ? v0 : NULL, second ? v1 : NULL, D, pairs);
         for (int r = 0; r < RN; r++) {
             uint32_t ep;
             memcpy(&ep, e2[r] + j, sizeof ep); /* e_j, e_{j+1} */
@@ -138,12 +144,6 @@ INLINE void weigh_values_bf16(const int RN, const long D, const uint16_t *const 
 static void weigh_gathered_bf16(const long D, const uint16_t *const *e2, int RN, const uint8_t *vis,
                                 const float *V, long L, float *const *out, const float *inv) {
     const int DV = (int)(D / 16);
-    static const uint16_t interleave[2][32] = {
-        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-    const __m512i lo_idx = _mm512_loadu_si512(interleave[0]), hi_idx = _mm512_loadu_si512(interleave[1]);
     __m512 acc[TILE_GROUP * TILE_MAX_D / 16];
     for (int a = 0; a < RN * DV; a++) acc[a] = _mm512_setzero_ps();
     long j = 0;
@@ -153,14 +153,8 @@ static void weigh_gathered_bf16(const long D, const uint16_t *const *e2, int RN,
         if (first >= L) break;
         second = first + 1;
         while (second < L && !vis[second]) second++;
-        const float *v0 = V + first * D, *v1 = V + second * D;
         __m512bh pairs[TILE_MAX_D / 16];
-        for (long h = 0; h < D / 32; h++) {
-            __m512i a = bf16x32(v0 + 32 * h);
-            __m512i b = second < L ? bf16x32(v1 + 32 * h) : _mm512_setzero_si512();
-            pairs[2 * h] = (__m512bh)_mm512_permutex2var_epi16(a, lo_idx, b);
-            pairs[2 * h + 1] = (__m512bh)_mm512_permutex2var_epi16(a, hi_idx, b);
-        }
+        value_pairs(V + first * D, second < L ? V + second * D : NULL, D, pairs);
         for (int r = 0; r < RN; r++) {
             uint32_t ep = e2[r][first] | (second < L ? (uint32_t)e2[r][second] << 16 : 0u);
             __m512bh w = (__m512bh)_mm512_set1_epi32((int)ep);

@@ -140,23 +140,26 @@ def test_real_tokens_alone_with_their_cache_rows_equal_the_padded_call(tree):
 @pytest.mark.parametrize("t", [2, 5, 8, 17])
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("d", [16, 64, 80, 128])
-def test_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d, bf16):
     """A verify of t tokens gives each token the bits that t one-token calls (decode steps, each
     seeing the columns the mask gives it, over a mask no wider than a step's) give it: with
     AVX-512 the kernel scores several tokens of a cache row 16 keys at a time (attention_tiles.h)
     and one token per query head, and both add the same products in the same order; head sizes
     the grouped loop cannot take (16, 80) go one head at a time through the same softmax. So a
-    speculative step's logits are a plain step's."""
+    speculative step's logits are a plain step's. On bf16 operands (heads of 64 and 128) too."""
+    if bf16 and not da.bf16_takes(9, 3, d):
+        pytest.skip("bf16 operands take heads of 64 and 128 on an AVX-512 BF16 build")
     hq, hkv = 9, 3
     qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
     many_k, many_v = keys.clone(), values.clone()
-    many = da.decode_attention(qkv, cos, sin, many_k, many_v, cols, mask, hq, hkv, d**-0.5)
+    many = da.decode_attention(qkv, cos, sin, many_k, many_v, cols, mask, hq, hkv, d**-0.5, bf16=bf16)
     for i in range(t):  # one token at a time, as decode steps would write and read the cache
         step_width = 30 + i + 1  # a decode step's mask reaches its own column, not the verify's last
         one = da.decode_attention(
             qkv[:, i : i + 1].contiguous(), cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous(),
             keys, values, cols[:, i : i + 1].contiguous(), mask[:, i : i + 1, :step_width].contiguous(),
-            hq, hkv, d**-0.5,
+            hq, hkv, d**-0.5, bf16=bf16,
         )
         assert torch.equal(one[:, 0], many[:, i]), f"token {i}"
     assert torch.equal(keys, many_k) and torch.equal(values, many_v)
@@ -164,13 +167,18 @@ def test_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d):
 
 @needs_native
 @pytest.mark.parametrize("t", [3, 7, 12])
-def test_a_tree_node_gets_the_bits_of_decode_steps_along_its_path(t):
+@pytest.mark.parametrize("n", [36, 37])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_tree_node_gets_the_bits_of_decode_steps_along_its_path(t, n, bf16):
     """A token tree's node sits at the tree's column, sees the prefix and its ancestors there, and
     still gets the bits that decode steps along its path give it once the path is committed to
-    consecutive columns (the softmax's sum packs the visible keys first): so a tree verify cannot
-    flip a near-tie that target-only decoding would resolve the other way."""
-    hq, hkv, d, n = 9, 3, 64, 37
-    g = torch.Generator().manual_seed(t)
+    consecutive columns (the softmax's sum packs the visible keys first; on bf16 operands the
+    values pair by visible index), after an even or an odd prefix: so a tree verify cannot flip a
+    near-tie that target-only decoding would resolve the other way."""
+    if bf16 and not da.bf16_takes(9, 3, 64):
+        pytest.skip("no AVX-512 BF16 build")
+    hq, hkv, d = 9, 3, 64
+    g = torch.Generator().manual_seed(t + n)
     parent = [-1] + [(i - 1) // 2 for i in range(1, t)]  # a binary tree, nodes in level order
     depth = [0] * t
     for i in range(1, t):
@@ -194,20 +202,21 @@ def test_a_tree_node_gets_the_bits_of_decode_steps_along_its_path(t):
             j = parent[j]
     keys, values = prefix_k.clone(), prefix_v.clone()
     cols = (n + torch.arange(t))[None]
-    tree = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5)
-    path, j = [], t - 1
-    while j >= 0:
-        path.append(j)
-        j = parent[j]
-    path.reverse()
-    keys, values = prefix_k.clone(), prefix_v.clone()
-    for step, node in enumerate(path):  # decode steps along the path, at consecutive columns
-        c, s = rotary([n + step])
-        one = da.decode_attention(
-            qkv[:, node : node + 1].contiguous(), c, s, keys, values, torch.tensor([[n + step]]),
-            (torch.arange(n + step + 1) <= n + step)[None, None].contiguous(), hq, hkv, d**-0.5,
-        )
-        assert torch.equal(one[:, 0], tree[:, node]), f"node {node} at depth {step}"
+    tree = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5, bf16=bf16)
+    for leaf in (t - 1, t - 2):
+        path, j = [], leaf
+        while j >= 0:
+            path.append(j)
+            j = parent[j]
+        keys, values = prefix_k.clone(), prefix_v.clone()
+        for step, node in enumerate(reversed(path)):  # decode steps along the path, at consecutive columns
+            c, s = rotary([n + step])
+            one = da.decode_attention(
+                qkv[:, node : node + 1].contiguous(), c, s, keys, values, torch.tensor([[n + step]]),
+                (torch.arange(n + step + 1) <= n + step)[None, None].contiguous(), hq, hkv, d**-0.5,
+                bf16=bf16,
+            )
+            assert torch.equal(one[:, 0], tree[:, node]), f"node {node} at depth {step}"
 
 
 needs_bf16 = pytest.mark.skipif(not (da.available() and da.bf16_takes(9, 3, 64)),
@@ -253,74 +262,6 @@ def test_bf16_operands_are_the_rounded_arithmetic(t, tree, d):
     exact = da.decode_attention(qkv, cos, sin, k32, v32, cols, mask, hq, hkv, d**-0.5)
     torch.testing.assert_close(got, exact, rtol=0, atol=0.05)  # bf16 operands: ~1e-2 at most
     assert (got - want).abs().mean() < (got - exact).abs().mean() / 10  # and it is not fp32's
-
-
-@needs_bf16
-@pytest.mark.parametrize("t", [2, 5, 8, 17])
-@pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-def test_bf16_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d):
-    """On bf16 operands too, a verify of t tokens gives each token the bits of its decode step."""
-    hq, hkv = 9, 3
-    qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
-    many = da.decode_attention(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5,
-                               bf16=True)
-    for i in range(t):
-        one = da.decode_attention(
-            qkv[:, i : i + 1].contiguous(), cos[:, i : i + 1].contiguous(), sin[:, i : i + 1].contiguous(),
-            keys, values, cols[:, i : i + 1].contiguous(), mask[:, i : i + 1, : 30 + i + 1].contiguous(),
-            hq, hkv, d**-0.5, bf16=True,
-        )
-        assert torch.equal(one[:, 0], many[:, i]), f"token {i}"
-
-
-@needs_bf16
-@pytest.mark.parametrize("t", [3, 7, 12])
-@pytest.mark.parametrize("n", [36, 37])
-def test_bf16_a_tree_node_gets_the_bits_of_decode_steps_along_its_path(t, n):
-    """A tree node's values pair by visible index (the prefix's, then its ancestors'), as the
-    same tokens pair once committed to consecutive columns: its output is the decode steps'
-    bits, after an even or an odd prefix."""
-    hq, hkv, d = 9, 3, 64
-    g = torch.Generator().manual_seed(t + n)
-    parent = [-1] + [(i - 1) // 2 for i in range(1, t)]
-    depth = [0] * t
-    for i in range(1, t):
-        depth[i] = depth[parent[i]] + 1
-    qkv = torch.randn(1, t, (hq + 2 * hkv) * d, generator=g)
-    prefix_k = torch.randn(1, hkv, 64, d, generator=g)
-    prefix_v = torch.randn(1, hkv, 64, d, generator=g)
-
-    def rotary(positions):
-        freqs = torch.tensor(positions)[:, None].float() / (10000 ** (torch.arange(d // 2).float() / (d // 2)))
-        emb = torch.cat([freqs, freqs], dim=-1)[None]
-        return emb.cos().contiguous(), emb.sin().contiguous()
-
-    cos, sin = rotary([n + dep for dep in depth])
-    mask = torch.zeros(1, t, n + t, dtype=torch.bool)
-    mask[:, :, :n] = True
-    for i in range(t):
-        j = i
-        while j >= 0:
-            mask[0, i, n + j] = True
-            j = parent[j]
-    keys, values = prefix_k.clone(), prefix_v.clone()
-    tree = da.decode_attention(qkv, cos, sin, keys, values, (n + torch.arange(t))[None], mask, hq, hkv,
-                               d**-0.5, bf16=True)
-    for leaf in (t - 1, t - 2):
-        path, j = [], leaf
-        while j >= 0:
-            path.append(j)
-            j = parent[j]
-        keys, values = prefix_k.clone(), prefix_v.clone()
-        for step, node in enumerate(reversed(path)):
-            c, s = rotary([n + step])
-            one = da.decode_attention(
-                qkv[:, node : node + 1].contiguous(), c, s, keys, values, torch.tensor([[n + step]]),
-                (torch.arange(n + step + 1) <= n + step)[None, None].contiguous(), hq, hkv, d**-0.5,
-                bf16=True,
-            )
-            assert torch.equal(one[:, 0], tree[:, node]), f"node {node} at depth {step}"
 
 
 @needs_bf16
