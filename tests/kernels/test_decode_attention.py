@@ -16,7 +16,10 @@ def _rope(x, cos, sin):  # x [B, H, T, D]; cos, sin [B, 1, T, D]
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _reference(qkv, cos, sin, keys, values, cols, mask, hq, hkv, scale):
+def _reference(qkv, cos, sin, keys, values, cols, mask, hq, hkv, scale, bf16=False):
+    """torch's rotary + index_put + SDPA; ``bf16``: the bf16 arithmetic instead (fp32 sums in
+    torch's order): queries and keys rounded for the scores, fp32 softmax, numerators and values
+    rounded for the weighted sum, normalised after."""
     b, t, _ = qkv.shape
     d = keys.shape[-1]
     q = qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2)
@@ -27,6 +30,14 @@ def _reference(qkv, cos, sin, keys, values, cols, mask, hq, hkv, scale):
     keys[rows, :, cols] = k.transpose(1, 2)
     values[rows, :, cols] = v.transpose(1, 2)
     n = mask.shape[-1]
+    if bf16:
+        bf = lambda x: x.bfloat16().float()
+        kk = keys[:, :, :n].repeat_interleave(hq // hkv, 1)
+        vv = values[:, :, :n].repeat_interleave(hq // hkv, 1)
+        s = (bf(q) @ bf(kk).transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
+        e = torch.exp(s - s.amax(-1, keepdim=True))  # [B, Hq, T, L]
+        att = (bf(e) @ bf(vv)) / e.sum(-1, keepdim=True)
+        return att.transpose(1, 2).reshape(b, t, hq * d)
     att = F.scaled_dot_product_attention(
         q, keys[:, :, :n], values[:, :, :n], attn_mask=mask[:, None], scale=scale, enable_gqa=True
     )
@@ -223,28 +234,6 @@ needs_bf16 = pytest.mark.skipif(not (da.available() and da.bf16_takes(9, 3, 64))
                                 reason="no AVX-512 BF16 build")
 
 
-def _bf16_reference(qkv, cos, sin, keys, values, cols, mask, hq, hkv, scale):
-    """The bf16 arithmetic in torch (fp32 sums in torch's order): queries and keys rounded for the
-    scores, fp32 softmax, numerators and values rounded for the weighted sum, normalised after."""
-    b, t, _ = qkv.shape
-    d = keys.shape[-1]
-    q = qkv[..., : hq * d].view(b, t, hq, d).transpose(1, 2)
-    k = qkv[..., hq * d : (hq + hkv) * d].view(b, t, hkv, d).transpose(1, 2)
-    v = qkv[..., (hq + hkv) * d :].view(b, t, hkv, d).transpose(1, 2)
-    q, k = _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None])
-    rows = torch.arange(b)[:, None].expand(-1, t)
-    keys[rows, :, cols] = k.transpose(1, 2)
-    values[rows, :, cols] = v.transpose(1, 2)
-    n = mask.shape[-1]
-    bf = lambda x: x.bfloat16().float()
-    kk = keys[:, :, :n].repeat_interleave(hq // hkv, 1)
-    vv = values[:, :, :n].repeat_interleave(hq // hkv, 1)
-    s = (bf(q) @ bf(kk).transpose(-1, -2) * scale).masked_fill(~mask[:, None], float("-inf"))
-    e = torch.exp(s - s.amax(-1, keepdim=True))  # [B, Hq, T, L]
-    att = (bf(e) @ bf(vv)) / e.sum(-1, keepdim=True)
-    return att.transpose(1, 2).reshape(b, t, hq * d)
-
-
 @needs_bf16
 @pytest.mark.parametrize("t", [1, 2, 5, 8, 17])
 @pytest.mark.parametrize("tree", [False, True])
@@ -255,7 +244,7 @@ def test_bf16_operands_are_the_rounded_arithmetic(t, tree, d):
     hq, hkv = 9, 3
     qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
     k32, v32 = keys.clone(), values.clone()
-    want = _bf16_reference(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5)
+    want = _reference(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5, bf16=True)
     got = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5, bf16=True)
     # another order of fp32 sums can round a numerator to the neighbouring bf16 value (2^-9)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
