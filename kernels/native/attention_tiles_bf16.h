@@ -22,8 +22,8 @@
  *                   in order, of e_a v_a[d] + e_b v_b[d]) * (1 / sum), e and v rounded to bf16,
  *                   one chain per d (pairs by visible index: a tree node's ancestors pair as the
  *                   same tokens do once committed to consecutive columns).
- * Every query goes through these tiles here, one token too (decode_attention.c): the per-token
- * loop has no bf16 twin. Rounding is the instruction's (vcvtne2ps2bf16: to nearest even).
+ * Every query goes through this header, one token too: decode_attention.c's per-token loop has no
+ * part in it. Rounding is the instruction's (vcvtne2ps2bf16: to nearest even).
  */
 #ifndef SPECLOOP_ATTENTION_TILES_BF16_H
 #define SPECLOOP_ATTENTION_TILES_BF16_H
@@ -111,7 +111,7 @@ static inline void value_pairs(const float *v0, const float *v1, long D, __m512b
 }
 
 /* acc[r][c] = sum over key pairs of e[r] . V for rows [0, RN), d = 16 c .. 16 c + 15 (e2[r]: row
- * r's numerators as bf16, Lp2 of them, 0 past L; u: whether any row of the tile sees key j). A
+ * r's numerators as bf16, Lp2 of them, 0 past L; u: whether any of these rows sees key j). A
  * pair no row sees is skipped, and a key no row sees enters as 0 (its cache column may hold
  * anything): either way each row adds exactly what its own numerators give. */
 INLINE void weigh_values_bf16(const int RN, const long D, const uint16_t *const *e2,
