@@ -29,12 +29,16 @@ import typer
 from benchmarks.output import json_option, print_json
 from benchmarks.static_fits import StaticFits, static_drafter
 from infra.loop import LoopConfig, OnlineLoop
-from infra.loop_metrics import paired_speedup_interval, shift_index, summarise
+from infra.loop_metrics import (
+    paired_speedup_interval,
+    served_bf16_activations,
+    shift_index,
+    summarise,
+)
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
 from infra.paired_serving import serve_paired, target_only_loop, warmed
 from infra.prompts import encode, stream_items
 from infra.suffix_seed import seed_option, seed_summary, use_suffix_seed
-from kernels.packed_linear import rounding_available
 
 log = logging.getLogger(__name__)
 KINDS = ("hybrid", "suffix", "standalone")
@@ -234,7 +238,7 @@ def bench_online(
                                       load_target=load_target))
             out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
             out["suffix_seed"] = seed_summary(seed)
-            out["bf16_activations"] = load_settings().serving.bf16_activations and rounding_available()
+            out["bf16_activations"] = served_bf16_activations(load_settings())
         finally:
             stack.down()
     print_json(out, json_out)

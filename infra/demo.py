@@ -21,7 +21,6 @@ from pathlib import Path
 import typer
 
 from infra.suffix_seed import current_seed, seed_option, seed_summary, use_suffix_seed
-from kernels.packed_linear import rounding_available
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +163,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     from infra.loop import OnlineLoop
     from infra.loop_metrics import (
         paired_speedup_interval,
+        served_bf16_activations,
         shift_index,
         summarise,
         tok_s,
@@ -206,7 +206,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
         "speedup_overall_ci95": interval(lambda i: True),
         "final_drafter_version": str(getattr(loop.engine.drafter, "version", "-")),
         "suffix_seed": seed_summary(current_seed()),
-        "bf16_activations": loop.settings.serving.bf16_activations and rounding_available(),
+        "bf16_activations": served_bf16_activations(loop.settings),
         **trainer_figures(loop),
     })
     summary["plot"] = str(plot(loop.points, loop.events, shift, run_dir / "demo.png", base_tok_s))

@@ -7,6 +7,13 @@ import statistics
 import numpy as np
 
 from infra.loop import OnlineLoop
+from kernels.packed_linear import rounding_available
+
+
+def served_bf16_activations(settings) -> bool:
+    """Whether the run's target served on bf16 activations: asked for
+    (``ServingSettings.bf16_activations``) and possible on this CPU (a bf16 dot product or AMX)."""
+    return settings.serving.bf16_activations and rounding_available()
 
 
 def shift_index(domains: list[str]) -> int:

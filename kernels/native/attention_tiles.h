@@ -49,6 +49,16 @@
 #define VALUE_PF_ROWS 32
 #endif
 
+/* While the keys of block j0 (16 from j0) are scored, ask for those KEY_PF_BLOCKS blocks ahead
+ * (at the first block, every block up to there). K: the kv head's keys [L.., D]. */
+static inline void prefetch_keys_ahead(const float *K, long j0, long L, long D) {
+    for (long b = j0 == 0 ? 1 : KEY_PF_BLOCKS; b <= KEY_PF_BLOCKS; b++) {
+        long at = j0 + 16 * b, m = L - at < 16 ? L - at : 16;
+        for (long jj = 0; jj < m; jj++)
+            for (long c = 0; c < D; c += 16) _mm_prefetch((const char *)(K + (at + jj) * D + c), _MM_HINT_T1);
+    }
+}
+
 /* r[i] <- column i of the 16 x 16 block r (row j of the result holds element i of input row j). */
 static inline void transpose16(__m512 r[16]) {
     __m512 t[16];
@@ -199,12 +209,7 @@ INLINE void attend_tile_d(const long D, const float *const *q, const uint8_t *co
             for (int r = 0; r < R; r++) _mm512_store_ps(scores + r * Lp + j0, neg);
             continue;
         }
-        for (long b = j0 == 0 ? 1 : KEY_PF_BLOCKS; b <= KEY_PF_BLOCKS; b++) {
-            long at = j0 + 16 * b, m = L - at < 16 ? L - at : 16;
-            for (long jj = 0; jj < m; jj++)
-                for (long c = 0; c < D; c += 16)
-                    _mm_prefetch((const char *)(K + (at + jj) * D + c), _MM_HINT_T1);
-        }
+        prefetch_keys_ahead(K, j0, L, D);
         for (long c = 0; c < DV; c++) {
             __m512 rows[16];
             for (long jj = 0; jj < 16; jj++)

@@ -231,12 +231,7 @@ INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_
             for (int r = 0; r < R; r++) _mm512_store_ps(scores + r * Lp + j0, neg);
             continue;
         }
-        for (long b = j0 == 0 ? 1 : KEY_PF_BLOCKS; b <= KEY_PF_BLOCKS; b++) {
-            long at = j0 + 16 * b, mm = L - at < 16 ? L - at : 16;
-            for (long jj = 0; jj < mm; jj++)
-                for (long c = 0; c < D; c += 16)
-                    _mm_prefetch((const char *)(K + (at + jj) * D + c), _MM_HINT_T1);
-        }
+        prefetch_keys_ahead(K, j0, L, D);
         for (long h = 0; h < D / 32; h++) {
             __m512 rows[16];
             for (long jj = 0; jj < 16; jj++)
