@@ -77,21 +77,17 @@ static inline float scalar_bf16(const uint16_t *p) {
                     y[t * N + n + r] = s;                                                   \
                 }                                                                           \
         }                                                                                   \
-        for (; n < n1; n++) {                                                               \
-            const WT *w0 = w + n * K;                                                       \
-            vf acc[T];                                                                      \
-            for (int t = 0; t < T; t++) acc[t] = (vf){0};                                   \
-            long k = 0;                                                                     \
-            for (; k + VW <= K; k += VW) {                                                  \
-                vf wv = load_##SUFFIX(w0 + k);                                              \
-                for (int t = 0; t < T; t++) acc[t] += wv * *(const vf *)(x + t * K + k);    \
-            }                                                                               \
-            for (int t = 0; t < T; t++) {                                                   \
-                float s = hsum(acc[t]);                                                     \
+        for (; n < n1; n++) /* one token at a time: the same code whatever T (an AVX2 */   \
+            for (int t = 0; t < T; t++) { /* build's T-token loop differed in the last bit) */ \
+                const WT *w0 = w + n * K;                                                   \
+                vf acc = (vf){0};                                                           \
+                long k = 0;                                                                 \
+                for (; k + VW <= K; k += VW)                                                \
+                    acc += load_##SUFFIX(w0 + k) * *(const vf *)(x + t * K + k);            \
+                float s = hsum(acc);                                                        \
                 for (long j = k; j < K; j++) s += scalar_##SUFFIX(w0 + j) * x[t * K + j];   \
                 y[t * N + n] = s;                                                           \
             }                                                                               \
-        }                                                                                   \
     }
 
 DEFINE_ROWS(f32, float, 1)
