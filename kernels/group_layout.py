@@ -1,13 +1,15 @@
 """How groups of tokens share a panel's stream in the FMA kernel, chosen by timing both on this machine.
 
-A forward of more than RMAX tokens (9 with AVX-512, 3 with AVX2) splits them into groups
+A forward of more than RMAX tokens (9 with AVX-512, 6 with AVX2) splits them into groups
 (kernels/native/packed_linear.c). Either the groups share each chunk of a panel as it streams in
 ("chunks"), or each group makes its own pass over the panel, the later ones from L2 ("passes").
 Both compute each output in one FMA chain over k, so the results are the same bits; only the speed
-differs, and which is faster depends on the machine: on a 2-core Zen 4 EPYC (AVX-512) passes took
-a 16-token verify of SmolLM2-135M from 3.4 to 2.8 one-token steps, while the same source built for
-AVX2 there ran 16 tokens' projections 25 % slower in passes. So the build's default (passes with
-AVX-512) stands until ``tune_group_layout`` has timed both on a served weight, once per process.
+differs, and which is faster has depended on the machine and the build: on a 2-core Zen 4 EPYC
+(AVX-512) passes took a 16-token verify of SmolLM2-135M from 3.4 to 2.8 one-token steps, while an
+AVX2 build with groups of 3 ran 16 tokens' projections 25 % slower in passes there (with groups of
+6, on a Zen 3 EPYC with AVX2 only, passes were faster again: 33 against 39 ms). So the build's
+default (passes) stands until ``tune_group_layout`` has timed both on a served weight, once per
+process.
 """
 
 from __future__ import annotations

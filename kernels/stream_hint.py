@@ -1,7 +1,7 @@
 """How the FMA kernel prefetches a panel it streams once, chosen by timing both on this machine.
 
-A call of at most RMAX tokens (a decode step, a verify of up to 9 tokens with AVX-512) reads each
-fp32 or bf16 panel once (kernels/native/packed_linear.c, ``stream_nt``). Its rows can be prefetched
+A call of at most RMAX tokens (a decode step, a verify of up to 9 tokens with AVX-512, 6 with
+AVX2) reads each fp32 or bf16 panel once (kernels/native/packed_linear.c, ``stream_nt``). Its rows can be prefetched
 into L2 ("l2", prefetcht2, the default) or with the non-temporal hint ("nta", prefetchnta), which
 on a 2-core Zen 4 EPYC ran SmolLM2-135M's lm_head ~15 % faster at 1-2 tokens and its forward at
 1 / 2 / 4 tokens ~3 / 6 / 5 % faster on two threads, its one-token step 17.8 -> 13.1-14.1 ms on

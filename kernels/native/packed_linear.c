@@ -53,7 +53,7 @@
 #define KC 16
 #define CHUNK_GROUPS 8
 
-/* Passes instead of chunks: each group of RMAX tokens (the last one the rest) makes its own pass
+/* Passes instead of chunks: each group of up to RMAX tokens (balanced sizes) makes its own pass
  * over the panel, widening bf16 or int8 weights in registers (the first pass streams the panel
  * from memory, the others read it from L2). The default with AVX-512; each process times both
  * layouts once and keeps the faster (packed_linear_set_group_passes, called by
@@ -61,17 +61,15 @@
  * (Zen 4, no AMX), the lm_head and the 90 projections of SmolLM2-135M with K = 576 (2 threads, ms,
  * chunks -> passes): 10 tokens 4.1 -> 3.6 and 12.9 -> 11.0, 16 tokens 6.6 -> 5.0 and 19.5 -> 15.0,
  * 32 tokens 12.3 -> 9.9 and 35.5 -> 28.6, 64 tokens 24 -> 19.5 and 69 -> 55; 1-9 tokens (one group)
- * alike. The same source built for AVX2 (RMAX 3, so 4 tokens are already two groups) measured the
- * other way on that machine (16 tokens: chunks 24.4 ms, passes 31.5): there a group has few FMAs
- * for each weight it widens, and passes widen every weight once per group. Chunk timings were
- * erratic with the buffer's size and place (KC 16 / 48 / 144 read 4.1 / 4.2 / 4.8 ms at 10
- * tokens), passes were not. On a CPU with AMX the target's verifies run on tiles
+ * alike. The same source built for AVX2 with RMAX 3 measured the other way (16 tokens: chunks
+ * 24.4 ms, passes 31.5): a group had few FMAs for each weight it widened, and passes widen every
+ * weight once per group. With AVX2's groups of 6 (panel_layout.h) passes win there too: on a 2-core
+ * AMD EPYC with AVX2 only (Zen 3), the 121 projections of SmolLM2-135M (bf16 panels, 2 threads,
+ * chunks -> passes) 8 tokens 31.1 -> 18.4 ms, 16 tokens 39.5 -> 33.1, 32 tokens 109 -> 69. Chunk
+ * timings were erratic with the buffer's size and place (KC 16 / 48 / 144 read 4.1 / 4.2 / 4.8 ms
+ * at 10 tokens), passes were not. On a CPU with AMX the target's verifies run on tiles
  * (packed_linear_amx.c), not here. */
-#if VW == 16
 #define GROUP_PASSES 1
-#else
-#define GROUP_PASSES 0
-#endif
 static int group_passes = GROUP_PASSES; /* both layouts: one FMA chain per output, the same bits */
 
 /* Non-temporal prefetches for a panel streamed once: a call of one group (T <= RMAX, a decode
@@ -187,51 +185,29 @@ static inline vf load_i8(const int8_t *p) {
 DEFINE_PANELS(1)
 DEFINE_PANELS(2)
 DEFINE_PANELS(3)
-#if RMAX > 3
 DEFINE_PANELS(4)
 DEFINE_PANELS(5)
 DEFINE_PANELS(6)
+#if RMAX > 6
 DEFINE_PANELS(7)
 DEFINE_PANELS(8)
 DEFINE_PANELS(9)
+#define PANELS_7_TO_9(NAME) , NAME##_7, NAME##_8, NAME##_9
+#else
+#define PANELS_7_TO_9(NAME)
 #endif
+/* The table of a family's kernels by token count: entry r takes r tokens (1 .. RMAX). */
+#define PANEL_TABLE(NAME) \
+    {0, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5, NAME##_6 PANELS_7_TO_9(NAME)}
 
 typedef void (*panel_fn)(const float *, const float *, vf *, long, long, long);
-static const panel_fn PANELS[RMAX + 1] = {0, panel_1, panel_2, panel_3,
-#if RMAX > 3
-                                          panel_4, panel_5, panel_6, panel_7, panel_8, panel_9
-#endif
-};
 typedef void (*panel_bf16_fn)(const float *, const uint16_t *, vf *, long, long, long);
-static const panel_bf16_fn PANELS_BF16[RMAX + 1] = {0, panel_bf16_1, panel_bf16_2, panel_bf16_3,
-#if RMAX > 3
-                                                    panel_bf16_4, panel_bf16_5, panel_bf16_6,
-                                                    panel_bf16_7, panel_bf16_8, panel_bf16_9
-#endif
-};
-
-static const panel_fn PANELS_NT[RMAX + 1] = {0, panel_nt_1, panel_nt_2, panel_nt_3,
-#if RMAX > 3
-                                             panel_nt_4, panel_nt_5, panel_nt_6, panel_nt_7,
-                                             panel_nt_8, panel_nt_9
-#endif
-};
-static const panel_bf16_fn PANELS_BF16_NT[RMAX + 1] = {0, panel_bf16_nt_1, panel_bf16_nt_2,
-                                                       panel_bf16_nt_3,
-#if RMAX > 3
-                                                       panel_bf16_nt_4, panel_bf16_nt_5,
-                                                       panel_bf16_nt_6, panel_bf16_nt_7,
-                                                       panel_bf16_nt_8, panel_bf16_nt_9
-#endif
-};
-
 typedef void (*panel_i8_fn)(const float *, const int8_t *, vf *, long, long, long);
-static const panel_i8_fn PANELS_I8[RMAX + 1] = {0, panel_i8_1, panel_i8_2, panel_i8_3,
-#if RMAX > 3
-                                                panel_i8_4, panel_i8_5, panel_i8_6,
-                                                panel_i8_7, panel_i8_8, panel_i8_9
-#endif
-};
+static const panel_fn PANELS[RMAX + 1] = PANEL_TABLE(panel);
+static const panel_bf16_fn PANELS_BF16[RMAX + 1] = PANEL_TABLE(panel_bf16);
+static const panel_fn PANELS_NT[RMAX + 1] = PANEL_TABLE(panel_nt);
+static const panel_bf16_fn PANELS_BF16_NT[RMAX + 1] = PANEL_TABLE(panel_bf16_nt);
+static const panel_i8_fn PANELS_I8[RMAX + 1] = PANEL_TABLE(panel_i8);
 
 /* Panel weights: fp32, bf16, or int8 with one fp32 scale per output. */
 enum { W_F32 = 0, W_BF16 = 1, W_I8 = 2 };
@@ -268,8 +244,8 @@ static void finish_group(vf *state, const float *scales, const float *res, float
     store_rows((const float *)state, P, res, y, r, N, n0);
 }
 
-/* One panel for all T tokens in passes (GROUP_PASSES): each group of RMAX tokens, the last one
- * the rest, reads the whole panel itself, widening in registers; the panel streams from memory
+/* One panel for all T tokens in passes (GROUP_PASSES): each group of at most RMAX tokens (as
+ * many groups as RMAX needs, of balanced sizes) reads the whole panel itself, widening in registers; the panel streams from memory
  * once and stays in L2 for the groups after the first, whatever T is. `nt`: fp32 and bf16 rows
  * prefetched non-temporally (one group, see stream_nt). */
 static void panel_passes(const float *x, int kind, const void *w, const float *scales,
@@ -277,8 +253,9 @@ static void panel_passes(const float *x, int kind, const void *w, const float *s
     const panel_fn *f32 = nt ? PANELS_NT : PANELS;
     const panel_bf16_fn *bf16 = nt ? PANELS_BF16_NT : PANELS_BF16;
     vf state[RMAX * PV];
-    for (long t0 = 0; t0 < T; t0 += RMAX) {
-        long r = T - t0 < RMAX ? T - t0 : RMAX;
+    long groups = (T + RMAX - 1) / RMAX;
+    for (long g = 0; g < groups; g++) { /* balanced: with AVX2 8 tokens are 4 + 4, not 6 + 2 */
+        long t0 = T * g / groups, r = T * (g + 1) / groups - t0;
         if (kind == W_BF16)
             bf16[r](x + t0 * K, w, state, K, 0, K);
         else if (kind == W_I8)

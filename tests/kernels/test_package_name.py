@@ -19,7 +19,7 @@ def test_transformers_loads_a_llama_beside_our_kernels_package():
         "from transformers.models.llama import configuration_llama\n"  # imports its hub kernels
         "print(kernels.__file__)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=False,
                           timeout=120)
     assert done.returncode == 0, (
         "transformers failed to import beside specloop's kernels package (is Hugging Face's "
