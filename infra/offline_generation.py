@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from feedback.bus.trace import TraceRecord
 
@@ -74,12 +75,25 @@ def serve_traces(
         finally:
             await engine.stop()
 
-    asyncio.run(main())
+    run_to_completion(main)
     by_id = {r.request_id: r for r in sink.drain()}
     missing = [r for r in ids if r not in by_id]
     if missing:
         raise RuntimeError(f"{len(missing)} requests left no trace (first: {missing[0]})")
     return [by_id[r] for r in ids]
+
+
+def run_to_completion(main: Callable[[], Awaitable[None]]) -> None:
+    """``asyncio.run(main())``, also from a thread whose event loop is running (``bench spec``
+    builds the suffix seed inside its own loop on a machine that has none cached): then on a
+    helper thread with a loop of its own, this thread waiting for it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(main())
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="serve-traces") as helper:
+        helper.submit(asyncio.run, main()).result()
 
 
 def engine_generator(model, tokenizer, fingerprint, *, max_batch_size: int = 16):

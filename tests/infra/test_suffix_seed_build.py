@@ -56,6 +56,18 @@ def test_the_seed_holds_the_targets_greedy_answers_to_package_requests(target, b
     assert len(seed.sequences) == 4 and "2 code + 2 chat" in seed.source
 
 
+def test_answers_are_served_from_inside_a_running_event_loop(target):
+    """``bench spec`` builds the seed inside its own event loop on a machine without a cached one
+    (it failed there: asyncio.run() cannot be called from a running event loop)."""
+    async def inside_a_loop():
+        return serve_traces(target, _prompts(target), max_new_tokens=TOKENS)
+
+    answers = asyncio.run(inside_a_loop())
+    assert [a.output_ids.tolist() for a in answers] == [
+        a.output_ids.tolist() for a in serve_traces(target, _prompts(target), max_new_tokens=TOKENS)]
+    assert all(len(a.output_ids) == TOKENS for a in answers)
+
+
 def test_a_written_seed_is_read_back_not_answered_again(target, built, monkeypatch):
     root, path = built
     import infra.offline_generation
