@@ -252,7 +252,7 @@ async def bench_spec_async(
         "dtype": dtype,
         "device": str(target.device),
         "cuda_graphs": cuda_graphs and target.device.type == "cuda",
-        "bf16_activations": bool(baseline.runner.fast is not None and baseline.runner.fast.round_activations),
+        "bf16_activations": bool(baseline.runner.fast is not None and baseline.runner.fast.rounds),
         "threads": torch.get_num_threads(),
         "baseline_tok_s": round(base_tokens / base_wall, 3) if base_wall else 0.0,
         "target_ms": round(sum(s["verify_ms"] for s in all_base_steps) / max(len(all_base_steps), 1), 3),

@@ -213,6 +213,12 @@ class LlamaForward:
             return w
         return w.rounded() if self.round_activations else w.exact()
 
+    @property
+    def rounds(self) -> bool:
+        """Whether this forward's projections do read bf16 activations: ``round_activations``
+        where the CPU has a bf16 dot product or AMX tiles (elsewhere they stay fp32)."""
+        return isinstance(self.lm_head_served, PackedLinear) and self.lm_head_served.rounds_activations
+
     def weight_tensors(self) -> list[torch.Tensor]:
         """The tensors one decode step reads (every matrix once, as served: packed panels on the
         native path; the tied lm_head once)."""

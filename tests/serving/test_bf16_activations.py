@@ -162,6 +162,9 @@ def test_serving_runs_bf16_activations_by_default_and_the_environment_turns_them
     target = _bf16_target()
     engine = build_engine(ServingSettings(k=0), target=target)
     assert engine.config.bf16_activations and engine.runner.fast.round_activations
+    # what it gets: rounded activations where the CPU multiplies bf16 (elsewhere fp32, reported so)
+    assert engine.runner.fast.rounds == (engine.runner.fast.native and packed_linear.rounding_available())
     monkeypatch.setenv("SPECLOOP_BF16_ACTIVATIONS", "0")
     engine = build_engine(ServingSettings(k=0), target=target)
     assert not engine.config.bf16_activations and not engine.runner.fast.round_activations
+    assert not engine.runner.fast.rounds
