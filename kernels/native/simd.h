@@ -37,12 +37,28 @@ static inline float hsum(vf v) {
     __m256 a = _mm256_add_ps(_mm512_extractf32x8_ps((__m512)v, 1), _mm512_castps512_ps256((__m512)v));
     __m128 b = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
     return (b[0] + b[2]) + (b[1] + b[3]);
+#elif VW == 8
+    /* lanes in pairs, then pairs of pairs, then the two halves: hsum8's order, so that a score
+     * summed alone and one summed with seven others are the same bits */
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 #else
     float s = 0.0f;
     for (int i = 0; i < VW; i++) s += v[i];
     return s;
 #endif
 }
+
+#if VW == 8 && defined(__AVX__)
+/* The lane sums of eight vectors at once, lane i = hsum(a[i]) to the bit (additions in hsum's
+ * order; a + b == b + a exactly): three horizontal adds and a swap of halves instead of eight
+ * chains of seven scalar adds. */
+static inline vf hsum8(const vf a[8]) {
+    __m256 s01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), s23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 s45 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]), s67 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    __m256 q0 = _mm256_hadd_ps(s01, s23), q1 = _mm256_hadd_ps(s45, s67); /* quads of lanes 0-3 | 4-7 */
+    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+#endif
 
 /* a where m, else b (m: all-ones or all-zeros lanes, from a vector compare) */
 static inline vf vsel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }

@@ -157,8 +157,10 @@ def test_a_token_gets_the_same_bits_alone_as_among_many(t, tree, d, bf16):
     seeing the columns the mask gives it, over a mask no wider than a step's) give it: with
     AVX-512 the kernel scores several tokens of a cache row 16 keys at a time (attention_tiles.h)
     and one token per query head, and both add the same products in the same order; head sizes
-    the grouped loop cannot take (16, 80) go one head at a time through the same softmax. So a
-    speculative step's logits are a plain step's. On bf16 operands (heads of 64 and 128) too."""
+    the grouped loop cannot take (16, 80) go one head at a time through the same softmax. Without
+    AVX-512 (AVX2) a cache row's tokens share each block of eight keys and each value row
+    (attention_segments.h), with the one-token loop's chains. So a speculative step's logits are a
+    plain step's. On bf16 operands (heads of 64 and 128) too."""
     if bf16 and not da.bf16_takes(9, 3, d):
         pytest.skip("bf16 operands take heads of 64 and 128 on an AVX-512 BF16 build")
     hq, hkv = 9, 3
@@ -253,17 +255,22 @@ def test_bf16_operands_are_the_rounded_arithmetic(t, tree, d):
     assert (got - want).abs().mean() < (got - exact).abs().mean() / 10  # and it is not fp32's
 
 
-@needs_bf16
-def test_bf16_columns_nobody_sees_cannot_leak_into_the_output():
-    """A cache column no query sees may hold anything (NaN here): it enters as nothing."""
-    hq, hkv, d, t = 9, 3, 64, 4
+@needs_native
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_columns_nobody_sees_cannot_leak_into_the_output(t, bf16):
+    """A cache column no query sees may hold anything (NaN here): it enters as nothing, in the
+    one-token loop and where a cache row's tokens share their keys (tiles, segments)."""
+    if bf16 and not da.bf16_takes(9, 3, 64):
+        pytest.skip("no AVX-512 BF16 build")
+    hq, hkv, d = 9, 3, 64
     qkv, cos, sin, keys, values, cols, mask = _case(2, t, hq, hkv, d, [20, 9], 64, seed=5)
     clean = da.decode_attention(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5,
-                                bf16=True)
+                                bf16=bf16)
     dirty_k, dirty_v = keys.clone(), values.clone()
     dirty_k[1, :, 9:20] = float("nan")  # row 1's columns past its length, below row 0's
     dirty_v[1, :, 9:20] = float("nan")
-    dirty = da.decode_attention(qkv, cos, sin, dirty_k, dirty_v, cols, mask, hq, hkv, d**-0.5, bf16=True)
+    dirty = da.decode_attention(qkv, cos, sin, dirty_k, dirty_v, cols, mask, hq, hkv, d**-0.5, bf16=bf16)
     assert torch.equal(clean, dirty)
 
 
