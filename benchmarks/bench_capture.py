@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine_options import rounds_on_this_cpu
 from benchmarks.runner import RunResult, run_prompts
 from infra.prompts import PromptItem, interleave_categories, load_prompts, split_by_domain
 
@@ -235,7 +236,7 @@ def run(prompts: str | None, tiny: bool, limit: int, max_tokens: int, k: int, co
     out = asyncio.run(bench_capture_async(
         items, tiny=tiny, limit=limit, max_tokens=max_tokens, k=k, concurrency=concurrency,
         repeats=repeats, features=features, dtype=dtype, bf16_activations=bf16_activations))
-    out["bf16_activations"] = bf16_activations
+    out["bf16_activations"] = rounds_on_this_cpu(bf16_activations)
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 

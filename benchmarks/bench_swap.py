@@ -41,7 +41,7 @@ from pathlib import Path
 
 import typer
 
-from benchmarks.engine_options import bf16_activations_option
+from benchmarks.engine_options import bf16_activations_option, rounds_on_this_cpu
 from benchmarks.output import json_option, print_json
 
 _TEXT_PROMPTS = [
@@ -212,7 +212,7 @@ def run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int,
               swap_every_s: float, bf16_activations: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="specloop-bench-swap-") as tmp:  # registry + artifacts
         out = _run_bench(tiny, swaps, concurrency, max_tokens, k, swap_every_s, Path(tmp), bf16_activations)
-    out["bf16_activations"] = bf16_activations
+    out["bf16_activations"] = rounds_on_this_cpu(bf16_activations)
     return out
 
 
