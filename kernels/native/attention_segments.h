@@ -105,32 +105,24 @@ typedef void (*segment_values_fn)(const float *, const uint8_t *, float *, const
 static const segment_values_fn SEGMENT_VALUES[SEGMENT_GROUP + 1] = {
     0, segment_values_1, segment_values_2, segment_values_3};
 
-/* Tokens tokens x G query heads (rows t * G + g: q, out [G, D] contiguous per token; vis per
- * token) against one kv head's keys K and values V [L, D]. scores: scratch of tokens x G x S
- * floats. G <= SEGMENT_GROUP, tokens <= SEG_TOKENS, D % (DCH * VW) == 0. */
+/* R rows, token-major (row t * G + g: the segment's token t, query head g of the kv head; a
+ * token's G heads consecutive in q and out), against one kv head's keys K and values V [L, D].
+ * scores: scratch of R x S floats. G <= SEGMENT_GROUP, R <= SEG_ROWS, D % (DCH * VW) == 0. */
 static void attend_segment(const float *const *q, const uint8_t *const *vis, float *const *out,
-                           long tokens, long G, const float *K, const float *V, long L, long D,
+                           long R, long G, const float *K, const float *V, long L, long D,
                            float scale, float *scores) {
-    const long S = SCORE_STRIDE(L), R = tokens * G;
-    const float *rq[SEG_ROWS];
-    const uint8_t *rv[SEG_ROWS];
+    const long S = SCORE_STRIDE(L);
     float m[SEG_ROWS], inv[SEG_ROWS];
-    for (long r = 0; r < R; r++) {
-        rq[r] = q[r / G] + (r % G) * D;
-        rv[r] = vis[r / G];
-    }
-    segment_scores(rq, rv, R, K, L, D, scale, scores, S, m);
+    segment_scores(q, vis, R, K, L, D, scale, scores, S, m);
     for (long r = 0; r < R; r++)
-        inv[r] = m[r] == -INFINITY ? 0.0f : softmax(scores + r * S, rv[r], L, S, m[r]);
-    for (long t = 0; t < tokens; t += 2) {
-        int pair = t + 1 < tokens;
-        SEGMENT_VALUES[G](scores + t * G * S, vis[t], out[t], pair ? scores + (t + 1) * G * S : NULL,
-                          pair ? vis[t + 1] : NULL, pair ? out[t + 1] : NULL, V, L, D, S);
+        inv[r] = m[r] == -INFINITY ? 0.0f : softmax(scores + r * S, vis[r], L, S, m[r]);
+    for (long r = 0; r < R; r += 2 * G) { /* two tokens' rows at a time */
+        int pair = r + G < R;
+        SEGMENT_VALUES[G](scores + r * S, vis[r], out[r], pair ? scores + (r + G) * S : NULL,
+                          pair ? vis[r + G] : NULL, pair ? out[r + G] : NULL, V, L, D, S);
     }
-    for (long r = 0; r < R; r++) {
-        float *o = out[r / G] + (r % G) * D;
-        for (long d = 0; d < D; d++) o[d] *= inv[r];
-    }
+    for (long r = 0; r < R; r++)
+        for (long d = 0; d < D; d++) out[r][d] *= inv[r];
 }
 
 #endif

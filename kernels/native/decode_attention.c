@@ -217,11 +217,15 @@ static const group_fn GROUPS[GMAX + 1] = {0, attend_group_1, attend_group_2, att
 #include "attention_segments.h"
 #define SEGMENTS 1 /* a cache row's tokens together, without tiles (attention_segments.h) */
 #define SEGMENT_TOKENS SEG_TOKENS
+#define SEGMENT_ROWS SEG_ROWS
+#define SEGMENT_MIN_TOKENS 2
 #else
 #define SEGMENTS 0
 #endif
 #if TILES
 #define SEGMENT_TOKENS TILE_TOKENS
+#define SEGMENT_ROWS TILE_ROWS
+#define SEGMENT_MIN_TOKENS TILE_MIN_TOKENS
 #endif
 
 struct job {
@@ -262,43 +266,25 @@ static void attend_token(const struct job *j, long bt, long g, float *scores) {
 static int segments_take(long Hq, long Hkv, long D) {
     return Hq / Hkv <= SEGMENT_GROUP && D % (DCH * VW) == 0;
 }
-
-/* Segment s's tokens with kv head g's query heads together (one token: attend_token). */
-static void run_segment(const struct job *j, long s, long g, float *scores) {
-    long Hq = j->Hq, D = j->D, G = Hq / j->Hkv;
-    long first = j->seg[s], tokens = j->seg[s + 1] - first;
-    if (tokens < 2) {
-        attend_token(j, first, g, scores);
-        return;
-    }
-    long cb = j->rows ? j->rows[first / j->T] : first / j->T; /* the segment's cache row */
-    const float *q[SEG_TOKENS];
-    const uint8_t *vis[SEG_TOKENS];
-    float *out[SEG_TOKENS];
-    for (long t = 0; t < tokens; t++) {
-        q[t] = j->qrot + ((first + t) * Hq + g * G) * D;
-        vis[t] = j->mask + (first + t) * j->L;
-        out[t] = j->out + ((first + t) * Hq + g * G) * D;
-    }
-    long kv = ((cb * j->Hkv + g) * j->C) * D;
-    attend_segment(q, vis, out, tokens, G, j->kcache + kv, j->vcache + kv, j->L, D, j->scale, scores);
-}
 #endif
 
-#if TILES
-/* Segment s's tokens with kv head g's query heads, as one tile (one token: attend_token, the
- * same bits, faster with nothing to share the transposed keys). */
-static void run_tile(const struct job *j, long s, long g, float *scores) {
+#if TILES || SEGMENTS
+/* Segment s's tokens with kv head g's query heads together: one tile (attention_tiles.h, or
+ * attention_tiles_bf16.h on bf16 operands) or, without tiles, one segment (attention_segments.h).
+ * Rows token-major: row t * group + h is query head h of the segment's token t. Fewer than
+ * SEGMENT_MIN_TOKENS go to attend_token (the same bits, faster with nothing to share), except on
+ * bf16 operands, which only the tiles compute. */
+static void run_segment(const struct job *j, long s, long g, float *scores) {
     long Hq = j->Hq, D = j->D, group = Hq / j->Hkv;
     long first = j->seg[s], tokens = j->seg[s + 1] - first;
-    if (tokens < TILE_MIN_TOKENS && !j->bf16) {
+    if (tokens < SEGMENT_MIN_TOKENS && !j->bf16) {
         attend_token(j, first, g, scores);
         return;
     }
     long cb = j->rows ? j->rows[first / j->T] : first / j->T; /* the segment's cache row */
-    const float *q[TILE_ROWS];
-    const uint8_t *vis[TILE_ROWS];
-    float *out[TILE_ROWS];
+    const float *q[SEGMENT_ROWS];
+    const uint8_t *vis[SEGMENT_ROWS];
+    float *out[SEGMENT_ROWS];
     int R = 0;
     for (long bt = first; bt < first + tokens; bt++)
         for (long h = g * group; h < (g + 1) * group; h++, R++) {
@@ -306,14 +292,18 @@ static void run_tile(const struct job *j, long s, long g, float *scores) {
             vis[R] = j->mask + bt * j->L;
             out[R] = j->out + (bt * Hq + h) * D;
         }
-    long kv = ((cb * j->Hkv + g) * j->C) * D;
+    const float *K = j->kcache + ((cb * j->Hkv + g) * j->C) * D, *V = j->vcache + ((cb * j->Hkv + g) * j->C) * D;
 #if TILES_BF16
     if (j->bf16) {
-        attend_tile_bf16(q, vis, out, R, j->kcache + kv, j->vcache + kv, j->L, D, j->scale, scores);
+        attend_tile_bf16(q, vis, out, R, K, V, j->L, D, j->scale, scores);
         return;
     }
 #endif
-    attend_tile(q, vis, out, R, j->kcache + kv, j->vcache + kv, j->L, D, j->scale, scores);
+#if TILES
+    attend_tile(q, vis, out, R, K, V, j->L, D, j->scale, scores);
+#else
+    attend_segment(q, vis, out, R, group, K, V, j->L, D, j->scale, scores);
+#endif
 }
 #endif
 
@@ -338,11 +328,7 @@ static void run(void *ctx, int id, int n) {
     if (j->seg) {
         float *scores = j->scratch + j->per_thread * id;
         spl_range(j->nseg * Hkv, id, n, &lo, &hi);
-#if TILES
-        for (long task = lo; task < hi; task++) run_tile(j, task / Hkv, task % Hkv, scores);
-#else
         for (long task = lo; task < hi; task++) run_segment(j, task / Hkv, task % Hkv, scores);
-#endif
         return;
     }
 #endif
