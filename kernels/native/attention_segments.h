@@ -14,11 +14,11 @@
 #define SPECLOOP_ATTENTION_SEGMENTS_H
 
 #define SEG_TOKENS 8 /* tokens of one cache row in a task (more are split over tasks) */
+#define SEG_ROWS (SEG_TOKENS * GMAX)
 
 /* c + a x b in one rounding, as the per-token loop's contracted `c += a * b`. Written out: GCC
  * left one of these loops as a multiply and an add (two roundings: other bits). */
 static inline vf fma8(vf a, vf b, vf c) { return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
-#define SEG_ROWS (SEG_TOKENS * GMAX)
 
 /* Scores of rows q[0..R) against keys [0, L): scores[r * S + j], -inf where row r does not see
  * key j; m[r]: each row's max. */
@@ -80,12 +80,14 @@ static void segment_scores(const float *const *q, const uint8_t *const *vis, lon
                 if (sa)                                                                        \
                     for (int g = 0; g < G; g++) {                                              \
                         vf p = vbroadcast(pa[g * S + j]);                                      \
-                        for (int c = 0; c < DCH; c++) acc[0][g][c] = fma8(v[c], p, acc[0][g][c]);                \
+                        for (int c = 0; c < DCH; c++)                                  \
+                            acc[0][g][c] = fma8(v[c], p, acc[0][g][c]);                \
                     }                                                                          \
                 if (sb)                                                                        \
                     for (int g = 0; g < G; g++) {                                              \
                         vf p = vbroadcast(pb[g * S + j]);                                      \
-                        for (int c = 0; c < DCH; c++) acc[1][g][c] = fma8(v[c], p, acc[1][g][c]);                \
+                        for (int c = 0; c < DCH; c++)                                  \
+                            acc[1][g][c] = fma8(v[c], p, acc[1][g][c]);                \
                     }                                                                          \
             }                                                                                  \
             for (int g = 0; g < G; g++)                                                        \

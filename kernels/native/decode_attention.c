@@ -292,7 +292,8 @@ static void run_segment(const struct job *j, long s, long g, float *scores) {
             vis[R] = j->mask + bt * j->L;
             out[R] = j->out + (bt * Hq + h) * D;
         }
-    const float *K = j->kcache + ((cb * j->Hkv + g) * j->C) * D, *V = j->vcache + ((cb * j->Hkv + g) * j->C) * D;
+    long kv = ((cb * j->Hkv + g) * j->C) * D;
+    const float *K = j->kcache + kv, *V = j->vcache + kv;
 #if TILES_BF16
     if (j->bf16) {
         attend_tile_bf16(q, vis, out, R, K, V, j->L, D, j->scale, scores);
