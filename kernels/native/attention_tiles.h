@@ -1,7 +1,7 @@
 /* Attention for many query rows that share one kv head's cache row, 16 keys at a time, with
  * AVX-512 (included by decode_attention.c where the build has AVX-512 F/BW/VL).
  *
- * Why: decode_attention's per-token loop (attend_group_*) scores each key with one horizontal sum
+ * Why: the per-token loop (attention_tokens.h) scores each key with one horizontal sum
  * per query head; a verify of 8 tokens repeats that for each token (on a 2-core Xeon, 30 layers
  * of 8 tokens over 264 keys took 1.5 ms, 16 tokens 3.1, one token 0.3). Here a block of 16 keys is
  * transposed once ([16, D] -> [D, 16] in registers) and shared by every query row of the task (up

@@ -22,8 +22,8 @@
  *                   in order, of e_a v_a[d] + e_b v_b[d]) * (1 / sum), e and v rounded to bf16,
  *                   one chain per d (pairs by visible index: a tree node's ancestors pair as the
  *                   same tokens do once committed to consecutive columns).
- * Every query goes through this header, one token too: decode_attention.c's per-token loop has no
- * part in it. Rounding is the instruction's (vcvtne2ps2bf16: to nearest even).
+ * Every query goes through this header, one token too: the per-token loop (attention_tokens.h)
+ * has no part in it. Rounding is the instruction's (vcvtne2ps2bf16: to nearest even).
  */
 #ifndef SPECLOOP_ATTENTION_TILES_BF16_H
 #define SPECLOOP_ATTENTION_TILES_BF16_H
