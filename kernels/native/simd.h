@@ -50,7 +50,7 @@ static inline float hsum(vf v) {
 
 #if VW == 8 && defined(__AVX__)
 /* The lane sums of eight vectors at once, lane i = hsum(a[i]) to the bit (additions in hsum's
- * order; a + b == b + a exactly): three horizontal adds and a swap of halves instead of eight
+ * order; a + b == b + a exactly): three levels of horizontal adds instead of eight
  * chains of seven scalar adds. */
 static inline vf hsum8(const vf a[8]) {
     __m256 s01 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]), s23 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
