@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_options import rounds_on_this_cpu
 from benchmarks.runner import RunResult, run_prompts
+from infra.loop_metrics import rounds_on_this_cpu
 from infra.prompts import PromptItem, interleave_categories, load_prompts, split_by_domain
 
 log = logging.getLogger(__name__)

@@ -41,8 +41,9 @@ from pathlib import Path
 
 import typer
 
-from benchmarks.engine_options import bf16_activations_option, rounds_on_this_cpu
+from benchmarks.engine_options import bf16_activations_option
 from benchmarks.output import json_option, print_json
+from infra.loop_metrics import rounds_on_this_cpu
 
 _TEXT_PROMPTS = [
     "Write a short poem about the sea.",

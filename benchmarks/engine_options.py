@@ -7,19 +7,12 @@ from typing import Any
 
 import typer
 
-from kernels import packed_linear
 from serving.config import ServingSettings
 
 
 def served_bf16_activations() -> bool:
     """ServingSettings.bf16_activations's default (the environment aside)."""
     return bool(ServingSettings.model_fields["bf16_activations"].default)
-
-
-def rounds_on_this_cpu(bf16_activations: bool) -> bool:
-    """Whether engines built with ``bf16_activations`` do round: where the CPU has a bf16 dot
-    product or AMX tiles (elsewhere the forward stays fp32, and the JSON says so)."""
-    return bf16_activations and packed_linear.rounding_available()
 
 
 def bf16_activations_option() -> Any:

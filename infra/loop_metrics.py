@@ -10,10 +10,16 @@ from infra.loop import OnlineLoop
 from kernels.packed_linear import rounding_available
 
 
+def rounds_on_this_cpu(bf16_activations: bool) -> bool:
+    """Whether engines built with ``bf16_activations`` do round: where the CPU has a bf16 dot
+    product or AMX tiles (elsewhere the forward stays fp32, and the figures say so)."""
+    return bf16_activations and rounding_available()
+
+
 def served_bf16_activations(settings) -> bool:
     """Whether the run's target served on bf16 activations: asked for
-    (``ServingSettings.bf16_activations``) and possible on this CPU (a bf16 dot product or AMX)."""
-    return settings.serving.bf16_activations and rounding_available()
+    (``ServingSettings.bf16_activations``) and possible on this CPU (``rounds_on_this_cpu``)."""
+    return rounds_on_this_cpu(settings.serving.bf16_activations)
 
 
 def shift_index(domains: list[str]) -> int:
