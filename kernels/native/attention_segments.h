@@ -60,7 +60,9 @@ static void segment_scores(const float *const *q, const uint8_t *const *vis, lon
 }
 
 /* The weighted sum of values for the G rows of token a and, when b is not NULL, the G rows of
- * token b: out{a,b}[g * D ..] = sum over visible j of p{a,b}[g * S + j] x V[j] (unnormalised). */
+ * token b: out{a,b}[g * D ..] = sum over visible j of p{a,b}[g * S + j] x V[j] (unnormalised).
+ * The two tokens' updates are written out, not looped over a pair of arrays: that loop took 8
+ * tokens' attention back to the per-token loop's time (30 layers 3.44 -> 3.80 ms). */
 #define DEFINE_SEGMENT_VALUES(G)                                                               \
     static void segment_values_##G(const float *pa, const uint8_t *va, float *oa,              \
                                    const float *pb, const uint8_t *vb, float *ob, const float *V, \

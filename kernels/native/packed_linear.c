@@ -55,7 +55,7 @@
 
 /* Passes instead of chunks: each group of up to RMAX tokens (balanced sizes) makes its own pass
  * over the panel, widening bf16 or int8 weights in registers (the first pass streams the panel
- * from memory, the others read it from L2). The default with AVX-512; each process times both
+ * from memory, the others read it from L2). The default in every build; each process times both
  * layouts once and keeps the faster (packed_linear_set_group_passes, called by
  * kernels/group_layout.py where the target's forward is built). Measured on a 2-core AMD EPYC
  * (Zen 4, no AMX), the lm_head and the 90 projections of SmolLM2-135M with K = 576 (2 threads, ms,
@@ -245,8 +245,9 @@ static void finish_group(vf *state, const float *scales, const float *res, float
 }
 
 /* One panel for all T tokens in passes (GROUP_PASSES): each group of at most RMAX tokens (as
- * many groups as RMAX needs, of balanced sizes) reads the whole panel itself, widening in registers; the panel streams from memory
- * once and stays in L2 for the groups after the first, whatever T is. `nt`: fp32 and bf16 rows
+ * many groups as RMAX needs, of balanced sizes) reads the whole panel itself, widening in
+ * registers; the panel streams from memory once and stays in L2 for the groups after the first,
+ * whatever T is. `nt`: fp32 and bf16 rows
  * prefetched non-temporally (one group, see stream_nt). */
 static void panel_passes(const float *x, int kind, const void *w, const float *scales,
                          const float *res, float *y, long T, long N, long K, long n0, int nt) {
