@@ -244,7 +244,7 @@ class HybridDrafter:
                 self._learned.pop(v.request_id, None)
         out.tokens[out.lengths == 0] = 0
         out.draft_ms = (time.perf_counter() - t0) * 1e3
-        out.catch_up_ms = lp.catch_up_ms if need else 0.0
+        out.catch_up_ms = sp.catch_up_ms + (lp.catch_up_ms if need else 0.0)
         self.last_choice = out.source.copy()
         self._proposed_at = time.perf_counter()
         self._proposed_k = int(out.lengths.max())

@@ -52,8 +52,9 @@ class SuffixDrafter:
         self.trees = self.config.tree_branches > 1
         """Propose token trees (point-mass; the engine verifies them in one forward)."""
         self.last_drafts: list[Draft] = []
-        self._unindexed: set[str] = set()  # running when their tenant's data was deleted
         """The rows of the latest proposal with their provenance (metrics, benchmarks)."""
+        self._unindexed: set[str] = set()  # running when their tenant's data was deleted
+        self._steps_behind: dict[str, int] = {}  # request id -> verify steps since its last draft
 
     # -- the tenant indexes ----------------------------------------------------------------
 
@@ -95,13 +96,16 @@ class SuffixDrafter:
     def on_verified(
         self, request_id: str, accepted_ids: list[int], features: torch.Tensor | None = None
     ) -> None:
-        req = self._requests.get(request_id)
-        if req is not None:
-            with self._lock:
-                self.proposer.extend(req, [int(t) for t in accepted_ids])
+        """Counted, not committed: a request's state catches up from its view when it next
+        drafts (``_sync``), the same work in one go. Committed here, every row paid ~16 us a step
+        at batch 8 on a 2-core AVX2 EPYC (~0.6 % of a step) while the goodput policy kept this
+        drafter off there. What a row commits beyond its last step's tokens is the proposal's
+        ``catch_up_ms``."""
+        self._steps_behind[request_id] = self._steps_behind.get(request_id, 0) + 1
 
     def remove_request(self, request_id: str, output_ids: list[int] | None) -> None:
         req = self._requests.pop(request_id, None)
+        self._steps_behind.pop(request_id, None)
         if request_id in self._unindexed:
             self._unindexed.discard(request_id)
             return
@@ -121,9 +125,16 @@ class SuffixDrafter:
         parents = np.tile(np.arange(-1, k - 1, dtype=np.int64), (b, 1))  # [B, k] chains
         source = np.full(b, DrafterKind.NONE, dtype=np.uint8)
         drafts: list[Draft] = []
+        catch_up_ms = 0.0
         if k > 0:
             with self._lock:
-                drafts = [self.draft(view, k) for view in views]
+                reqs = []
+                for view in views:  # the tokens committed since each row's last draft
+                    t = time.perf_counter()
+                    reqs.append(self._sync(view))
+                    if self._steps_behind.pop(view.request_id, 0) > 1:  # more than the last step's
+                        catch_up_ms += (time.perf_counter() - t) * 1e3
+                drafts = [self._draft(req, k) for req in reqs]
             for i, d in enumerate(drafts):
                 n = len(d.tokens)
                 if n:
@@ -142,12 +153,15 @@ class SuffixDrafter:
             confidence=torch.from_numpy(confidence),
             draft_ms=(time.perf_counter() - t0) * 1e3,
             parents=torch.from_numpy(parents) if self.trees else None,
+            catch_up_ms=catch_up_ms,
         )
 
     def draft(self, view: DraftRequestView, k: int) -> Draft:
         """The best proposal of at most ``k`` tokens for one request (callers hold the lock when
         observe() may run concurrently). A token tree when ``trees`` is set."""
-        req = self._sync(view)
+        return self._draft(self._sync(view), k)
+
+    def _draft(self, req: SuffixRequest, k: int) -> Draft:
         if self.trees:
             return self.proposer.draft_tree(req, k, self.config.tree_branches)
         return self.proposer.draft(req, k)

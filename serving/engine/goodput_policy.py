@@ -169,20 +169,21 @@ class GoodputPolicy:
             self._remember(0)
             return 0
         cheap = self.costs.draft_ms_per_token * k_max < _CHEAP_DRAFT * self.costs.verify_ms(0)
-        # A cheap draft (the suffix index) asks for the full budget and the width decides; a
-        # costly one asks for what its acceptance pays for at the batch-agnostic costs.
-        k = k_max if cheap else best_k(self.acceptance.value, k_max, self.costs, state.branches)
         self._cheap = cheap
         # The estimate is the drafter's own acceptance unless a hybrid mixes the suffix index's
         # drafts into it: then it says nothing of a learned draft's best node (``choose_widths``).
         self._floor_paid = not cheap and not state.mixed_sources
-        batch = state.batch_size
-        if k > 0 and self._backoff > 0 and not self.probe.for_new_drafter:
-            # a costly draft was cut to nothing: the next one waits (see ``_backoff_after``)
+        if not cheap and self._backoff > 0 and not self.probe.for_new_drafter:
+            # a costly draft was cut to nothing: the next one waits (see ``_backoff_after``),
+            # decided before ``best_k``, whose ~40 us were most of a step's policy time at batch 8
             self._backoff -= 1
             self.cuts["backoff"] += 1
             self._remember(0)
             return 0
+        # A cheap draft (the suffix index) asks for the full budget and the width decides; a
+        # costly one asks for what its acceptance pays for at the batch-agnostic costs.
+        k = k_max if cheap else best_k(self.acceptance.value, k_max, self.costs, state.branches)
+        batch = state.batch_size
         if k > 0 and (self.zero_widths >= self.probe_every or self.drafting_loses(batch)):
             # ...but the width step (verify costs measured at this batch size) kept cutting the
             # drafts to nothing, or drafting steps at this batch size delivered less than plain

@@ -240,6 +240,27 @@ def test_incremental_state_agrees_with_a_rebuild():
         assert a == propose_one(d_new, view(v_inc.token_ids, tenant="t", rid="a"), k=5)[0]
 
 
+def test_a_row_that_sat_out_catches_up_at_its_next_draft_and_says_so():
+    """on_verified only counts steps (a drafter kept off pays ~nothing per step): a row's state
+    catches up from its view at the next draft, which drafts what a rebuilt drafter drafts, and
+    the time committing more than the last step's tokens is the proposal's catch_up_ms."""
+    rng = random.Random(3)
+    loop = fresh_tokens(12, rng)
+    d = drafter()
+    v = view(loop + loop[:3], tenant="t", rid="a")
+    d.add_request(v)
+    for step in range(30):  # the policy keeps the drafter off for 30 steps
+        v.token_ids = v.token_ids + [loop[(3 + step) % 12]]
+        d.on_verified("a", v.token_ids[-1:], None)
+    tokens, prop = propose_one(d, v, k=5)
+    assert prop.catch_up_ms > 0.0
+    assert tokens == propose_one(drafter(), view(v.token_ids, tenant="t", rid="a"), k=5)[0]
+    assert tokens == [loop[(33 + j) % 12] for j in range(5)]
+    v.token_ids = v.token_ids + tokens[:2]  # drafting every step: no backlog
+    d.on_verified("a", tokens[:2], None)
+    assert propose_one(d, v, k=5)[1].catch_up_ms == 0.0
+
+
 def _trace(request_id, tenant, prompt, output):
     from feedback.bus.trace import StepArrays, TraceRecord
     from feedback.target.fingerprint import TargetFingerprint
