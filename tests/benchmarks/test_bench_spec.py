@@ -63,6 +63,8 @@ def test_batches_report_never_slower_ratios_and_tree_stats():
         assert min(rounds) - 1e-3 <= entry["speedup"] <= max(rounds) + 1e-3
         assert entry["speedup_median_round"] == pytest.approx(sum(rounds) / 2, abs=1e-3)
         assert entry["never_slower_median_round"] == (entry["speedup_median_round"] >= 0.97)
+        low, high = entry["speedup_interval"]  # a bootstrap over the rounds holds the pooled ratio
+        assert min(rounds) - 1e-3 <= low <= entry["speedup"] <= high <= max(rounds) + 1e-3
         assert all(s >= 0 for s in entry["between_steps_s"].values())
         for share in entry["tail_time_fraction"].values():
             assert share is None or 0.0 <= share <= 1.0
