@@ -84,8 +84,8 @@ class LearnedDrafter:
     target step, so probes that caught up on their whole gap broke the 1 % probe budget whatever
     their spacing (a day-0 selfspec probe after 50 steps of a code request: 41-46 ms). None: every
     committed token. Preparing a row for a swap (``prepare_request``, off the step thread) commits
-    the same latest inputs: the whole history of a 2,000-token row took 232 ms for a one-layer
-    standalone drafter and 474 ms for two on 2 cores, work that competes with serving's step
+    the same latest inputs: the whole history of a 2,000-token row took 219-232 ms for a one-layer
+    standalone drafter and 407-474 ms for two on 2 cores, work that competes with serving's step
     during the swap, where the same drafter would read only the latest inputs had it started with
     the request."""
 

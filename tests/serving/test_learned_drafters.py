@@ -243,7 +243,7 @@ def test_prepared_request_caught_up_matches_a_fresh_drafter_with_the_full_histor
 def test_a_prepared_long_row_commits_what_a_fresh_drafter_would(kind, target, eagle_head, small_lm):
     """A swap prepares a running row from its latest ``max_catch_up`` inputs, as a drafter that
     started with the request reads them at its first draft: the same proposals, and only that
-    many columns of draft KV computed (a whole 2,000-token history cost 232-474 ms on 2 cores)."""
+    many columns of draft KV computed (a whole 2,000-token history cost 219-474 ms on 2 cores)."""
     drafter = make(kind, target, eagle_head, small_lm)
     seq = history(9, drafter.max_catch_up * 2 + 20)
     snap = DraftRequestView("a", seq, 2)
