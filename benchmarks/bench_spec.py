@@ -324,7 +324,6 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
         base_s = spec_s = 0.0
         base_tokens = spec_tokens = 0
         cached = {"target_only": 0, "speculative": 0}
-        rounds: list[float] = []  # each round's speculative / target-only tok/s (adjacent runs)
         paired: tuple[list, list] = ([], [])  # each round's (speculative, target-only) RunResult
         lossless = True
         timer.reset()
@@ -346,7 +345,6 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
             cached["target_only"] += r0.cached_prompt_tokens
             cached["speculative"] += r1.cached_prompt_tokens
             if r0.wall_s and r1.wall_s and r0.tokens:
-                rounds.append((r1.tokens / r1.wall_s) / (r0.tokens / r0.wall_s))
                 paired[0].append(r1)
                 paired[1].append(r0)
             lossless &= r0.outputs == r1.outputs and r1.failed == 0
@@ -362,6 +360,7 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
         corrected = speedup * plain_spec / plain_base if plain_base and plain_spec else None
         full_base, full_spec = base_timer.full_batch_rate(b), timer.full_batch_rate(b)
         full = full_spec[0] / full_base[0] if full_base and full_spec else None
+        rounds = [a.tok_s / b.tok_s for a, b in zip(*paired)]  # adjacent runs' speculative / target-only
         median_round = statistics.median(rounds) if rounds else None
         out[str(b)] = {
             "speedup": round(speedup, 4),

@@ -156,12 +156,9 @@ class SuffixDrafter:
             catch_up_ms=catch_up_ms,
         )
 
-    def draft(self, view: DraftRequestView, k: int) -> Draft:
-        """The best proposal of at most ``k`` tokens for one request (callers hold the lock when
-        observe() may run concurrently). A token tree when ``trees`` is set."""
-        return self._draft(self._sync(view), k)
-
     def _draft(self, req: SuffixRequest, k: int) -> Draft:
+        """The best proposal of at most ``k`` tokens for one request synced to its view (callers
+        hold the lock: observe() may run concurrently). A token tree when ``trees`` is set."""
         if self.trees:
             return self.proposer.draft_tree(req, k, self.config.tree_branches)
         return self.proposer.draft(req, k)
