@@ -35,9 +35,13 @@ class VerifyCosts:
         self._measured_memo: dict[int, dict[int, float]] = {}
         """``measured`` per batch since the last observation: the width choice asks for every
         width each step."""
+        self._growth_memo: dict[int, float] = {}
+        """``_growth_per_node`` at each batch's widest measured total, as long as ``measured``'s memo:
+        every total past it asks for the same line."""
 
     def observe(self, batch: int, width: int, ms: float) -> None:
         self._measured_memo.clear()
+        self._growth_memo.clear()
         if width == 0:
             self._plain.setdefault(batch, deque(maxlen=self._plain_window)).append(ms)
             return
@@ -95,7 +99,9 @@ class VerifyCosts:
             bounds.append(seen[lo] + (seen[hi] - seen[lo]) * (nodes - lo) / (hi - lo))
         elif below:  # past the most nodes measured
             top = max(below)
-            bounds.append(seen[top] + (nodes - top) * _growth_per_node(seen, top))
+            if batch not in self._growth_memo:
+                self._growth_memo[batch] = _growth_per_node(seen, top)
+            bounds.append(seen[top] + (nodes - top) * self._growth_memo[batch])
         return max(bounds)
 
 
