@@ -2,8 +2,9 @@
 
 A TorchEngine (SmolLM2-135M by default, ``--tiny`` for a tiny random Llama) serves ``--concurrency``
 clients that submit greedy requests back to back while the Swapper alternates between two valid
-registered drafter versions (standalone drafters of 1 and 2 target layers, downloaded from a sqlite
-MLflow registry and validated on every swap). Prints one JSON object:
+registered drafter versions (standalone drafters of 1 and 2 target layers whose frozen embedding is
+the target's, so their artifacts hold the layers only, as the trainer's do; downloaded from a
+sqlite MLflow registry and validated on every swap). Prints one JSON object:
 
     swaps            swaps that took effect in the engine
     failed_requests  requests that raised or finished with an error
@@ -20,6 +21,10 @@ MLflow registry and validated on every swap). Prints one JSON object:
                      otherwise be the p99 of a few swaps).
     install_stall_p99_ms  the first step of the new drafter alone (gap - median gap): the install
     handover_median_ms  how long ``engine.swap_drafter`` took (the swap's latency in the engine)
+    fetch_median_ms  from ``Swapper.swap_to`` to the ``swap_drafter`` call: the artifact's download,
+                     validation and build beside the decode steps (and the end of the step then
+                     running)
+    artifact_mb      the size of each registered version's artifact directory
     load_stall_p99_ms  the same sum from the start of ``Swapper.swap_to`` to the swap_drafter call,
                      while the Swapper downloads and validates the artifact: also caused by a swap,
                      reported apart (the artifact load is the Swapper's, not the engine's)
@@ -166,16 +171,21 @@ def _tiny_target():
     return t
 
 
-def _register_versions(target, tmp: Path, registry, tenant: str) -> list[str]:
+def _register_versions(target, tmp: Path, registry, tenant: str, sizes: list[float]) -> list[str]:
+    """Two versions (1 and 2 layers) registered for ``tenant``; their artifacts' MB go to ``sizes``."""
     from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
     from feedback.registry.artifact import save_drafter
+    from feedback.registry.shared_tensors import shared_with_target
 
     vocab = int(target.model.get_output_embeddings().weight.shape[0])
     versions = []
     for layers in (1, 2):
         model = standalone_from_target(target.model, num_layers=layers)
+        model.get_input_embeddings().weight.requires_grad_(False)  # as the trainer's student keeps it
         cfg = StandaloneConfig.for_target(target.model.config, num_layers=layers, vocab_size=vocab)
-        save_drafter(model, cfg, target.fingerprint, tmp / f"l{layers}", version=f"l{layers}")
+        save_drafter(model, cfg, target.fingerprint, tmp / f"l{layers}", version=f"l{layers}",
+                     from_target=shared_with_target(model, target.model))
+        sizes.append(round(sum(f.stat().st_size for f in (tmp / f"l{layers}").iterdir()) / 1e6, 1))
         rid = registry.log_candidate(target.fingerprint, tmp / f"l{layers}")
         versions.append(registry.register(tenant, rid).version)
     return versions
@@ -245,7 +255,8 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
         prompts = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
 
     registry = DrafterRegistry(f"sqlite:///{tmp}/mlflow.db")
-    versions = _register_versions(target, tmp, registry, "bench")
+    artifact_mb: list[float] = []
+    versions = _register_versions(target, tmp, registry, "bench", artifact_mb)
 
     clock, live = _StepClock(), LiveAcceptance()
     engine = TorchEngine(target, build_drafter("standalone", target, num_layers=1),
@@ -353,6 +364,8 @@ def _run_bench(tiny: bool, swaps: int, concurrency: int, max_tokens: int, k: int
         "null_stall_p99_ms": pct(nulls, 99),
         "null_windows": len(nulls),
         "handover_median_ms": pct(handover_ms, 50),
+        "fetch_median_ms": pct([(call - load) * 1000.0 for load, call in zip(load_started, swap_called, strict=False)], 50),
+        "artifact_mb": artifact_mb,
         "step_median_ms": round(base, 2),
         "lossless": lossless,
         "requests": completed,

@@ -164,5 +164,5 @@ def _fit_static(target, pre, cfg, steps: int, artifact) -> dict:
     target.model.eval()  # a selfspec student shares the target's first layers; training flagged them
     config = getattr(student, "config", None) or StandaloneConfig.for_target(target.model.config)
     save_drafter(student.model, config, target.fingerprint, artifact, version="static",
-                 draft_vocab=student_draft_vocab(student))
+                 draft_vocab=student_draft_vocab(student), from_target=getattr(student, "from_target", None))
     return fit

@@ -74,9 +74,10 @@ def make_selfspec_student(target, draft_vocab_size: int | None = None, exit_laye
 def make_student(target, draft_vocab_size: int | None = None, init: str = "target-layers"):
     """The trainer's student: serving's day-0 standalone drafter (the target's embeddings, first two
     layers, norm and lm_head), read at the same draft vocabulary serving uses; embeddings copied
-    from the target stay frozen, random ones train."""
+    from the target stay frozen (and stay out of its artifacts), random ones train."""
     from feedback.drafters.standalone_lm import standalone_from_target
     from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
+    from feedback.registry.shared_tensors import shared_with_target
     from trainer.students import StandaloneStudent
 
     model = standalone_from_target(target.model, init=init).float()
@@ -84,4 +85,6 @@ def make_student(target, draft_vocab_size: int | None = None, init: str = "targe
     if draft_vocab_size is not None:
         v = int(model.get_output_embeddings().weight.shape[0])
         vocab = day0_draft_vocab(v, draft_vocab_size, special_token_ids(target.tokenizer, target.model.config))
-    return StandaloneStudent(model, head_vocab=vocab, train_embeddings=init != "target-layers")
+    student = StandaloneStudent(model, head_vocab=vocab, train_embeddings=init != "target-layers")
+    student.from_target = shared_with_target(model, target.model)  # the frozen embedding: not in artifacts
+    return student

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from feedback.registry.shared_tensors import TargetTensors
 from feedback.target.fingerprint import TargetFingerprint, fingerprint_for
 from feedback.target.location import (  # noqa: F401  (re-exported: where serving code looks for them)
     DEFAULT_MODEL,
@@ -39,6 +41,12 @@ class Target:
     @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @cached_property
+    def tensors(self) -> TargetTensors:
+        """The model's tensors by name, for drafter artifacts that leave some to the target
+        (feedback/registry/shared_tensors.py); their digests are computed once per process."""
+        return TargetTensors(self.model.state_dict())
 
 
 def load_target(

@@ -211,7 +211,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
         config = StandaloneConfig.for_target(student.model.config)
     version = f"static-{int(time.time())}"
     save_drafter(student.model, config, fp, out, version=version, overwrite=True,
-                 draft_vocab=student_draft_vocab(student),
+                 draft_vocab=student_draft_vocab(student), from_target=getattr(student, "from_target", None),
                  extra={"offline_prompts": str(prompts), "corpus_chunks_per_domain": corpus,
                         "package_requests_per_domain": requests, "init": str(init),
                         **{k: v for k, v in fit.items() if k != "stopped_early"}})

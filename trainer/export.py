@@ -10,7 +10,8 @@ from feedback.target.fingerprint import TargetFingerprint
 def artifact_exporter(config=None, version_prefix: str = "cand"):
     """Exporter for TrainerLoop: writes ``student.model`` with its drafter ``config``
     (StandaloneConfig, or None for an EagleHead, which carries its own) and, for a standalone
-    student read at a draft vocabulary, that vocabulary, via
+    student read at a draft vocabulary, that vocabulary, without the tensors it keeps as the
+    target's (``student.from_target``), via
     ``feedback.registry.artifact.save_drafter``."""
     from feedback.registry.artifact import save_drafter
 
@@ -20,7 +21,8 @@ def artifact_exporter(config=None, version_prefix: str = "cand"):
         counter["n"] += 1
         cfg = config if config is not None else student.model.config
         save_drafter(student.model, cfg, fingerprint, out_dir, version=f"{version_prefix}-{counter['n']}",
-                     overwrite=True, draft_vocab=student_draft_vocab(student), extra=extra)
+                     overwrite=True, draft_vocab=student_draft_vocab(student), extra=extra,
+                     from_target=getattr(student, "from_target", None))
 
     return export
 

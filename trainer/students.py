@@ -177,6 +177,9 @@ class StandaloneStudent(Student):
                 raise ValueError("give draft_to_target or head_vocab, not both")
             draft_to_target = self.head_vocab
         self.draft_to_target = draft_to_target
+        self.from_target: dict[str, str] = {}
+        """{name: digest} of frozen tensors that are the target's (``shared_with_target``, set by
+        whoever cut the model from the target): its artifacts leave them to the target."""
         if not train_embeddings:
             for emb in (model.get_input_embeddings(), model.get_output_embeddings()):
                 emb.weight.requires_grad_(False)

@@ -7,7 +7,9 @@ A directory with two files, no pickle anywhere:
     model.safetensors  the model's state dict (tied tensors stored once; the EAGLE head's token
                        embedding is the target's and is not stored; a selfspec drafter stores
                        only its adapter: the layers, embeddings and lm_head it shares with the
-                       target are pinned by the fingerprint, never copied)
+                       target are pinned by the fingerprint, never copied; nor are tensors a
+                       standalone drafter keeps frozen as the target's, its token embedding: see
+                       feedback/registry/shared_tensors.py)
     draft_vocab.safetensors
                        standalone only, when it was trained at a draft vocabulary: the sorted
                        target ids whose lm_head rows it reads (serving reads the same rows; a
@@ -26,6 +28,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -38,6 +41,7 @@ from feedback.drafters.eagle_head import EagleHead, EagleHeadConfig
 from feedback.drafters.from_target import SelfSpecAdapter, adapter_of, check_draft_vocab
 from feedback.drafters.kinds import DrafterConfig, build_model, kind_of, parse_config
 from feedback.drafters.vocab import checked_vocab_ids
+from feedback.registry.shared_tensors import TargetTensors, tensor_digest
 from feedback.target.fingerprint import TargetFingerprint
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -73,6 +77,9 @@ class DrafterMeta(BaseModel):
     """file name -> sha256 hex of its bytes"""
     extra: dict = Field(default_factory=dict)
     """Free-form lineage (trace offsets, metrics); not validated."""
+    from_target: dict[str, str] = Field(default_factory=dict)
+    """Tensors not stored because they are the target's: name -> ``tensor_digest`` in the
+    artifact's dtype (feedback/registry/shared_tensors.py). Load with the target's tensors."""
 
     def model_cfg(self) -> DrafterConfig:
         return parse_config(self.kind, self.config)
@@ -128,9 +135,13 @@ def save_drafter(
     extra: dict | None = None,
     overwrite: bool = False,
     draft_vocab: torch.Tensor | None = None,
+    from_target: Mapping[str, str] | None = None,
 ) -> DrafterMeta:
     """Write ``model`` as an artifact directory (atomically: a temp sibling renamed into place).
-    ``draft_vocab``: standalone only, the [Vd] target ids its lm_head was trained to be read at."""
+    ``draft_vocab``: standalone only, the [Vd] target ids its lm_head was trained to be read at.
+    ``from_target``: {name: digest} of the target's tensors the model may share
+    (``shared_with_target``); each of the model's tensors whose digest still agrees is left out and
+    recorded instead."""
     directory = Path(directory)
     kind = kind_of(config)
     if draft_vocab is not None:
@@ -141,7 +152,9 @@ def save_drafter(
         model = adapter_of(model, config)  # an assembled drafter: store its adapter only
     if isinstance(model, EagleHead) and model.config != config:
         raise ValueError("model.config differs from the config being saved")
-    state = _stored_state(model)
+    full = _stored_state(model)
+    shared = {n: d for n, d in (from_target or {}).items() if n in full and tensor_digest(full[n]) == d}
+    state = {n: t for n, t in full.items() if n not in shared}
     bad = _non_finite(state)
     if bad:
         raise ValueError(f"refusing to save non-finite weights: {bad}")
@@ -151,7 +164,7 @@ def save_drafter(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / WEIGHTS_FILE), metadata={"kind": kind, "version": version})
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in full.values() if t.is_floating_point()}
     meta = DrafterMeta(
         kind=kind,
         version=version,
@@ -161,6 +174,7 @@ def save_drafter(
         dtype=",".join(sorted(dtypes)),
         files={WEIGHTS_FILE: sha256_file(tmp / WEIGHTS_FILE)},
         extra=dict(extra or {}),
+        from_target=shared,
     )
     if isinstance(model, EagleHead):
         meta.draft_vocab_size = int(model.d2t.numel())
@@ -194,10 +208,13 @@ def load_drafter(
     expected_fingerprint: TargetFingerprint,
     *,
     device: str | torch.device = "cpu",
+    target_tensors: TargetTensors | None = None,
 ) -> tuple[nn.Module, DrafterMeta]:
     """Validate and load an artifact. An EagleHead comes back without embeddings: attach the
     target's with ``attach_embeddings``. A standalone model trained at a draft vocabulary comes back
-    with it as ``model.artifact_draft_vocab`` ([Vd] target ids; None otherwise). Raises
+    with it as ``model.artifact_draft_vocab`` ([Vd] target ids; None otherwise). Tensors the
+    artifact leaves to the target (``DrafterMeta.from_target``) are ``target_tensors``' (shared, not
+    copied, where the dtypes agree), each checked against its recorded digest. Raises
     DrafterArtifactError on any problem."""
     directory = Path(directory)
     meta = read_meta(directory)
@@ -249,21 +266,23 @@ def load_drafter(
             f"{directory}: no {meta.kind} model can be built from its config: {type(e).__name__}: {e}"
         ) from e
     expected = _stored_state(model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(set(expected) - set(state) - set(meta.from_target))
+    unexpected = sorted(set(state) - set(expected)) + sorted(set(meta.from_target) - set(expected))
     if missing or unexpected:
         raise DrafterArtifactError(
             f"{directory}: tensors missing {missing}, unexpected {unexpected}"
         )
+    if both := sorted(set(state) & set(meta.from_target)):
+        raise DrafterArtifactError(f"{directory}: tensors {both} both stored and left to the target")
     wrong = [
-        f"{n}: {tuple(state[n].shape)} vs config {tuple(t.shape)}"
-        for n, t in expected.items()
-        if state[n].shape != t.shape
+        f"{n}: {tuple(state[n].shape)} vs config {tuple(expected[n].shape)}"
+        for n in state
+        if state[n].shape != expected[n].shape
     ]
     if wrong:
         raise DrafterArtifactError(f"{directory}: tensor shapes disagree with the config: {wrong}")
     kinds = [
-        n for n, t in expected.items() if state[n].is_floating_point() != t.is_floating_point()
+        n for n, t in state.items() if t.is_floating_point() != expected[n].is_floating_point()
     ]
     if kinds:
         raise DrafterArtifactError(f"{directory}: tensors of the wrong type: {kinds}")
@@ -280,12 +299,57 @@ def load_drafter(
 
     vocab = _standalone_vocab(directory, meta, cfg) if meta.kind == "standalone" else None
 
-    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), None) or _dtype(meta.dtype)
+    shared = _target_tensors(directory, meta, expected, dtype, target_tensors)
     model = model.to(dtype)
     model.load_state_dict(state, strict=False)  # completeness checked above; tied aliases follow
+    _share(model, shared)
     if meta.kind == "standalone":
         model.artifact_draft_vocab = vocab
     return model.to(device).eval(), meta
+
+
+def _dtype(names: str) -> torch.dtype:
+    """The artifact's floating dtype from ``DrafterMeta.dtype`` (float32 where it names none)."""
+    dtype = getattr(torch, names.split(",")[0], None) if names else None
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _target_tensors(directory: Path, meta: DrafterMeta, expected: dict[str, torch.Tensor], dtype: torch.dtype,
+                    target: TargetTensors | None) -> dict[str, torch.Tensor]:
+    """The target's tensors for the names the artifact left to it, each checked against the
+    artifact's shape and digest."""
+    if not meta.from_target:
+        return {}
+    if target is None:
+        raise DrafterArtifactError(f"{directory}: drafter {meta.version} shares {sorted(meta.from_target)} "
+                                   "with its target; load it with the target's tensors")
+    out = {}
+    for name, digest in meta.from_target.items():
+        t = target.get(name, dtype)
+        if t is None or t.shape != expected[name].shape:
+            found = "no such tensor" if t is None else f"shape {tuple(t.shape)}"
+            raise DrafterArtifactError(f"{directory}: drafter {meta.version} takes {name} "
+                                       f"{tuple(expected[name].shape)} from its target, which has {found}")
+        if target.digest(name, dtype) != digest:
+            raise DrafterArtifactError(
+                f"{directory}: drafter {meta.version} was cut from a target whose {name} differs from "
+                f"this server's (same fingerprint {meta.target.key()}, other weights); refusing to load it")
+        out[name] = t
+    return out
+
+
+def _share(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Make each named parameter of ``model`` (and every name tied to it) ``tensors``' tensor
+    itself, frozen: no copy of what the target holds."""
+    aliases = list(model.named_parameters(remove_duplicate=False))
+    for name, t in tensors.items():
+        mine = model.get_parameter(name)
+        shared = nn.Parameter(t, requires_grad=False)
+        for alias, p in aliases:
+            if p is mine:
+                owner, _, leaf = alias.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, shared)
 
 
 def _standalone_vocab(directory: Path, meta: DrafterMeta, cfg) -> torch.Tensor | None:

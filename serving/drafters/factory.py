@@ -67,7 +67,8 @@ def _load(target: Target, artifact_dir, kind: str):
     from feedback.registry.artifact import load_drafter
 
     model, meta = load_drafter(
-        artifact_dir, expected_fingerprint=target.fingerprint, device=target.device
+        artifact_dir, expected_fingerprint=target.fingerprint, device=target.device,
+        target_tensors=target.tensors,
     )
     if meta.kind != kind:
         raise ValueError(f"{artifact_dir} holds a {meta.kind} drafter, not {kind}")

@@ -65,14 +65,25 @@ class SGLangDraftLoader:
 
     def __init__(self, engine):
         self.engine = engine
+        self._target_tensors = None
+
+    def target_tensors(self):
+        """The target checkpoint's tensors (what an artifact may leave to the target), read from
+        the model directory when an artifact asks: SGLang holds the weights, not this process."""
+        if self._target_tensors is None:
+            from feedback.registry.shared_tensors import CheckpointTensors, TargetTensors
+
+            self._target_tensors = TargetTensors(CheckpointTensors(self.engine.config.model_path))
+        return self._target_tensors
 
     def load(self, artifact_dir: Path, current=None) -> SGLangDraft:
-        from feedback.registry.artifact import load_drafter
+        from feedback.registry.artifact import load_drafter, read_meta
 
         fingerprint = self.engine.fingerprint
         if fingerprint is None:
             raise ValueError("the SGLang engine has not loaded its target's metadata yet")
-        model, meta = load_drafter(artifact_dir, fingerprint)  # DrafterArtifactError on problems
+        shared = self.target_tensors() if read_meta(artifact_dir).from_target else None
+        model, meta = load_drafter(artifact_dir, fingerprint, target_tensors=shared)  # DrafterArtifactError on problems
         kind = self.engine.drafter.kind
         if meta.kind != kind:
             raise ValueError(f"artifact is a {meta.kind} drafter, SGLang serves a {kind} draft "
