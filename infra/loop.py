@@ -19,6 +19,7 @@ infra/costs.py.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -293,17 +294,21 @@ class OnlineLoop:
     def freshness_s(self) -> list[float]:
         """Per trace: seconds from its request finishing to the first swap after the trainer
         polled it (a drafter trained on it is live). Traces never followed by a swap are left out."""
+        return [s for _, s in self._trace_freshness()]
+
+    def freshness_by_version(self) -> dict[str, float]:
+        """``freshness_s``'s median per version: over the traces whose first swap it was."""
+        per: dict[str, list[float]] = {}
+        for version, s in self._trace_freshness():
+            per.setdefault(version, []).append(s)
+        return {v: statistics.median(xs) for v, xs in per.items()}
+
+    def _trace_freshness(self) -> list[tuple[str, float]]:
+        """(version, seconds) per trace followed by a swap: see ``freshness_s``."""
         if self.trainer is None:
             return []
-        polled_at = self.trainer.polled_at()
-        swaps = sorted(e["at"] for e in self.events if e.get("event") == "swap")
-        out = []
-        for rid, point in zip(self._request_ids, [p for p in self.points if not p.failed]):
-            polled = polled_at.get(rid)
-            later = [s for s in swaps if polled is not None and s >= polled]
-            if later:
-                out.append(later[0] - point.done_at)
-        return out
+        served = list(zip(self._request_ids, [p.done_at for p in self.points if not p.failed]))
+        return trace_freshness(served, self.trainer.polled_at(), self.events)
 
     def snapshot(self) -> None:
         """Remember the drafter as it is now, to serve later with it frozen (``frozen_drafter``)."""
@@ -326,3 +331,18 @@ class OnlineLoop:
         if self.cfg.drafter == "hybrid" and self._frozen_parts is not None:
             return FrozenDrafter(HybridDrafter(suffix, self._frozen_parts))
         return FrozenDrafter(suffix)
+
+
+def trace_freshness(served: list[tuple[str, float]], polled_at: dict[str, float],
+                    events: list[dict]) -> list[tuple[str, float]]:
+    """(version, seconds) for each served (request id, finished at) whose trace the trainer polled
+    (``polled_at``) before some swap in ``events``: from the request finishing to the first swap
+    after the poll (a drafter trained on it is live), and the version swapped in then."""
+    swaps = sorted((e["at"], str(e.get("version"))) for e in events if e.get("event") == "swap")
+    out = []
+    for rid, done_at in served:
+        polled = polled_at.get(rid)
+        later = [(at, v) for at, v in swaps if polled is not None and at >= polled]
+        if later:
+            out.append((later[0][1], later[0][0] - done_at))
+    return out

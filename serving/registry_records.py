@@ -28,7 +28,7 @@ class RegistryRecords:
         self._on_result = on_result
         self._writer = BackgroundWorker("drafter-records", nice, "registry records")
         self._last: concurrent.futures.Future | None = None
-        self._events: list[tuple[str, str, float]] = []  # (version, text, at), not written yet
+        self._events: list[tuple[str, str, tuple]] = []  # (method, version, args), not written yet
         self._last_at = 0.0
         self._lock = threading.Lock()
 
@@ -37,14 +37,19 @@ class RegistryRecords:
         are keyed by their time to the millisecond: each event gets a millisecond of its own."""
         with self._lock:
             self._last_at = max(time.time(), self._last_at + 0.001)
-            self._events.append((version, text, self._last_at))
+            self._events.append(("log_event", version, (text, self._last_at)))
+
+    def note_metrics(self, version: str, metrics: dict[str, float]) -> None:
+        """Metrics of ``version`` (logged on the run that produced it), written with the events."""
+        with self._lock:
+            self._events.append(("log_version_metrics", version, (dict(metrics),)))
 
     def write_events(self) -> None:
-        """Queue the noted events for writing."""
+        """Queue the noted events and metrics for writing."""
         with self._lock:
             events, self._events = self._events, []
-        for version, text, at in events:
-            self.write("log_event", version, text, at)
+        for method, version, args in events:
+            self.write(method, version, *args)
 
     def write(self, method: str, version: str, *args) -> None:
         """``registry.method(tenant, version, *args)`` on the writer thread, after those before."""
@@ -74,3 +79,20 @@ class RegistryRecords:
             self._on_result(method, e)
         else:
             self._on_result(method, None)
+
+
+def trace_freshness(drafter, now: float | None = None) -> dict[str, float]:
+    """How fresh a drafter swapped in ``now`` is, from the trace times its artifact records
+    (``trace_times``, trainer/lineage.py; a hybrid's are its learned half's): ``freshness_s``, from
+    the median request finishing among the traces this version was the first trained on to now,
+    and ``newest_trace_age_s``, from the newest. {} for a drafter without them (day 0, suffix)."""
+    times = getattr(drafter, "trace_times", None) or getattr(getattr(drafter, "learned", None), "trace_times", None)
+    if not times:
+        return {}
+    now = time.time() if now is None else now
+    out = {}
+    if "trace_finished_median_at" in times:
+        out["freshness_s"] = now - times["trace_finished_median_at"]
+    if "trace_finished_newest_at" in times:
+        out["newest_trace_age_s"] = now - times["trace_finished_newest_at"]
+    return out

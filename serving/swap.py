@@ -31,7 +31,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,7 +39,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from feedback.background.supervise import SupervisedThread
 from serving.live_acceptance import LiveAcceptance, RollbackJudge, VersionStats, collectors
 from serving.registry_fetch import RegistryFetch, registry_version
-from serving.registry_records import RegistryRecords
+from serving.registry_records import RegistryRecords, trace_freshness
+from serving.swap_config import SwapConfig
 from serving.swap_errors import NothingToRollBack, RefusedArtifact, RegistryUnavailable, SwapError
 
 if TYPE_CHECKING:  # annotation only: the Swapper takes any loader (SGLang's too)
@@ -51,35 +51,6 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 log = logging.getLogger(__name__)
-
-
-# ---- configuration ------------------------------------------------------------------------------
-
-
-@dataclass
-class SwapConfig:
-    tenant: str = "default"
-    watch_steps: int = 64
-    """Verify steps with learned drafts of a new version watched before it can be kept (or rolled
-    back)."""
-    floor_ratio: float = 0.8
-    """Roll back when the new version's mean accept length at its learned-draft rows < floor_ratio x
-    the previous one's."""
-    max_watch_steps: int | None = None
-    """Steps of the new version (drafting or not) after which the watch decides on the means even
-    if the difference is within the noise (default: 8 x watch_steps)."""
-    rollback_z: float = 2.0
-    """Standard errors the difference must exceed before the watch decides earlier."""
-    poll_interval_s: float = 30.0
-    """Fallback polling of the MLflow champion alias (<= 0: no polling)."""
-    log_interval_s: float = 10.0
-    """Live acceptance to MLflow and Redis counters."""
-    ema_alpha: float = 0.1
-    load_nice: int = 10
-    """Artifacts are downloaded, checked and built on a background thread this much nicer than the
-    process (and its tensor work on itself alone): a load competes with the decode steps for the
-    same cores (on 2 cores a SmolLM2 standalone load cost ~0.2 s of decoding)."""
-    replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:8]}")
 
 
 # ---- the swapper --------------------------------------------------------------------------------
@@ -229,8 +200,11 @@ class Swapper:
             self._rejected.pop(version, None)
             self.swaps += 1
             self._c.swaps.inc()
-            self._event("swap", version=version, previous_version=old.version, reason=reason)
+            fresh = trace_freshness(drafter)
+            self._event("swap", version=version, previous_version=old.version, reason=reason, **fresh)
             self.records.note_event(version, f"swapped in on {self.config.replica_id} ({reason})")
+            if fresh:
+                self.records.note_metrics(version, fresh)
             log.info("drafter %s -> %s (%s)", old.version, version, reason)
             return {"version": version, "previous_version": old.version, "changed": True}
 

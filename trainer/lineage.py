@@ -2,13 +2,17 @@
 
 Beside the static params (topic, group, ...) and the distillation settings, a version records the
 exact trace range it was trained on: partition -> (first, last) offset of every trace consumed
-since the previous registration (sources without offsets record none). That window survives a
-restart through the checkpoint (``restore``).
+since the previous registration (sources without offsets record none), and when those traces'
+requests finished (``trace_times``: serving measures a version's freshness from them when it
+swaps the version in). Both survive a restart through the checkpoint (``restore``).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+
+_TIMES_KEPT = 10_000
 
 
 def loss_params(cfg) -> dict:
@@ -25,6 +29,23 @@ class Lineage:
         self.static = static
         self.restored: dict[int, tuple[int, int]] = {}
         """Offsets consumed since the last registration, as checkpointed before a restart."""
+        self.finished_at: list[float] = []
+        """When the requests of the traces taken in since the last registration finished (epoch
+        s; the latest ``_TIMES_KEPT``)."""
+
+    def note_traces(self, records) -> None:
+        """Traces the trainer took in (TraceRecords): the next version is the first trained on them."""
+        self.finished_at.extend(float(r.finished_at) for r in records)
+        del self.finished_at[:-_TIMES_KEPT]
+
+    def trace_times(self) -> dict[str, float]:
+        """``window_traces``, ``trace_finished_median_at`` and ``trace_finished_newest_at`` (epoch
+        s) of the traces taken in since the last registration; {} when there were none."""
+        if not self.finished_at:
+            return {}
+        return {"window_traces": float(len(self.finished_at)),
+                "trace_finished_median_at": statistics.median(self.finished_at),
+                "trace_finished_newest_at": max(self.finished_at)}
 
     def window(self) -> dict[int, tuple[int, int]] | None:
         """Partition -> (first, last) offset of every trace consumed since the previous registration
@@ -55,10 +76,13 @@ class Lineage:
     def mark(self) -> None:
         """A version was registered: the next one's trace range starts after this one's."""
         self.restored = {}
+        self.finished_at = []
         mark = getattr(self.source, "mark_lineage", None)
         if mark is not None:
             mark()
 
-    def restore(self, saved: dict | None) -> None:
-        """The window as checkpointed (JSON: partition keys are strings, ranges lists)."""
+    def restore(self, saved: dict | None, finished_at: list[float] | None = None) -> None:
+        """The window and trace times as checkpointed (JSON: partition keys are strings, ranges
+        lists)."""
         self.restored = {int(p): tuple(r) for p, r in (saved or {}).items()}
+        self.finished_at = [float(t) for t in finished_at or []][-_TIMES_KEPT:]

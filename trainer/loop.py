@@ -139,8 +139,9 @@ class TrainerLoop:
             # Nothing polled awaits a checkpoint, but the poll may have moved past messages it
             # dead-lettered: commit those now, or every restart reads (and dead-letters) them again.
             self.source.commit()
-        added = [r.domain for r in recs if self.replay.add(r)]
-        self.apply_traffic_shift(added)
+        taken = [r for r in recs if self.replay.add(r)]
+        self.lineage.note_traces(taken)
+        self.apply_traffic_shift([r.domain for r in taken])
         if len(self.replay) < self.cfg.min_train_traces:
             return self.stats  # nothing trained: offsets stay uncommitted, records come back on restart
         if self.replay.tokens_seen == self._trained_tokens:
@@ -333,6 +334,8 @@ class TrainerLoop:
                 extra = {} if d.candidate is None else {"heldout_acceptance": d.candidate.expected_acceptance}
                 if d.candidate is not None and d.champion is not None:  # the same held-out traces
                     extra["champion_heldout_acceptance"] = d.champion.expected_acceptance
+                times = self.lineage.trace_times()  # serving's freshness of this version starts here
+                extra.update(times)
                 self.exporter(self.student, Path(tmp), self.fingerprint, extra)
                 params = self.lineage.params(
                     self.distiller.cfg, parent_version=self.champion_version or "none",
@@ -343,8 +346,8 @@ class TrainerLoop:
                 curves = {"train_loss": list(enumerate(self.stats.losses)),
                           "heldout_expected_acceptance": [(c["tokens_seen"], c["expected_acceptance"])
                                                           for c in self.stats.curve]}
-                rid = self.registry.log_candidate(self.fingerprint, tmp, params=params, metrics=d.as_metrics(),
-                                                  curves=curves)
+                rid = self.registry.log_candidate(self.fingerprint, tmp, params=params,
+                                                  metrics={**d.as_metrics(), **times}, curves=curves)
                 version = self.registry.register(self.cfg.tenant, rid).version
             self.lineage.mark()  # registered: the next version's trace range starts after this one's
         self.champion = self.student.snapshot()
@@ -363,8 +366,10 @@ class TrainerLoop:
         """``keep``: checkpoints kept (default the configured depth; 1 after a purge)."""
         if not self.cfg.checkpoint_dir:
             return
-        extra = {"champion_version": self.champion_version, "lineage_window": self.lineage.window(), "stats": {
-            "rounds": self.stats.rounds, "train_steps": self.stats.train_steps, "promotions": self.stats.promotions}}
+        extra = {"champion_version": self.champion_version, "lineage_window": self.lineage.window(),
+                 "lineage_finished_at": self.lineage.finished_at,
+                 "stats": {"rounds": self.stats.rounds, "train_steps": self.stats.train_steps,
+                           "promotions": self.stats.promotions}}
         champ = self.champion.trainable_state() if self.champion is not None else None
         checkpoint.save(self._ckpt_root, self.distiller, self.replay, extra, champion_state=champ,
                         keep=keep or self.cfg.checkpoint_keep, fault=self.checkpoint_fault)
@@ -375,7 +380,7 @@ class TrainerLoop:
         if path is None:
             return
         self.champion_version = meta.get("champion_version")
-        self.lineage.restore(meta.get("lineage_window"))
+        self.lineage.restore(meta.get("lineage_window"), meta.get("lineage_finished_at"))
         for k, v in meta.get("stats", {}).items():
             setattr(self.stats, k, v)
         champ = checkpoint.champion_state(path)

@@ -159,6 +159,15 @@ class DrafterRegistry:
         mv = self.client.get_model_version(model_name(tenant), str(version))
         self.client.log_metric(mv.run_id, "live_acceptance", float(value), step=int(step))
 
+    def log_version_metrics(self, tenant: str, version: str, metrics: dict[str, float]) -> None:
+        """Metrics of a deployed version measured by serving (its freshness at a swap), logged on
+        the run that produced it."""
+        from mlflow.entities import Metric
+
+        mv = self.client.get_model_version(model_name(tenant), str(version))
+        now = int(time.time() * 1000)
+        self.client.log_batch(mv.run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+
     def log_event(self, tenant: str, version: str, event: str, at: float | None = None) -> None:
         """Swap/rollback events, as tags on the version (operators see them in the UI), keyed by
         when they happened (``at``, epoch seconds; default now) to the millisecond."""

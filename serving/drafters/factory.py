@@ -79,7 +79,8 @@ def _measured(drafter, meta):
     """``drafter`` with the held-out acceptance its artifact records (the trainer's gate, or
     ``specloop train``), where serving's acceptance estimate for it starts, and its ratio to the
     predecessor's on the same traces (the gate's champion), from which a successor starts instead
-    where its predecessor's live estimate is known."""
+    where its predecessor's live estimate is known; and ``trace_times``, when the requests of the
+    traces it was the first version trained on finished (trainer/lineage.py)."""
     from feedback.goodput import held_out_ratio
 
     def fraction(key):
@@ -90,6 +91,10 @@ def _measured(drafter, meta):
     if value is not None:
         drafter.prior_acceptance = value
         drafter.prior_relative = held_out_ratio(value, fraction("champion_heldout_acceptance"))
+    times = {k: float(meta.extra[k]) for k in ("trace_finished_median_at", "trace_finished_newest_at")
+             if isinstance(meta.extra.get(k), (int, float))}
+    if times:  # when its newest traces' requests finished: the Swapper's freshness figures
+        drafter.trace_times = times
     return drafter
 
 
