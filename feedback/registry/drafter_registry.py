@@ -142,14 +142,16 @@ class DrafterRegistry:
                                                    tracking_uri=self.tracking_uri)
         return Path(path), reg
 
-    def load_champion(self, tenant: str, expected_fingerprint: TargetFingerprint, dst: str | Path | None = None):
+    def load_champion(self, tenant: str, expected_fingerprint: TargetFingerprint, dst: str | Path | None = None,
+                      target_tensors=None):
         """Download the champion and validate it; returns whatever ``feedback.registry.artifact.load_drafter``
-        returns. Raises RegistryError with the reason when it is absent or fails validation."""
+        returns (``target_tensors``: the target's, for an artifact that leaves some to it). Raises
+        RegistryError with the reason when it is absent or fails validation."""
         from feedback.registry.artifact import load_drafter
 
         path, reg = self.download(tenant, None, dst)
         try:
-            return load_drafter(path, expected_fingerprint=expected_fingerprint)
+            return load_drafter(path, expected_fingerprint=expected_fingerprint, target_tensors=target_tensors)
         except Exception as e:  # the artifact module's own errors: fingerprint, checksum, NaN...
             raise RegistryError(f"champion {reg.name} v{reg.version} refused: {e}") from e
 
