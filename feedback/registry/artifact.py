@@ -41,7 +41,7 @@ from feedback.drafters.eagle_head import EagleHead, EagleHeadConfig
 from feedback.drafters.from_target import SelfSpecAdapter, adapter_of, check_draft_vocab
 from feedback.drafters.kinds import DrafterConfig, build_model, kind_of, parse_config
 from feedback.drafters.vocab import checked_vocab_ids
-from feedback.registry.shared_tensors import TargetTensors, tensor_digest
+from feedback.registry.shared_tensors import TargetTensors, share, tensor_digest
 from feedback.target.fingerprint import TargetFingerprint
 
 ARTIFACT_FORMAT_VERSION = 1
@@ -303,7 +303,7 @@ def load_drafter(
     shared = _target_tensors(directory, meta, expected, dtype, target_tensors)
     model = model.to(dtype)
     model.load_state_dict(state, strict=False)  # completeness checked above; tied aliases follow
-    _share(model, shared)
+    share(model, shared)
     if meta.kind == "standalone":
         model.artifact_draft_vocab = vocab
     return model.to(device).eval(), meta
@@ -337,19 +337,6 @@ def _target_tensors(directory: Path, meta: DrafterMeta, expected: dict[str, torc
                 f"this server's (same fingerprint {meta.target.key()}, other weights); refusing to load it")
         out[name] = t
     return out
-
-
-def _share(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Make each named parameter of ``model`` (and every name tied to it) ``tensors``' tensor
-    itself, frozen: no copy of what the target holds."""
-    aliases = list(model.named_parameters(remove_duplicate=False))
-    for name, t in tensors.items():
-        mine = model.get_parameter(name)
-        shared = nn.Parameter(t, requires_grad=False)
-        for alias, p in aliases:
-            if p is mine:
-                owner, _, leaf = alias.rpartition(".")
-                setattr(model.get_submodule(owner), leaf, shared)
 
 
 def _standalone_vocab(directory: Path, meta: DrafterMeta, cfg) -> torch.Tensor | None:

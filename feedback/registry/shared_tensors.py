@@ -49,6 +49,32 @@ def shared_with_target(model: nn.Module, target_model: nn.Module) -> dict[str, s
     return out
 
 
+def share(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Make each named parameter of ``model`` (and every name tied to it) ``tensors``' tensor
+    itself, frozen: no copy of what the target holds."""
+    aliases = list(model.named_parameters(remove_duplicate=False))
+    for name, t in tensors.items():
+        mine = model.get_parameter(name)
+        shared = nn.Parameter(t.detach(), requires_grad=False)
+        for alias, p in aliases:
+            if p is mine:
+                owner, _, leaf = alias.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, shared)
+
+
+def equal_target_tensors(model: nn.Module, target_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The target's tensors equal (dtype, shape, values) to ``model``'s parameter of the same name:
+    what a drafter cut from the target and never trained (serving's day 0) can hold by reference."""
+    theirs = target_model.state_dict()
+    out = {}
+    for name, p in model.named_parameters():
+        t = theirs.get(name)
+        if t is not None and t.dtype == p.dtype and t.shape == p.shape and t.device == p.device \
+                and torch.equal(t, p):
+            out[name] = t
+    return out
+
+
 class TargetTensors:
     """The target's tensors by name, with their digests remembered per dtype (the target's weights
     do not change while it serves, and a digest of its 113 MB embedding takes ~0.2 s)."""

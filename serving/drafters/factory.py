@@ -143,6 +143,7 @@ def _standalone(
 ):
     from feedback.drafters.standalone_lm import standalone_from_target
     from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
+    from feedback.registry.shared_tensors import equal_target_tensors, share
     from serving.drafters.standalone import StandaloneDrafter
 
     meta = None
@@ -154,6 +155,7 @@ def _standalone(
             standalone_from_target(target.model, num_layers=num_layers, init=init, seed=seed),
             "day0",
         )
+        share(model, equal_target_tensors(model, target.model))  # copies of the target's: held once
     draft_vocab = getattr(model, "artifact_draft_vocab", None)  # what the student was trained at
     if draft_vocab is None and draft_vocab_size is not None:
         vocab = int(model.get_output_embeddings().weight.shape[0])

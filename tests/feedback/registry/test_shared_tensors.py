@@ -126,3 +126,17 @@ def test_sglangs_loader_reads_the_shared_tensor_from_the_target_checkpoint(targe
     assert torch.equal(names[EMBED], target.model.get_input_embeddings().weight)  # a full update, as before
     for name, t in model.state_dict().items():
         assert torch.equal(names[name], t), name
+
+
+def test_servings_day0_standalone_drafter_holds_the_targets_tensors_not_copies(target):
+    from serving.drafters.factory import build_drafter
+
+    drafter = build_drafter("standalone", target, num_layers=2)
+    mine, theirs = dict(drafter.model.named_parameters()), dict(target.model.named_parameters())
+    for name in (EMBED, "model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        assert mine[name].data_ptr() == theirs[name].data_ptr(), name
+    ids = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(drafter.model(ids).logits, standalone_from_target(target.model, num_layers=2)(ids).logits)
+    random = build_drafter("standalone", target, num_layers=1, init="random")
+    assert random.model.get_input_embeddings().weight.data_ptr() != theirs[EMBED].data_ptr()
