@@ -44,7 +44,7 @@ def shared_with_target(model: nn.Module, target_model: nn.Module) -> dict[str, s
         if p.requires_grad or t is None or t.shape != p.shape:
             continue
         with torch.no_grad():
-            if torch.equal(t.to(p.dtype), p):
+            if torch.equal(t.to(device=p.device, dtype=p.dtype), p):
                 out[name] = tensor_digest(p)
     return out
 
