@@ -140,3 +140,11 @@ def test_servings_day0_standalone_drafter_holds_the_targets_tensors_not_copies(t
         assert torch.equal(drafter.model(ids).logits, standalone_from_target(target.model, num_layers=2)(ids).logits)
     random = build_drafter("standalone", target, num_layers=1, init="random")
     assert random.model.get_input_embeddings().weight.data_ptr() != theirs[EMBED].data_ptr()
+
+
+def test_a_sharded_checkpoints_tensors_are_found_through_its_index(target, tmp_path):
+    target.model.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    tensors = CheckpointTensors(tmp_path / "sharded")
+    assert torch.equal(tensors[EMBED], target.model.get_input_embeddings().weight)
+    assert len(tensors) >= len(list(target.model.parameters())) - 1  # a tied lm_head is stored once
