@@ -294,21 +294,21 @@ class OnlineLoop:
     def freshness_s(self) -> list[float]:
         """Per trace: seconds from its request finishing to the first swap after the trainer
         polled it (a drafter trained on it is live). Traces never followed by a swap are left out."""
-        return [s for _, s in self._trace_freshness()]
+        return [s for _, s in self._freshness_per_trace()]
 
     def freshness_by_version(self) -> dict[str, float]:
         """``freshness_s``'s median per version: over the traces whose first swap it was."""
         per: dict[str, list[float]] = {}
-        for version, s in self._trace_freshness():
+        for version, s in self._freshness_per_trace():
             per.setdefault(version, []).append(s)
         return {v: statistics.median(xs) for v, xs in per.items()}
 
-    def _trace_freshness(self) -> list[tuple[str, float]]:
+    def _freshness_per_trace(self) -> list[tuple[str, float]]:
         """(version, seconds) per trace followed by a swap: see ``freshness_s``."""
         if self.trainer is None:
             return []
         served = list(zip(self._request_ids, [p.done_at for p in self.points if not p.failed]))
-        return trace_freshness(served, self.trainer.polled_at(), self.events)
+        return freshness_per_trace(served, self.trainer.polled_at(), self.events)
 
     def snapshot(self) -> None:
         """Remember the drafter as it is now, to serve later with it frozen (``frozen_drafter``)."""
@@ -333,7 +333,7 @@ class OnlineLoop:
         return FrozenDrafter(suffix)
 
 
-def trace_freshness(served: list[tuple[str, float]], polled_at: dict[str, float],
+def freshness_per_trace(served: list[tuple[str, float]], polled_at: dict[str, float],
                     events: list[dict]) -> list[tuple[str, float]]:
     """(version, seconds) for each served (request id, finished at) whose trace the trainer polled
     (``polled_at``) before some swap in ``events``: from the request finishing to the first swap

@@ -33,20 +33,22 @@ def tensor_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def _equal_to_target(params, target_model: nn.Module):
+    """(name, parameter, target tensor) for each of ``params`` ((name, parameter) pairs) that equals
+    ``target_model``'s tensor of the same name, compared in the parameter's dtype and device."""
+    theirs = target_model.state_dict()
+    for name, p in params:
+        t = theirs.get(name)
+        if t is not None and t.shape == p.shape and torch.equal(t.to(device=p.device, dtype=p.dtype), p):
+            yield name, p, t
+
+
 def shared_with_target(model: nn.Module, target_model: nn.Module) -> dict[str, str]:
     """{name: digest} of ``model``'s frozen parameters that equal ``target_model``'s tensor of the
     same name (in the parameter's dtype): what its artifacts may leave to the target. Tied
     parameters appear once, under the first name (as ``save_drafter`` stores them)."""
-    theirs = target_model.state_dict()
-    out = {}
-    for name, p in model.named_parameters():  # tied parameters once
-        t = theirs.get(name)
-        if p.requires_grad or t is None or t.shape != p.shape:
-            continue
-        with torch.no_grad():
-            if torch.equal(t.to(device=p.device, dtype=p.dtype), p):
-                out[name] = tensor_digest(p)
-    return out
+    frozen = ((n, p) for n, p in model.named_parameters() if not p.requires_grad)  # tied ones once
+    return {name: tensor_digest(p) for name, p, _ in _equal_to_target(frozen, target_model)}
 
 
 def share(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -63,16 +65,11 @@ def share(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def equal_target_tensors(model: nn.Module, target_model: nn.Module) -> dict[str, torch.Tensor]:
-    """The target's tensors equal (dtype, shape, values) to ``model``'s parameter of the same name:
-    what a drafter cut from the target and never trained (serving's day 0) can hold by reference."""
-    theirs = target_model.state_dict()
-    out = {}
-    for name, p in model.named_parameters():
-        t = theirs.get(name)
-        if t is not None and t.dtype == p.dtype and t.shape == p.shape and t.device == p.device \
-                and torch.equal(t, p):
-            out[name] = t
-    return out
+    """The target's tensors equal (dtype, device, shape, values) to ``model``'s parameter of the same
+    name: what a drafter cut from the target and never trained (serving's day 0) can hold by
+    reference."""
+    return {name: t for name, p, t in _equal_to_target(model.named_parameters(), target_model)
+            if t.dtype == p.dtype and t.device == p.device}
 
 
 class TargetTensors:

@@ -38,15 +38,15 @@ def test_summarise_reports_the_intervals_beside_the_speedups():
 
 
 def test_each_trace_is_fresh_from_its_request_to_the_first_swap_after_the_trainer_polled_it():
-    from infra.loop import trace_freshness
+    from infra.loop import freshness_per_trace
 
     served = [("r1", 10.0), ("r2", 20.0), ("r3", 30.0), ("r4", 40.0)]
     polled = {"r1": 11.0, "r2": 21.0, "r3": 50.0}  # r4: never polled
     events = [{"event": "swap", "at": 25.0, "version": "2"}, {"event": "rollback", "at": 26.0},
               {"event": "swap", "at": 60.0, "version": "3"}]
-    got = trace_freshness(served, polled, events)
+    got = freshness_per_trace(served, polled, events)
     assert got == [("2", 15.0), ("2", 5.0), ("3", 30.0)]
-    assert trace_freshness(served, polled, events[:2]) == [("2", 15.0), ("2", 5.0)]  # r3: no swap after it
+    assert freshness_per_trace(served, polled, events[:2]) == [("2", 15.0), ("2", 5.0)]  # r3: no swap after it
     per_version = {"2": 10.0, "3": 30.0}
     out = summarise(_points([1.0] * 4), 2, freshness=[s for _, s in got], freshness_by_version=per_version)
     assert out["freshness_s_median"] == 15.0 and out["freshness_s_by_version"] == per_version
