@@ -99,7 +99,26 @@ def compose_service(name: str, path: Path = COMPOSE_FILE,
     policy = str(svc.get("restart", "no"))
     if policy != "no":
         cmd = ["specloop", "restart-policy", policy, "--", *cmd]
-    return cmd, {k: str(v) for k, v in svc.get("environment", {}).items()}
+    return cmd, {**env_files(svc, path.parent), **{k: str(v) for k, v in svc.get("environment", {}).items()}}
+
+
+def env_files(service: dict, directory: Path) -> dict[str, str]:
+    """What a service's ``env_file:`` entries give it, as compose reads them: later files over
+    earlier ones, paths relative to the compose file, a missing file an error unless
+    ``required: false`` (``environment:`` wins over all of them: ``compose_service``)."""
+    from dotenv import dotenv_values
+
+    entries = service.get("env_file") or []
+    out: dict[str, str] = {}
+    for entry in [entries] if isinstance(entries, str) else entries:
+        spec = {"path": entry} if isinstance(entry, str) else entry
+        file = directory / spec["path"]
+        if not file.is_file():
+            if spec.get("required", True):
+                raise FileNotFoundError(f"docker-compose.yml: env_file {file} not found")
+            continue
+        out.update({k: v for k, v in dotenv_values(file).items() if v is not None})
+    return out
 
 
 def local_env(env: dict[str, str], stack: StackInfo, model: str | None,

@@ -39,6 +39,36 @@ def test_a_dotenv_value_overrides_the_default(compose_dir):
     assert serving["SPECLOOP_ADMIN_TOKEN"] == "change-me"  # not in .env: still the default
 
 
+def test_dotenv_settings_reach_serving_and_the_trainer_whole(compose_dir, monkeypatch):
+    """The docker README says every setting goes in .env: compose interpolates only the names it
+    uses, so the file also reaches both containers as their env_file (what `environment:` sets
+    wins); a tenant set there reaches serving and the trainer alike."""
+    from serving.config import ServingSettings
+    from trainer.config import TrainerSettings
+
+    (compose_dir / ".env").write_text("SPECLOOP_MAX_BATCH_SIZE=16\nSPECLOOP_TRAINER_LR=0.0007\n"
+                                      "SPECLOOP_TENANT=acme\nSPECLOOP_DRAFTER_DIR=/elsewhere\n")
+    serving, trainer = _env(compose_dir, "serving", {}), _env(compose_dir, "trainer", {})
+    assert serving["SPECLOOP_DRAFTER_DIR"] == "/models/draft"  # compose's own setting wins
+    for k in [k for k in __import__("os").environ if k.startswith("SPECLOOP_")]:
+        monkeypatch.delenv(k)
+    for k, v in {**serving, "SPECLOOP_ADMIN_TOKEN": "an-operator-chosen-token"}.items():
+        monkeypatch.setenv(k, v)
+    s = ServingSettings()
+    assert (s.max_batch_size, s.tenant) == (16, "acme")
+    for k in serving:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in trainer.items():
+        monkeypatch.setenv(k, v)
+    t = TrainerSettings()
+    assert (t.lr, t.tenant) == (0.0007, "acme")
+
+
+def test_without_a_dotenv_the_services_keep_compose_environment(compose_dir):
+    serving = _env(compose_dir, "serving", {})
+    assert "SPECLOOP_MAX_BATCH_SIZE" not in serving and serving["SPECLOOP_TENANT"] == "default"
+
+
 def test_a_shell_value_overrides_dotenv(compose_dir):
     (compose_dir / ".env").write_text("SPECLOOP_K=6\n")
     assert _env(compose_dir, "serving", {"SPECLOOP_K": "7"})["SPECLOOP_K"] == "7"
