@@ -57,8 +57,8 @@ def build_serving(tree: SpecloopSettings, *, target=None, drafter=None, registry
     ops = build_ops_observer(s, fingerprint, replica_id, also_on_drift=on_drift, **run_options)
     if ops is not None:
         engine.observers.append(ops)
-    return ServingParts(engine, build_swapper(s, engine, target=target, registry=registry) if swapper else None,
-                        ops)
+    swaps = build_swapper(s, engine, target=target, registry=registry, replica_id=replica_id) if swapper else None
+    return ServingParts(engine, swaps, ops)
 
 
 def trainer_loop_factory(tree: SpecloopSettings, student, fingerprint, export_config,

@@ -258,11 +258,12 @@ def build_draft_loader(settings: ServingSettings, engine, target: Target | None 
 
 
 def build_swapper(settings: ServingSettings, engine, *, target: Target | None = None,
-                  registry: CollectorRegistry | None = None):
+                  registry: CollectorRegistry | None = None, replica_id: str | None = None):
     """The drafter Swapper for ``engine`` (either engine) when ``redis_url`` or
     ``mlflow_tracking_uri`` is set, else None. Registers its live-acceptance observer on the engine
     (``engine.observers``). ``target``: TorchEngine's target (default ``engine.target``), for
-    building drafters."""
+    building drafters. ``replica_id``: the name its events and rollback announcements carry
+    (default ``settings.replica_name()``)."""
     if not (settings.redis_url or settings.mlflow_tracking_uri):
         return None
     from serving.live_acceptance import LiveAcceptance
@@ -283,6 +284,7 @@ def build_swapper(settings: ServingSettings, engine, *, target: Target | None = 
         watch_steps=settings.swap_watch_steps,
         floor_ratio=settings.rollback_floor_ratio,
         poll_interval_s=settings.swap_poll_interval_s,
+        replica_id=replica_id or settings.replica_name(),
     )
     return Swapper(engine, loader, live, registry=drafters, control=control, config=config,
                    metrics_registry=registry)

@@ -10,6 +10,8 @@ only matter to SGLang, and settings that only TorchEngine can honour are refused
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -150,7 +152,7 @@ class ServingSettings(EngineChoice):
     )
     replica_id: str | None = Field(
         None,
-        description="This replica's name in load heartbeats (default: host name and process id).",
+        description="This replica's name in load heartbeats, its ops run and its swap and rollback events (default: host name and process id).",
     )
     heartbeat_s: float = Field(
         1.0, gt=0, description="Seconds between load heartbeats to Redis (with redis_url)."
@@ -299,6 +301,17 @@ class ServingSettings(EngineChoice):
     def sglang_algorithm(self) -> str:
         """EAGLE3 or STANDALONE, from the drafter kind."""
         return SGLANG_ALGORITHMS[self.drafter]
+
+    def replica_name(self) -> str:
+        """This replica's name: ``replica_id``, else host name and process id. Heartbeats, the ops
+        run and the Swapper's swap and rollback events (and announcements) all carry it."""
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    def tenants_not_followed(self) -> list[str]:
+        """Tenants that API keys map to other than ``tenant``: their requests are served and
+        traced, but this server follows ``tenant``'s drafter versions and a trainer trains one
+        tenant (its SPECLOOP_TENANT), so nothing learned from them reaches them."""
+        return sorted(set(self.api_keys.values()) - {self.tenant})
 
     def explicitly_set(self, name: str) -> bool:
         """True when ``name`` came from the environment or the caller, not from its default."""

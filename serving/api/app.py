@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
+import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -17,6 +16,8 @@ from serving.api.router import router
 from serving.config import ServingSettings
 from serving.engine.base import Engine
 
+log = logging.getLogger(__name__)
+
 
 def create_app(
     engine: Engine,
@@ -28,12 +29,15 @@ def create_app(
     ``swapper``: a serving.swap.Swapper; by default one is built when the settings name Redis or
     MLflow (see serving.builder.build_swapper). Started and stopped with the app."""
     settings = settings or ServingSettings()
+    replica = settings.replica_name()
     if swapper is None and (settings.redis_url or settings.mlflow_tracking_uri):
         from serving.builder import build_swapper
 
-        swapper = build_swapper(settings, engine, registry=registry)
-
-    replica = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        swapper = build_swapper(settings, engine, registry=registry, replica_id=replica)
+    if elsewhere := settings.tenants_not_followed():
+        log.warning("API keys map to tenants %s, but this server follows tenant %r's drafter "
+                    "versions (SPECLOOP_TENANT) and a trainer trains one tenant: their traffic is "
+                    "served and traced, not learned for", elsewhere, settings.tenant)
     reporter = None
     if settings.redis_url:  # serving's load heartbeats: the trainer trains on spare capacity
         from serving.builder import build_control_plane

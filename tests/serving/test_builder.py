@@ -191,3 +191,24 @@ def test_torch_engine_gets_the_same_observers(ids_target):
     assert [type(o) for o in engine.observers] == [SpecMetrics, TraceRecorder]
     assert engine.observers[1].fingerprint == ids_target.fingerprint
     assert engine.config.trace_topk == 7
+
+
+def test_the_swapper_carries_the_replica_name_heartbeats_and_ops_runs_carry(ids_target, caplog):
+    """SPECLOOP_REPLICA_ID names the replica in its swap and rollback events too (they carried a
+    random name of their own), and API keys that map to a tenant this server does not follow are
+    named at start: that traffic is served and traced, never learned for."""
+    from serving.api.app import create_app
+
+    settings = ServingSettings(redis_url="redis://127.0.0.1:1/0", replica_id="serving-acme-1",
+                               api_keys={"k-1": "default", "k-2": "acme"})
+    engine = build_engine(settings, target=ids_target, registry=CollectorRegistry())
+    with caplog.at_level("WARNING", logger="serving.api.app"):
+        app = create_app(engine, settings, registry=CollectorRegistry())  # starts nothing
+    assert app.state.swapper.config.replica_id == "serving-acme-1" == settings.replica_name()
+    assert settings.tenants_not_followed() == ["acme"]
+    assert "['acme']" in caplog.text and "SPECLOOP_TENANT" in caplog.text
+
+    anonymous = ServingSettings(redis_url="redis://127.0.0.1:1/0", api_keys={"k-2": "acme"}, tenant="acme")
+    assert anonymous.tenants_not_followed() == []
+    swapper = build_swapper(anonymous, build_engine(anonymous, target=ids_target, registry=CollectorRegistry()))
+    assert swapper.config.replica_id == anonymous.replica_name() != "serving-acme-1"
