@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import typer
@@ -15,6 +16,8 @@ def _default_loader(overrides: dict):
 
 
 _loader = _default_loader
+log = logging.getLogger(__name__)
+
 CORPUS_CACHE = Path.home() / ".cache" / "specloop" / "corpus"
 
 
@@ -44,10 +47,11 @@ def use_generator(factory) -> None:
 
 def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
                  draft_vocab_size: int | None = 8192, adapter_layers: int = 1, *, init: Path | None = None,
-                 fingerprint=None):
+                 fingerprint=None, served_day0: str | None = None):
     """Build the day-0 student from the target directory. Runs inside the Ray worker, so no model
     weights travel through the object store (on a cluster the path must exist on the worker).
-    ``init``: start from this selfspec artifact (checked against ``fingerprint``) instead."""
+    ``init``: start from this selfspec artifact (checked against ``fingerprint``) instead.
+    ``served_day0``: a standalone student starts as this served day-0 draft (its directory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from feedback.drafters.eagle_head import eagle_from_target
@@ -75,7 +79,23 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
         adapter = selfspec_adapter_from_target(target, exit_layer=exit_layer, adapter_layers=adapter_layers,
                                                draft_vocab=vocab)
         return SelfSpecStudent(assemble(adapter, target), adapter.config, max_len)
+    if served_day0 is not None:
+        from feedback.drafters.standalone_lm import load_served_standalone
+
+        return StandaloneStudent(load_served_standalone(served_day0, target).float(), max_len)
     return StandaloneStudent(standalone_from_target(target).float(), max_len)
+
+
+def served_day0_draft(settings) -> str | None:
+    """The day-0 draft serving starts with, where the trainer can start from it: a standalone
+    student (the kind SGLang's STANDALONE serves). An EAGLE head or a selfspec adapter starts from
+    the target as before (the day-0 dir then holds another kind's weights)."""
+    if settings.day0_drafter_dir is None or settings.drafter != "standalone":
+        if settings.day0_drafter_dir is not None:
+            log.info("day-0 drafter %s: a %s student starts from the target, not from it",
+                     settings.day0_drafter_dir, settings.drafter)
+        return None
+    return settings.day0_drafter_dir
 
 
 def train(
@@ -117,6 +137,7 @@ def train(
     from transformers import AutoConfig
 
     from feedback.drafters.standalone_lm import StandaloneConfig
+    from feedback.registry.artifact import DAY0_VERSION
     from feedback.target.location import model_fingerprint
     from trainer.actor import start_actor
     from trainer.export import artifact_exporter
@@ -131,9 +152,13 @@ def train(
 
         export_cfg = SelfSpecConfig.for_target(config, settings.exit_layer, settings.adapter_layers,
                                                draft_vocab_size=settings.draft_vocab_size)
+    served_day0 = served_day0_draft(settings)
     factory = functools.partial(make_student, model, settings.drafter, settings.max_len,
-                                settings.exit_layer, settings.draft_vocab_size, settings.adapter_layers)
-    actor = start_actor(settings, factory, fp, exporter=artifact_exporter(export_cfg))
+                                settings.exit_layer, settings.draft_vocab_size, settings.adapter_layers,
+                                served_day0=served_day0)
+    # Serving runs its day-0 draft as version "day0": the first candidate must beat it, not nothing.
+    actor = start_actor(settings, factory, fp, exporter=artifact_exporter(export_cfg),
+                        initial_champion=DAY0_VERSION if served_day0 is not None else None)
     import ray
 
     try:

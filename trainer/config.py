@@ -30,6 +30,10 @@ class TrainerSettings(BaseSettings):
                               description="Target model (directory or the default's name); None = the default SmolLM2.")
     tenant: str = Field("default", validation_alias=ep.shared("tenant", ep.TENANT, _OWN), description="Tenant whose traces are trained on and whose drafter is versioned.")
     drafter: Literal["standalone", "eagle", "selfspec"] = Field("standalone", description="Which learned drafter to train.")
+    day0_drafter_dir: str | None = Field(None, validation_alias=ep.shared("day0_drafter_dir", ep.DRAFTER_DIR, _OWN),
+                                         description="standalone: the day-0 draft serving starts with (SPECLOOP_DRAFTER_DIR, "
+                                         "shared with serving): the first student and the champion "
+                                         "candidates must beat. None: the student starts from the target's layers.")
     exit_layer: int = Field(2, description="selfspec: target layers shared before the trainable adapter.")
     adapter_layers: int = Field(1, description="selfspec: trainable adapter layers after the shared ones.")
     draft_vocab_size: int | None = Field(8192, description="selfspec: lm_head rows read (lowest ids + specials); None = all.")

@@ -75,3 +75,24 @@ def standalone_from_target(
     elif init != "random":
         raise ValueError(f"unknown standalone init {init!r} (target-layers | random)")
     return model.to(target_model.get_output_embeddings().weight.dtype).eval()
+
+
+_SERVED_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "num_hidden_layers", "vocab_size", "tie_word_embeddings")
+
+
+def load_served_standalone(directory, target_model: nn.Module, num_layers: int = 2) -> LlamaForCausalLM:
+    """The day-0 standalone draft a server runs from ``directory`` (SGLang's layout: a Hugging Face
+    Llama LM on the target's vocabulary), as the trainer's first student: the same weights, so that
+    a candidate is judged against what is live, and the shape ``standalone_from_target`` gives
+    (SGLang's draft-only swaps keep the served shape). ValueError naming the fields that differ."""
+    served = LlamaForCausalLM.from_pretrained(str(directory))
+    want = StandaloneConfig.for_target(target_model.config, num_layers=num_layers,
+                                       vocab_size=int(target_model.get_output_embeddings().weight.shape[0]))
+    have = served.config
+    differ = [f"{name} {getattr(have, name, None)} != {getattr(want, name)}" for name in _SERVED_SHAPE_FIELDS
+              if getattr(have, name, None) != getattr(want, name)]
+    if differ:
+        raise ValueError(f"the served day-0 draft {directory} is not the shape the trainer's student "
+                         f"exports ({'; '.join(differ)}): serving would refuse every promotion")
+    return served.to(target_model.get_output_embeddings().weight.dtype).eval()
