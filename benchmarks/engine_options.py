@@ -15,10 +15,16 @@ def served_bf16_activations() -> bool:
     return bool(ServingSettings.model_fields["bf16_activations"].default)
 
 
+BF16_ACTIVATIONS_ENV = "SPECLOOP_BF16_ACTIVATIONS"
+"""The variable serving reads the setting from (ServingSettings, prefix SPECLOOP_)."""
+
+
 def bf16_activations_option() -> Any:
     """``--bf16-activations/--exact-activations``: the target's every forward, baseline and
-    speculative alike, on bf16 activations (EngineConfig.bf16_activations); serving's default."""
+    speculative alike, on bf16 activations (EngineConfig.bf16_activations). Unset, the flag is
+    what ``specloop serve`` would run: SPECLOOP_BF16_ACTIVATIONS where set, else serving's default."""
     return typer.Option(served_bf16_activations(), "--bf16-activations/--exact-activations",
+                        envvar=BF16_ACTIVATIONS_ENV,
                         help="Every engine's target forward rounds its activations to bf16 and "
                         "multiplies on the CPU's bf16 dot product (AVX-512 BF16) or AMX tiles, "
                         "baseline and speculative alike, as serving does by default "
