@@ -16,6 +16,10 @@ import time
 from collections.abc import Callable
 
 from feedback.background.priority import BackgroundWorker
+from feedback.registry.artifact_keys import (
+    EXTRA_TRACE_FINISHED_MEDIAN_AT,
+    EXTRA_TRACE_FINISHED_NEWEST_AT,
+)
 
 
 class RegistryRecords:
@@ -91,8 +95,8 @@ def trace_freshness(drafter, now: float | None = None) -> dict[str, float]:
         return {}
     now = time.time() if now is None else now
     out = {}
-    if "trace_finished_median_at" in times:
-        out["freshness_s"] = now - times["trace_finished_median_at"]
-    if "trace_finished_newest_at" in times:
-        out["newest_trace_age_s"] = now - times["trace_finished_newest_at"]
+    if EXTRA_TRACE_FINISHED_MEDIAN_AT in times:
+        out["freshness_s"] = now - times[EXTRA_TRACE_FINISHED_MEDIAN_AT]
+    if EXTRA_TRACE_FINISHED_NEWEST_AT in times:
+        out["newest_trace_age_s"] = now - times[EXTRA_TRACE_FINISHED_NEWEST_AT]
     return out

@@ -137,7 +137,7 @@ def train(
     from transformers import AutoConfig
 
     from feedback.drafters.standalone_lm import StandaloneConfig
-    from feedback.registry.artifact import DAY0_VERSION
+    from feedback.registry.artifact_keys import DAY0_VERSION
     from feedback.target.location import model_fingerprint
     from trainer.actor import start_actor
     from trainer.export import artifact_exporter

@@ -12,6 +12,12 @@ from __future__ import annotations
 import json
 import statistics
 
+from feedback.registry.artifact_keys import (
+    EXTRA_TRACE_FINISHED_MEDIAN_AT,
+    EXTRA_TRACE_FINISHED_NEWEST_AT,
+    EXTRA_WINDOW_TRACES,
+)
+
 _TIMES_KEPT = 10_000
 
 
@@ -43,9 +49,9 @@ class Lineage:
         s) of the traces taken in since the last registration; {} when there were none."""
         if not self.finished_at:
             return {}
-        return {"window_traces": float(len(self.finished_at)),
-                "trace_finished_median_at": statistics.median(self.finished_at),
-                "trace_finished_newest_at": max(self.finished_at)}
+        return {EXTRA_WINDOW_TRACES: float(len(self.finished_at)),
+                EXTRA_TRACE_FINISHED_MEDIAN_AT: statistics.median(self.finished_at),
+                EXTRA_TRACE_FINISHED_NEWEST_AT: max(self.finished_at)}
 
     def window(self) -> dict[int, tuple[int, int]] | None:
         """Partition -> (first, last) offset of every trace consumed since the previous registration

@@ -21,6 +21,10 @@ from pathlib import Path
 from typing import Protocol
 
 from feedback.background.supervise import LOOPS
+from feedback.registry.artifact_keys import (
+    EXTRA_CHAMPION_HELDOUT_ACCEPTANCE,
+    EXTRA_HELDOUT_ACCEPTANCE,
+)
 from feedback.target.fingerprint import TargetFingerprint
 from trainer import checkpoint, retention
 from trainer.announcements import Announcements
@@ -331,9 +335,9 @@ class TrainerLoop:
         version = None
         if self.registry is not None and self.exporter is not None:
             with tempfile.TemporaryDirectory() as tmp:
-                extra = {} if d.candidate is None else {"heldout_acceptance": d.candidate.expected_acceptance}
+                extra = {} if d.candidate is None else {EXTRA_HELDOUT_ACCEPTANCE: d.candidate.expected_acceptance}
                 if d.candidate is not None and d.champion is not None:  # the same held-out traces
-                    extra["champion_heldout_acceptance"] = d.champion.expected_acceptance
+                    extra[EXTRA_CHAMPION_HELDOUT_ACCEPTANCE] = d.champion.expected_acceptance
                 times = self.lineage.trace_times()  # serving's freshness of this version starts here
                 extra.update(times)
                 self.exporter(self.student, Path(tmp), self.fingerprint, extra)

@@ -23,6 +23,7 @@ import torch
 
 from feedback.bus.trace import StepArrays, TraceRecord
 from feedback.jsonl import iter_jsonl
+from feedback.registry.artifact_keys import EXTRA_HELDOUT_ACCEPTANCE
 from feedback.target.fingerprint import TargetFingerprint
 
 
@@ -169,7 +170,7 @@ def train_offline(student, records: list[TraceRecord], fingerprint: TargetFinger
     t0 = time.perf_counter()
     res = Distiller(student, distill or DistillConfig()).fit(replay, max_steps, k=k)
     return {"traces": len(records), "heldout_traces": n_held, "train_steps": res.steps,
-            "best_step": res.best_step, "heldout_acceptance": res.best_acceptance,
+            "best_step": res.best_step, EXTRA_HELDOUT_ACCEPTANCE: res.best_acceptance,
             "stopped_early": res.stopped_early, "train_s": time.perf_counter() - t0}
 
 

@@ -45,8 +45,6 @@ from feedback.registry.shared_tensors import TargetTensors, share, tensor_digest
 from feedback.target.fingerprint import TargetFingerprint
 
 ARTIFACT_FORMAT_VERSION = 1
-DAY0_VERSION = "day0"
-"""The version a server calls the drafter it starts with, before any promotion."""
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"

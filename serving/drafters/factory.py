@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from feedback.registry.artifact_keys import (
+    EXTRA_CHAMPION_HELDOUT_ACCEPTANCE,
+    EXTRA_HELDOUT_ACCEPTANCE,
+    EXTRA_TRACE_FINISHED_MEDIAN_AT,
+    EXTRA_TRACE_FINISHED_NEWEST_AT,
+)
 from serving.drafters.base import Drafter
 from serving.target import Target
 
@@ -87,11 +93,11 @@ def _measured(drafter, meta):
         value = meta.extra.get(key)
         return float(value) if isinstance(value, (int, float)) and 0.0 <= value <= 1.0 else None
 
-    value = fraction("heldout_acceptance")
+    value = fraction(EXTRA_HELDOUT_ACCEPTANCE)
     if value is not None:
         drafter.prior_acceptance = value
-        drafter.prior_relative = held_out_ratio(value, fraction("champion_heldout_acceptance"))
-    times = {k: float(meta.extra[k]) for k in ("trace_finished_median_at", "trace_finished_newest_at")
+        drafter.prior_relative = held_out_ratio(value, fraction(EXTRA_CHAMPION_HELDOUT_ACCEPTANCE))
+    times = {k: float(meta.extra[k]) for k in (EXTRA_TRACE_FINISHED_MEDIAN_AT, EXTRA_TRACE_FINISHED_NEWEST_AT)
              if isinstance(meta.extra.get(k), (int, float))}
     if times:  # when its newest traces' requests finished: the Swapper's freshness figures
         drafter.trace_times = times

@@ -1,0 +1,17 @@
+"""Names the trainer writes and serving reads in the registry: the day-0 version and the keys of
+an artifact's ``extra`` (config.json), so that neither side spells them on its own."""
+
+DAY0_VERSION = "day0"
+"""The version a server calls the drafter it starts with, before any promotion."""
+
+# Keys of an artifact's ``extra`` that the trainer writes and serving reads.
+EXTRA_HELDOUT_ACCEPTANCE = "heldout_acceptance"
+"""Held-out expected acceptance of a one-token draft (serving's acceptance prior for the version)."""
+EXTRA_CHAMPION_HELDOUT_ACCEPTANCE = "champion_heldout_acceptance"
+"""The gate's champion's, on the same held-out traces."""
+EXTRA_WINDOW_TRACES = "window_traces"
+"""Traces the version was the first trained on."""
+EXTRA_TRACE_FINISHED_MEDIAN_AT = "trace_finished_median_at"
+"""When their requests finished (epoch s): the median, where serving's freshness figure starts."""
+EXTRA_TRACE_FINISHED_NEWEST_AT = "trace_finished_newest_at"
+"""... and the newest."""
