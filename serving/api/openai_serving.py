@@ -235,6 +235,11 @@ class OpenAIServing:
         try:
             async for c in chunks:
                 finished = c.finished
+                if finished and c.finish_reason == "abort":
+                    # The engine stopped under it (shutdown; SGLang ended it without a reason):
+                    # "abort" is no OpenAI finish_reason, and a 200 would pass truncated text off
+                    # as an answer. A 503 (in-band once a stream has started) says to retry.
+                    raise Unavailable("the engine stopped before finishing this request")
                 yield c
                 if finished:
                     return

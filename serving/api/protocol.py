@@ -268,7 +268,8 @@ class Usage(BaseModel):
     spec: SpecUsage
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length"]
+"""OpenAI's; an engine's "abort" is a 503 instead (OpenAIServing.generate)."""
 
 
 def now_s() -> int:

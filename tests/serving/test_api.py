@@ -355,9 +355,10 @@ def test_a_stream_left_while_it_waits_for_a_row_is_aborted_there(drafters):
     frees up and it has run a step."""
     gate, asked = threading.Event(), threading.Event()
 
-    class Gated(drafters.Recording):  # the step thread waits here from the second step on
+    class Gated(drafters.Recording):  # the step thread waits here from the third step on (the
+        # first token's reply leaves at the second step's forward: replies are held for it)
         def propose(self, views, k):
-            if self.proposed_steps >= 1:
+            if self.proposed_steps >= 2:
                 asked.set()
                 assert gate.wait(60)
             return super().propose(views, k)
@@ -394,6 +395,59 @@ def test_a_stream_left_while_it_waits_for_a_row_is_aborted_there(drafters):
         gate.set()
         asyncio.run(engine.stop())
     assert len(drafter.added) == 1, drafter.added.keys()  # the left request never got a row
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_engine_stops_under_is_a_503_not_a_truncated_answer(drafters, stream):
+    """The engine stops (shutdown) while a request is mid-generation: the engine ends it "abort",
+    which is no OpenAI finish_reason; a 200 with the text so far passed a truncated answer off as
+    a whole one. A non-streamed client gets 503 (retry elsewhere), a stream an in-band error."""
+    gate, asked = threading.Event(), threading.Event()
+
+    class Gated(drafters.Recording):  # the step thread waits here from the third step on (the
+        # first token's reply leaves at the second step's forward: replies are held for it)
+        def propose(self, views, k):
+            if self.proposed_steps >= 2:
+                asked.set()
+                assert gate.wait(60)
+            return super().propose(views, k)
+
+    settings = ServingSettings(served_model_name=SERVED, drafter="suffix", k=2, max_batch_size=1,
+                               max_tokens_limit=LIMIT)
+    engine = TorchEngine(tiny_target(), Gated(), EngineConfig(k=2, max_batch_size=1))
+    body = {"model": SERVED, "prompt": "Tell me", "max_tokens": 12, "ignore_eos": True, "stream": stream}
+    stopper = threading.Thread(target=lambda: asyncio.run(engine.stop()))
+    try:
+        with _served(create_app(engine, settings, CollectorRegistry())) as url, \
+                httpx.Client(base_url=url, timeout=120) as http:
+            if stream:
+                with http.stream("POST", "/v1/completions", json=body) as resp:
+                    lines = resp.iter_lines()
+                    assert resp.status_code == 200 and next(lines).startswith("data: ")
+                    assert asked.wait(60)
+                    stopper.start()
+                    gate.set()
+                    events = [line for line in lines if line]
+                assert events[-1] == "data: [DONE]"
+                error = json.loads(events[-2].removeprefix("data: "))["error"]
+                assert "stopped before finishing" in error["message"]
+                assert all('"abort"' not in e for e in events)
+            else:
+                answer = {}
+                client = threading.Thread(target=lambda: answer.update(r=http.post("/v1/completions", json=body)))
+                client.start()
+                assert asked.wait(60)
+                stopper.start()
+                gate.set()
+                client.join(60)
+                resp = answer["r"]
+                assert resp.status_code == 503 and resp.headers.get("retry-after")
+                assert "stopped before finishing" in resp.json()["error"]["message"]
+            stopper.join(60)
+    finally:
+        gate.set()
+        if stopper.is_alive():
+            stopper.join(60)
 
 
 # ---------------------------------------------------------------------------- bad input
