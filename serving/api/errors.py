@@ -128,9 +128,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
-        return _json(exc.status_code, error_body(message, kind), getattr(exc, "headers", None))
+        # OpenAI's type for an unknown route (404) and a wrong method (405) alike
+        return _json(exc.status_code, error_body(message, "invalid_request_error"), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

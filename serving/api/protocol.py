@@ -2,8 +2,10 @@
 
 Requests ignore unknown fields (clients send many optional ones) but reject the ones whose meaning
 we would silently change (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, non-zero penalties, a
-``logit_bias``, tools, a JSON ``response_format``); their defaults, which many clients send on
-every request, are accepted. Range checks that
+``logit_bias``, tools and tool calls in the history, a forced ``tool_choice``, a JSON
+``response_format``, audio, web search); their defaults, which many clients send on every request,
+are accepted. Metadata that changes no output (``user``, ``store``, ``metadata``, ``service_tier``,
+``prediction``) is accepted and ignored. Range checks that
 depend on the deployment (max_tokens limit, context length, model name) live in
 openai_serving.py.
 
@@ -107,11 +109,13 @@ class _Request(BaseModel):
     def _no_empty_stop(cls, stop: list[str]) -> list[str]:
         return [s for s in stop if s]  # an empty stop string would end every request at once
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info):
+        # a field check (``stream`` comes first), so that the 400 names the field
+        if v is not None and not info.data.get("stream", False):
             raise ValueError("stream_options is only allowed with stream=true")
-        return self
+        return v
 
 
 def _reject_if(value, bad: bool, what: str):
@@ -180,11 +184,26 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] = Field(default_factory=list)
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
     def _content_is_unicode(cls, content):
         return _unicode(content) if isinstance(content, str) else content
+
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _no_tool_calls(cls, v):
+        # Dropped, the model would see an empty assistant turn where the client's history has a
+        # call; the chat template renders none of it.
+        return _reject_if(v, bool(v), "an assistant message with tool_calls (function calling)")
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -199,12 +218,33 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     tools: list[dict] = Field(default_factory=list)
     functions: list[dict] = Field(default_factory=list)
+    tool_choice: str | dict = "none"
+    function_call: str | dict = "none"
     response_format: dict | None = None
+    modalities: list[str] = Field(default_factory=lambda: ["text"])
+    audio: dict | None = None
+    web_search_options: dict | None = None
 
     @field_validator("tools", "functions")
     @classmethod
     def _no_tools(cls, v: list, info):
         return _reject_if(v, bool(v), f"{info.field_name} (function calling)")
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_forced_call(cls, v, info):
+        # "auto" with no tools is plain text, as OpenAI answers it; anything else asks for a call.
+        return _reject_if(v, v not in ("none", "auto"), f"{info.field_name} {v!r} (function calling)")
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str]):
+        return _reject_if(v, any(m != "text" for m in v), f"modalities {v} (only text)")
+
+    @field_validator("audio", "web_search_options")
+    @classmethod
+    def _not_offered(cls, v, info):
+        return _reject_if(v, v is not None, info.field_name)
 
     @field_validator("response_format")
     @classmethod
@@ -229,11 +269,17 @@ class ChatCompletionRequest(_Request):
     def _no_logprobs(cls, v):
         return _reject_if(v, v, "logprobs")
 
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _agrees_with_max_tokens(cls, v, info):
+        given = info.data.get("max_tokens")
+        if v is not None and given is not None and given != v:
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        return v
+
     @model_validator(mode="after")
     def _one_max_tokens(self):
         if self.max_completion_tokens is not None:
-            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
-                raise ValueError("max_tokens and max_completion_tokens disagree; send one")
             self.max_tokens = self.max_completion_tokens
         return self
 

@@ -694,3 +694,31 @@ def test_fields_of_the_wrong_json_type_are_400_not_converted(live):
     for ok in ({"temperature": 1, "top_p": 1}, {"stream": False, "train": False}):
         out = _post_json(live, "/v1/chat/completions", {**base, **ok})
         assert out.status_code == 200, (ok, out.text)
+
+
+def test_chat_fields_that_would_change_the_answer_are_400_not_ignored(live):
+    """An assistant turn with tool calls became an empty turn, a null user message an empty one,
+    and a forced tool call, audio or web search were answered with plain text: each is a 400 now.
+    Fields that change no output are still accepted."""
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": call},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    _bad(lambda: _chat(live, messages=history), "tool_calls", param="messages")
+    _bad(lambda: _chat(live, messages=[{"role": "user", "content": None}]), "needs content", param="messages")
+    _bad(lambda: _chat(live, tool_choice="required"), "tool_choice", param="tool_choice")
+    _bad(lambda: _chat(live, function_call={"name": "f"}), "function_call", param="function_call")
+    _bad(lambda: _chat(live, modalities=["text", "audio"]), "modalities", param="modalities")
+    _bad(lambda: _chat(live, audio={"voice": "alloy", "format": "wav"}), "audio", param="audio")
+    _bad(lambda: _chat(live, web_search_options={}), "web_search_options", param="web_search_options")
+    ok = _chat(live, max_tokens=2, tool_choice="auto", modalities=["text"], store=True,
+               metadata={"run": "a"}, messages=[{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": None},
+                                                {"role": "user", "content": "and?"}])
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_whole_request_checks_name_their_field_and_unknown_routes_are_openai_shaped(live):
+    _bad(lambda: _chat(live, stream_options={"include_usage": True}), "stream=true", param="stream_options")
+    _bad(lambda: _chat(live, max_tokens=3, max_completion_tokens=4), "disagree", param="max_completion_tokens")
+    r = live.http.post("/v1/no-such-route", json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
