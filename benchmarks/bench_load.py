@@ -148,7 +148,7 @@ def run(tiny: bool, duration_s: float, factor: float, max_tokens: int, max_batch
                 raise RuntimeError("the server did not start")
             time.sleep(0.2)
         body = {"model": "load", "prompt": "Write a short story about a lighthouse keeper.",
-                "max_tokens": max_tokens, "ignore_eos": True}
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}  # greedy, as measured before
         asyncio.run(_closed_loop(base, max_batch_size, 2.0, body, max_tokens))  # warm-up
         rss_before = _rss_mb(proc.pid)
         capacity = asyncio.run(_closed_loop(base, max_batch_size, calibrate_s, body, max_tokens))

@@ -102,8 +102,14 @@ class ServingSettings(EngineChoice):
         "ways after a few dozen tokens), and speculation is lossless against this engine's own "
         "target-only decoding. Ignored on CPUs without either. False: fp32 activations."
     )
-    default_max_tokens: int = Field(
-        256, ge=1, description="max_tokens when a request gives none (capped by the context left)."
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request gives none. None: as OpenAI's chat does, "
+        "as many as the context leaves, up to max_tokens_limit (a model ends its answer with EOS)."
+    )
+    default_temperature: float = Field(
+        1.0, ge=0.0, le=2.0, description="temperature when a request gives none: OpenAI's 1.0 (the "
+        "openai SDK sends none unless told); 0 = greedy, reproducible and token-identical to "
+        "target-only decoding."
     )
     max_tokens_limit: int = Field(
         2048, ge=1, description="Largest max_tokens a request may ask for (larger: 400)."
@@ -256,7 +262,7 @@ class ServingSettings(EngineChoice):
 
     @model_validator(mode="after")
     def _default_within_limit(self) -> ServingSettings:
-        if self.default_max_tokens > self.max_tokens_limit:
+        if self.default_max_tokens is not None and self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(
                 f"default_max_tokens ({self.default_max_tokens}) exceeds "
                 f"max_tokens_limit ({self.max_tokens_limit})"

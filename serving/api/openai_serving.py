@@ -125,7 +125,8 @@ class OpenAIServing:
                 "context_length_exceeded",
             )
         if requested is None:
-            return min(self.settings.default_max_tokens, ctx - prompt_len)
+            default = self.settings.default_max_tokens
+            return min(limit if default is None else default, ctx - prompt_len)
         if prompt_len + requested > ctx:
             raise bad_request(
                 f"This model's maximum context length is {ctx} tokens, but the request asks for "
@@ -145,7 +146,7 @@ class OpenAIServing:
         tenant: str | None = None,
     ) -> GenerationRequest:
         """``tenant``: who the request is (``resolve_tenant``); None = the body's, as given."""
-        temperature = req.temperature or 0.0
+        temperature = self.settings.default_temperature if req.temperature is None else req.temperature
         top_k = req.top_k or 0
         fingerprint = getattr(self.engine, "fingerprint", None)  # SGLang's: None until it knows
         vocab = fingerprint.vocab_size if fingerprint is not None else 2**31

@@ -9,8 +9,10 @@ are accepted. Metadata that changes no output (``user``, ``store``, ``metadata``
 depend on the deployment (max_tokens limit, context length, model name) live in
 openai_serving.py.
 
-Unlike OpenAI (default 1.0), an unset ``temperature`` means greedy: reproducible outputs that are
-token-identical to target-only decoding.
+An unset ``temperature`` is the server's ``default_temperature`` (OpenAI's 1.0; set
+SPECLOOP_DEFAULT_TEMPERATURE=0 for greedy by default: reproducible outputs, token-identical to
+target-only decoding), and an unset ``max_tokens`` as many tokens as the context leaves, up to the
+server's limit (``default_max_tokens``), as OpenAI's chat does.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ class _Request(BaseModel):
     model: str | None = Field(None, description="None = the served model")
     max_tokens: int | None = Field(None, ge=1, description="None = server default")
     temperature: float | None = Field(
-        None, ge=0.0, le=2.0, allow_inf_nan=False, description="None = 0 (greedy)"
+        None, ge=0.0, le=2.0, allow_inf_nan=False,
+        description="None = the server's default_temperature (OpenAI's 1.0 unless configured)"
     )
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = no top-k cut")

@@ -68,6 +68,7 @@ def live():
         k=4,
         max_batch_size=4,
         default_max_tokens=16,
+        default_temperature=0.0,  # greedy unless asked: outputs compare with the target's own
         max_tokens_limit=LIMIT,
         admin_token=ADMIN_TOKEN,
     )
@@ -722,3 +723,30 @@ def test_whole_request_checks_name_their_field_and_unknown_routes_are_openai_sha
     _bad(lambda: _chat(live, max_tokens=3, max_completion_tokens=4), "disagree", param="max_completion_tokens")
     r = live.http.post("/v1/no-such-route", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unset_temperature_and_max_tokens_are_openais_defaults():
+    """The openai SDK sends neither unless told: an unset temperature is OpenAI's 1.0 (it was
+    greedy), an unset max_tokens as many as the context leaves up to the limit (it was 256);
+    both are the server's to change (SPECLOOP_DEFAULT_TEMPERATURE, SPECLOOP_DEFAULT_MAX_TOKENS)."""
+    from serving.api.openai_serving import OpenAIServing
+
+    engine = TorchEngine(tiny_target(), None, EngineConfig(k=0))
+    body = protocol.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    prompt = list(range(10, 40))
+
+    def params(**settings):
+        serving = OpenAIServing(engine, ServingSettings(max_tokens_limit=LIMIT, **settings))
+        return serving.engine_request(body, prompt, "messages", "r-1").params
+
+    openai_like = params()
+    assert openai_like.temperature == 1.0 and openai_like.max_tokens == LIMIT
+    assert params(default_temperature=0.0, default_max_tokens=64).temperature == 0.0
+    assert params(default_max_tokens=64).max_tokens == 64
+    near_the_end = OpenAIServing(engine, ServingSettings(max_tokens_limit=LIMIT))
+    long_prompt = list(range(engine.max_context - 100))
+    assert near_the_end.engine_request(body, long_prompt, "messages", "r-2").params.max_tokens == 100
+    explicit = protocol.ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 5})
+    got = near_the_end.engine_request(explicit, prompt, "messages", "r-3").params
+    assert (got.temperature, got.max_tokens) == (0.0, 5)
