@@ -200,7 +200,7 @@ class ChatMessage(BaseModel):
     def _no_tool_calls(cls, v):
         # Dropped, the model would see an empty assistant turn where the client's history has a
         # call; the chat template renders none of it.
-        return _reject_if(v, bool(v), "an assistant message with tool_calls (function calling)")
+        return [] if v is None else _reject_if(v, bool(v), "an assistant message with tool_calls (function calling)")
 
     @model_validator(mode="after")
     def _content_unless_assistant(self):

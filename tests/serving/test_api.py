@@ -716,6 +716,10 @@ def test_chat_fields_that_would_change_the_answer_are_400_not_ignored(live):
                                                 {"role": "assistant", "content": None},
                                                 {"role": "user", "content": "and?"}])
     assert ok.choices[0].finish_reason in ("stop", "length")
+    nulls = live.http.post("/v1/chat/completions", json={  # explicit nulls, as some clients send
+        "model": SERVED, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "hi", "name": None, "tool_calls": None, "tool_call_id": None}]})
+    assert nulls.status_code == 200, nulls.text
 
 
 def test_whole_request_checks_name_their_field_and_unknown_routes_are_openai_shaped(live):
