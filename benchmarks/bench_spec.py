@@ -94,7 +94,7 @@ def _figures(spec: RunResult, base: RunResult, timer: StepTimer) -> dict:
 
 
 async def _paired(engine, timer: StepTimer, baseline, prompts, domains, max_tokens,
-                  spec_first: bool) -> tuple[RunResult, RunResult]:
+                  spec_first: bool, temperature: float = 0.0) -> tuple[RunResult, RunResult]:
     """Each prompt served by the speculative engine and by the target-only ``baseline`` back to
     back, which first alternating prompt by prompt (ABBA): (speculative totals, baseline totals)."""
     timer.reset()
@@ -102,7 +102,7 @@ async def _paired(engine, timer: StepTimer, baseline, prompts, domains, max_toke
     for i, (prompt, domain) in enumerate(zip(prompts, domains)):
         sides = [(engine, spec), (baseline, base)]
         for eng, total in sides if (i % 2 == 0) == spec_first else sides[::-1]:
-            _add(total, await run_prompts(eng, [prompt], max_tokens, domains=[domain]))
+            _add(total, await run_prompts(eng, [prompt], max_tokens, domains=[domain], temperature=temperature))
     return spec, base
 
 
@@ -117,9 +117,9 @@ def _add(total: RunResult, one: RunResult) -> None:
     total.cached_prompt_tokens += one.cached_prompt_tokens
 
 
-async def _measure(engine, timer: StepTimer, prompts, domains, max_tokens) -> RunResult:
+async def _measure(engine, timer: StepTimer, prompts, domains, max_tokens, temperature: float = 0.0) -> RunResult:
     timer.reset()
-    return await run_prompts(engine, prompts, max_tokens, domains=domains)
+    return await run_prompts(engine, prompts, max_tokens, domains=domains, temperature=temperature)
 
 
 async def bench_spec_async(
@@ -143,8 +143,11 @@ async def bench_spec_async(
     cuda_graphs: bool = True,
     suffix_seed: int = 0,
     bf16_activations: bool = False,
+    temperature: float = 0.0,
 ) -> dict:
-    """``target``: an already loaded Target (tests); else ``model`` is loaded at ``dtype`` on
+    """``temperature``: every request's (0: greedy; above: sampled, seeded per prompt, so that
+    lossless is still token identity: ``runner.prompt_seed``).
+    ``target``: an already loaded Target (tests); else ``model`` is loaded at ``dtype`` on
     ``device``. ``cuda_graphs``, ``bf16_activations``: every engine's EngineConfig's, baseline
     and speculative alike (on CUDA only; on a CPU with a bf16 dot product or AMX only).
     ``suffix_seed``: requests per domain of the suffix seed (infra/suffix_seed.py; 0: none)."""
@@ -180,10 +183,12 @@ async def bench_spec_async(
     # One untimed request per domain first: a process's first forwards pay for allocation, kernel
     # selection and, on a GPU, clocks ramping up; timed, they made the baseline that runs first
     # look slow (an H200 measured chat target-only at 35 tok/s first in a process, 54 later).
-    await run_prompts(baseline, [ids(evals[:1])[0] for evals, _ in selection.values() if evals], max_tokens)
+    await run_prompts(baseline, [ids(evals[:1])[0] for evals, _ in selection.values() if evals], max_tokens,
+                      temperature=temperature)
     for domain, (evals, _) in selection.items():
         log.info("baseline: %s, %d prompts", domain, len(evals))
-        base[domain] = await _measure(baseline, base_timer, ids(evals), [domain] * len(evals), max_tokens)
+        base[domain] = await _measure(baseline, base_timer, ids(evals), [domain] * len(evals), max_tokens,
+                                      temperature)
         base_steps[domain] = base_timer.summary()
 
     runs: dict[str, dict] = {}
@@ -203,11 +208,12 @@ async def bench_spec_async(
                                      observers=[timer], policy=choose)
                 if phase == "warmed":
                     log.info("%s: warming on %d %s prompts", drafter_kind, len(warmups), domain)
-                    await run_prompts(engine, ids(warmups), max_tokens, domains=[domain] * len(warmups))
+                    await run_prompts(engine, ids(warmups), max_tokens, domains=[domain] * len(warmups),
+                                      temperature=temperature)
                 log.info("%s %s (%s k): %s, %d prompts", drafter_kind, phase, pol, domain, len(evals))
                 paired += 1
                 spec, adjacent = await _paired(engine, timer, baseline, ids(evals), [domain] * len(evals),
-                                               max_tokens, spec_first=paired % 2 == 1)
+                                               max_tokens, spec_first=paired % 2 == 1, temperature=temperature)
                 results[domain] = _figures(spec, adjacent, timer)
                 results[domain]["_run"], results[domain]["_base"] = spec, adjacent
                 await engine.stop()
@@ -248,6 +254,7 @@ async def bench_spec_async(
         "k": k,
         "policy": policies[0],
         "max_tokens": max_tokens,
+        "temperature": temperature,
         "prompts_per_domain": limit,
         "warm_prompts_per_domain": warm,
         "dtype": dtype,
@@ -274,7 +281,7 @@ async def bench_spec_async(
     if batches:
         out["by_batch"] = await _by_batch(
             target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree, batches,
-            batch_repeats, warm > 0, engine_options,
+            batch_repeats, warm > 0, engine_options, temperature,
         )
     if len(policies) == 2:
         fixed, adaptive = by_policy["fixed"], by_policy["adaptive"]
@@ -300,7 +307,8 @@ def _tail(timer: StepTimer, batch: int) -> float | None:
 
 
 async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree,
-                    batches, repeats, warmed, engine_options: dict | None = None) -> dict:
+                    batches, repeats, warmed, engine_options: dict | None = None,
+                    temperature: float = 0.0) -> dict:
     """Never-slower check: target-only vs speculative (adaptive) at each batch size, A/B
     alternating in this process. The drafter is built (and warmed) once per batch size."""
     from serving.drafters.factory import build_drafter
@@ -320,7 +328,7 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
         spec_engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=b, **(engine_options or {})),
                                   observers=[timer], policy=policy)
         if warmups:
-            await run_prompts(spec_engine, ids(warmups), max_tokens, concurrency=b)
+            await run_prompts(spec_engine, ids(warmups), max_tokens, concurrency=b, temperature=temperature)
         base_s = spec_s = 0.0
         base_tokens = spec_tokens = 0
         cached = {"target_only": 0, "speculative": 0}
@@ -337,8 +345,8 @@ async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_t
             first, second = (base_engine, spec_engine) if rep % 2 == 0 else (spec_engine, base_engine)
             base_timer.new_segment()  # each engine runs once a round: the gap before its first
             timer.new_segment()  # step this round (the other engine's run) is not that step's
-            ra = await run_prompts(first, ids(evals), max_tokens, concurrency=b, train=False)
-            rb = await run_prompts(second, ids(evals), max_tokens, concurrency=b, train=False)
+            ra = await run_prompts(first, ids(evals), max_tokens, concurrency=b, train=False, temperature=temperature)
+            rb = await run_prompts(second, ids(evals), max_tokens, concurrency=b, train=False, temperature=temperature)
             r0, r1 = (ra, rb) if first is base_engine else (rb, ra)
             base_s, base_tokens = base_s + r0.wall_s, base_tokens + r0.tokens
             spec_s, spec_tokens = spec_s + r1.wall_s, spec_tokens + r1.tokens
@@ -421,7 +429,7 @@ def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, 
         artifact: str | None, threads: int | None, dtype: str, domains: list[str] | None,
         policy: str = "fixed", tree: bool = True, batches: tuple[int, ...] = (),
         batch_repeats: int = 4, device: str = "cpu", cuda_graphs: bool = True, suffix_seed: int = 0,
-        bf16_activations: bool = False) -> dict:
+        bf16_activations: bool = False, temperature: float = 0.0) -> dict:
     items = load_prompts(prompts)
     if domains:
         items = [p for p in items if (p.domain or "default") in domains]
@@ -432,7 +440,7 @@ def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, 
         items, drafter_kind=drafter, artifact_dir=artifact, limit=limit, warm=warm,
         max_tokens=max_tokens, k=k, threads=threads, dtype=dtype, policy=policy, tree=tree,
         batches=batches, batch_repeats=batch_repeats, device=device, cuda_graphs=cuda_graphs,
-        suffix_seed=suffix_seed, bf16_activations=bf16_activations,
+        suffix_seed=suffix_seed, bf16_activations=bf16_activations, temperature=temperature,
     ))
     out["bench_wall_s"] = round(time.perf_counter() - t0, 1)
     return out

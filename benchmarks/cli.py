@@ -42,6 +42,9 @@ def spec(
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
     suffix_seed: int = seed_option(),
     bf16_activations: bool = bf16_activations_option(),
+    temperature: float = typer.Option(0.0, min=0.0, max=2.0, help="Every request's temperature: 0 greedy; "
+                                      "above, sampled (what an OpenAI client gets by default at 1.0), "
+                                      "seeded per prompt so that lossless is still token identity."),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
     _setup_logging(verbose)
@@ -49,7 +52,7 @@ def spec(
 
     batches = _batch_sizes(batch)
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
-              tree, batches, batch_repeats, device, cuda_graphs, suffix_seed, bf16_activations)
+              tree, batches, batch_repeats, device, cuda_graphs, suffix_seed, bf16_activations, temperature)
     print_json(out, json_out)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import zlib
+from array import array
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -159,7 +161,10 @@ async def run_prompts(
     train: bool = True,
     on_done=None,
 ) -> RunResult:
-    """Generate every prompt (greedy by default) and total up tokens, time and spec stats."""
+    """Generate every prompt (greedy by default) and total up tokens, time and spec stats. A
+    sampled run (``temperature`` > 0) seeds each request from its prompt (``prompt_seed``): the
+    engines sample position-keyed (serving/engine/seeded.py), so a speculative run and a
+    target-only one of the same prompt still emit the same tokens, and lossless stays token identity."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     domains = domains or [None] * len(prompts)
     result = RunResult(outputs=[[] for _ in prompts])
@@ -168,7 +173,8 @@ async def run_prompts(
     async def task(i: int) -> None:
         async with sem:
             try:
-                tokens, stats = await _one(engine, prompts[i], params, domains[i], tenant, train)
+                seeded = params if temperature <= 0 else params.model_copy(update={"seed": prompt_seed(prompts[i])})
+                tokens, stats = await _one(engine, prompts[i], seeded, domains[i], tenant, train)
             except Exception:  # noqa: BLE001 - a benchmark counts failures, it does not stop
                 result.failed += 1
                 return
@@ -187,6 +193,11 @@ async def run_prompts(
     result.wall_s = time.perf_counter() - t0
     result.cached_prompt_tokens = prefix_hits(engine) - cached_before
     return result
+
+
+def prompt_seed(prompt_ids: list[int]) -> int:
+    """A sampled request's seed, the same for the same prompt in every run and engine."""
+    return zlib.crc32(array("q", prompt_ids).tobytes())
 
 
 def prefix_hits(engine) -> int:

@@ -103,3 +103,33 @@ def test_each_pair_prefills_the_same_prompt_tokens_on_both_sides():
         for domain, entry in out[phase]["by_domain"].items():
             cached = entry["cached_prompt_tokens"]
             assert cached["speculative"] == cached["target_only"], (phase, domain, cached)
+
+
+def test_sampled_requests_are_seeded_per_prompt_and_stay_lossless():
+    """What an OpenAI client gets by default is sampled (temperature 1.0): bench spec measures it
+    too, each request seeded from its prompt, so a speculative and a target-only run of a prompt
+    emit the same tokens (position-keyed sampling) and lossless is still token identity."""
+    from benchmarks.runner import prompt_seed, run_prompts
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.target import tiny_target
+
+    target = tiny_target()
+    items = [PromptItem(id=f"c{i}", prompt=f"code prompt {i}: repeat repeat repeat", domain="code")
+             for i in range(3)]
+    out = asyncio.run(bench_spec_async(items, drafter_kind="suffix", limit=2, warm=1, max_tokens=12, k=3,
+                                       policy="adaptive", target=target, temperature=1.0, batches=(2,),
+                                       batch_repeats=2))
+    assert out["temperature"] == 1.0 and out["lossless"] is True and out["by_batch"]["2"]["lossless"]
+    assert prompt_seed([1, 2, 3]) == prompt_seed([1, 2, 3]) != prompt_seed([1, 2, 4])
+
+    async def outputs(temperature):
+        engine = TorchEngine(target, None, EngineConfig(k=0))
+        try:
+            prompts = [target.tokenizer.encode(p.prompt) for p in items]
+            return (await run_prompts(engine, prompts, 12, temperature=temperature)).outputs
+        finally:
+            await engine.stop()
+
+    sampled, again, greedy = (asyncio.run(outputs(t)) for t in (1.0, 1.0, 0.0))
+    assert sampled == again != greedy  # seeded: reproducible, and not the greedy answers
