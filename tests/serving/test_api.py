@@ -350,14 +350,13 @@ def _served(app):
         thread.join(timeout=60)
 
 
-def test_a_stream_left_while_it_waits_for_a_row_is_aborted_there(drafters):
-    """A full engine queues a streamed request; its client gives up before the first token: the
-    request is aborted while it waits, never admitted (no prefill, no row), not after a row
-    frees up and it has run a step."""
+def _gated_engine(drafters):
+    """A one-row engine whose step thread waits at its third draft until ``gate`` is set (the
+    first token's reply leaves at the second step's forward: replies are held for it); ``asked``
+    is set once it waits. (drafter, engine, settings, gate, asked)."""
     gate, asked = threading.Event(), threading.Event()
 
-    class Gated(drafters.Recording):  # the step thread waits here from the third step on (the
-        # first token's reply leaves at the second step's forward: replies are held for it)
+    class Gated(drafters.Recording):
         def propose(self, views, k):
             if self.proposed_steps >= 2:
                 asked.set()
@@ -367,7 +366,14 @@ def test_a_stream_left_while_it_waits_for_a_row_is_aborted_there(drafters):
     drafter = Gated()
     settings = ServingSettings(served_model_name=SERVED, drafter="suffix", k=2, max_batch_size=1,
                                max_tokens_limit=LIMIT)
-    engine = TorchEngine(tiny_target(), drafter, EngineConfig(k=2, max_batch_size=1))
+    return drafter, TorchEngine(tiny_target(), drafter, EngineConfig(k=2, max_batch_size=1)), settings, gate, asked
+
+
+def test_a_stream_left_while_it_waits_for_a_row_is_aborted_there(drafters):
+    """A full engine queues a streamed request; its client gives up before the first token: the
+    request is aborted while it waits, never admitted (no prefill, no row), not after a row
+    frees up and it has run a step."""
+    drafter, engine, settings, gate, asked = _gated_engine(drafters)
     aborted = threading.Event()
     abort = engine.abort
 
@@ -403,19 +409,7 @@ def test_a_request_the_engine_stops_under_is_a_503_not_a_truncated_answer(drafte
     """The engine stops (shutdown) while a request is mid-generation: the engine ends it "abort",
     which is no OpenAI finish_reason; a 200 with the text so far passed a truncated answer off as
     a whole one. A non-streamed client gets 503 (retry elsewhere), a stream an in-band error."""
-    gate, asked = threading.Event(), threading.Event()
-
-    class Gated(drafters.Recording):  # the step thread waits here from the third step on (the
-        # first token's reply leaves at the second step's forward: replies are held for it)
-        def propose(self, views, k):
-            if self.proposed_steps >= 2:
-                asked.set()
-                assert gate.wait(60)
-            return super().propose(views, k)
-
-    settings = ServingSettings(served_model_name=SERVED, drafter="suffix", k=2, max_batch_size=1,
-                               max_tokens_limit=LIMIT)
-    engine = TorchEngine(tiny_target(), Gated(), EngineConfig(k=2, max_batch_size=1))
+    _, engine, settings, gate, asked = _gated_engine(drafters)
     body = {"model": SERVED, "prompt": "Tell me", "max_tokens": 12, "ignore_eos": True, "stream": stream}
     stopper = threading.Thread(target=lambda: asyncio.run(engine.stop()))
     try:
