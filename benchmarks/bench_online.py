@@ -178,8 +178,7 @@ async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds
                 cfg = LoopConfig(**{**cfg.__dict__, "gate_costs": loop.costs})  # the same target and student
             baseline = base.points
             by_drafter[kind] = summarise(loop.points, shift, baseline=baseline, frozen=frozen, swaps=loop.swaps,
-                                         rollbacks=loop.rollbacks, freshness=loop.freshness_s(),
-                                         freshness_by_version=loop.freshness_by_version(), drifts=loop.drifts)
+                                         rollbacks=loop.rollbacks, freshness=loop.freshness(), drifts=loop.drifts)
             base_after = tok_s(baseline[shift:])
             by_drafter[kind]["speedup_after_shift"] = tok_s(loop.points[shift:]) / base_after if base_after else None
             by_drafter[kind]["speedup_after_shift_ci95"] = paired_speedup_interval(loop.points[shift:], baseline[shift:])

@@ -188,8 +188,7 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     base = {i: p for i, p in zip(sampled, base_loop.points)}
     base_tok_s = tok_s(base_loop.points)
     summary = summarise(loop.points, shift, swaps=loop.swaps, rollbacks=loop.rollbacks,
-                        freshness=loop.freshness_s(), freshness_by_version=loop.freshness_by_version(),
-                        drifts=loop.drifts)
+                        freshness=loop.freshness(), drifts=loop.drifts)
 
     def matched(keep) -> float | None:
         return matched_speedup(loop.points, base, [i for i in sampled if keep(i)])

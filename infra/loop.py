@@ -19,7 +19,6 @@ infra/costs.py.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -294,17 +293,10 @@ class OnlineLoop:
     def freshness_s(self) -> list[float]:
         """Per trace: seconds from its request finishing to the first swap after the trainer
         polled it (a drafter trained on it is live). Traces never followed by a swap are left out."""
-        return [s for _, s in self._freshness_per_trace()]
+        return [s for _, s in self.freshness()]
 
-    def freshness_by_version(self) -> dict[str, float]:
-        """``freshness_s``'s median per version: over the traces whose first swap it was."""
-        per: dict[str, list[float]] = {}
-        for version, s in self._freshness_per_trace():
-            per.setdefault(version, []).append(s)
-        return {v: statistics.median(xs) for v, xs in per.items()}
-
-    def _freshness_per_trace(self) -> list[tuple[str, float]]:
-        """(version, seconds) per trace followed by a swap: see ``freshness_s``."""
+    def freshness(self) -> list[tuple[str, float]]:
+        """(version swapped in, seconds) per trace followed by a swap: see ``freshness_s``."""
         if self.trainer is None:
             return []
         served = list(zip(self._request_ids, [p.done_at for p in self.points if not p.failed]))

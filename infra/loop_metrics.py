@@ -76,11 +76,11 @@ def requests_to_recover(after, target_accept: float, window: int = 3) -> int | N
 
 
 def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollbacks=0,
-              freshness=None, drifts=None, freshness_by_version=None) -> dict:
+              freshness=None, drifts=None) -> dict:
     """``points``: the adapted run; ``baseline``: target-only Points on the same prompts;
     ``frozen``: Points of the drafter frozen at the shift on the post-shift prompts;
-    ``freshness``: seconds per trace, ``freshness_by_version``: their median per version
-    (OnlineLoop.freshness_s / freshness_by_version)."""
+    ``freshness``: (version, seconds) per trace (OnlineLoop.freshness): their median, overall and
+    per version."""
     before, after = points[:shift], points[shift:]
     out = {
         "requests": len(points),
@@ -111,8 +111,11 @@ def summarise(points, shift: int, *, baseline=None, frozen=None, swaps=0, rollba
     if before and after:
         out["requests_to_recover"] = requests_to_recover(after, mean_accept(tail(before)))
     fresh = list(freshness or [])
-    out["freshness_s_median"] = statistics.median(fresh) if fresh else None
-    out["freshness_s_by_version"] = {v: round(x, 1) for v, x in (freshness_by_version or {}).items()}
+    out["freshness_s_median"] = statistics.median(s for _, s in fresh) if fresh else None
+    per: dict[str, list[float]] = {}
+    for version, s in fresh:
+        per.setdefault(version, []).append(s)
+    out["freshness_s_by_version"] = {v: round(statistics.median(xs), 1) for v, xs in per.items()}
     return out
 
 

@@ -89,7 +89,7 @@ def test_closed_loop_raises_acceptance_and_reports(kafka_broker, redis_server, m
     fresh = loop.freshness_s()  # request done -> a drafter trained on its trace is live
     assert fresh and all(0 < f < 300 for f in fresh)
     shift = shift_index([d for _, d in stream])
-    summary = summarise(first, shift, swaps=loop.swaps, rollbacks=loop.rollbacks, freshness=fresh,
+    summary = summarise(first, shift, swaps=loop.swaps, rollbacks=loop.rollbacks, freshness=loop.freshness(),
                         drifts=loop.drifts)
     assert summary["shift_at"] == 8 and summary["failed_requests"] == 0
     drawn = markers(loop.events)  # the plot marks every swap, rollback and drift, and nothing else

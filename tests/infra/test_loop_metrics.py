@@ -48,5 +48,5 @@ def test_each_trace_is_fresh_from_its_request_to_the_first_swap_after_the_traine
     assert got == [("2", 15.0), ("2", 5.0), ("3", 30.0)]
     assert freshness_per_trace(served, polled, events[:2]) == [("2", 15.0), ("2", 5.0)]  # r3: no swap after it
     per_version = {"2": 10.0, "3": 30.0}
-    out = summarise(_points([1.0] * 4), 2, freshness=[s for _, s in got], freshness_by_version=per_version)
+    out = summarise(_points([1.0] * 4), 2, freshness=got)
     assert out["freshness_s_median"] == 15.0 and out["freshness_s_by_version"] == per_version
