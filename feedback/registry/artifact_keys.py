@@ -1,4 +1,4 @@
-"""Names the trainer writes and serving reads in the registry: the day-0 version and the keys of
+"""Names the trainer and serving share in the registry: the day-0 version and the keys of
 an artifact's ``extra`` (config.json), so that neither side spells them on its own."""
 
 DAY0_VERSION = "day0"

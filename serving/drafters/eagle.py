@@ -14,6 +14,7 @@ import torch
 
 from feedback.bus.trace import DrafterKind
 from feedback.drafters.eagle_head import EagleHead
+from feedback.registry.artifact_keys import DAY0_VERSION
 from serving.drafters.base import DraftRequestView
 from serving.drafters.draft_kv import RowState
 from serving.drafters.learned import LearnedDrafter
@@ -50,7 +51,7 @@ class EagleDrafter(LearnedDrafter):
     kind = "eagle"
     source_kind = DrafterKind.EAGLE
 
-    def __init__(self, head: EagleHead, version: str = "day0"):
+    def __init__(self, head: EagleHead, version: str = DAY0_VERSION):
         if head.embed_weight is None:
             raise ValueError("EagleHead needs the target's embeddings: head.attach_embeddings(...)")
         super().__init__(EagleNet(head), version)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from feedback.registry.artifact_keys import (
+    DAY0_VERSION,
     EXTRA_CHAMPION_HELDOUT_ACCEPTANCE,
     EXTRA_HELDOUT_ACCEPTANCE,
     EXTRA_TRACE_FINISHED_MEDIAN_AT,
@@ -135,7 +136,7 @@ def _eagle(
     head = eagle_from_target(
         target.model, feature_layers=feature_layers, draft_vocab=draft_vocab, init=init, seed=seed
     )
-    return EagleDrafter(head.to(target.device), version="day0")
+    return EagleDrafter(head.to(target.device), version=DAY0_VERSION)
 
 
 def _standalone(
@@ -159,7 +160,7 @@ def _standalone(
     else:
         model, version = (
             standalone_from_target(target.model, num_layers=num_layers, init=init, seed=seed),
-            "day0",
+            DAY0_VERSION,
         )
         share(model, equal_target_tensors(model, target.model))  # copies of the target's: held once
     draft_vocab = getattr(model, "artifact_draft_vocab", None)  # what the student was trained at
@@ -199,7 +200,7 @@ def _selfspec(
         target.model, exit_layer=exit_layer, adapter_layers=adapter_layers,
         adapter_init=adapter_init, draft_vocab=vocab,
     )
-    return SelfSpecDrafter(assemble(adapter, target.model), version="day0", target=target.model)
+    return SelfSpecDrafter(assemble(adapter, target.model), version=DAY0_VERSION, target=target.model)
 
 
 def _hybrid(

@@ -29,6 +29,7 @@ import torch
 
 from feedback.bus.trace import DrafterKind
 from feedback.goodput import LEARNED_BRANCHES
+from feedback.registry.artifact_keys import DAY0_VERSION
 from serving.drafters.base import DraftProposal, DraftRequestView, chain_parents
 from serving.drafters.draft_kv import BatchKV, Layout, RowState
 from serving.drafters.draft_tree import best_first_tree
@@ -96,7 +97,7 @@ class LearnedDrafter:
     width step keeps the nodes that pay. A batch with sampled rows drafts chains (rejection
     sampling with the draft's distributions verifies chains)."""
 
-    def __init__(self, net: DraftNet, version: str = "day0"):
+    def __init__(self, net: DraftNet, version: str = DAY0_VERSION):
         self.net = net
         self.version = version
         self._states: dict[str, RowState] = {}

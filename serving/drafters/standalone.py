@@ -17,6 +17,7 @@ from transformers import LlamaForCausalLM
 
 from feedback.bus.trace import DrafterKind
 from feedback.drafters.ops import attend, draft_in_bf16, mlp
+from feedback.registry.artifact_keys import DAY0_VERSION
 from kernels import decode_attention as native_attention
 from kernels import packed_linear
 from kernels.thin_linear import thin_linear
@@ -163,7 +164,7 @@ class StandaloneDrafter(LearnedDrafter):
     def __init__(
         self,
         model: LlamaForCausalLM,
-        version: str = "day0",
+        version: str = DAY0_VERSION,
         draft_vocab: torch.Tensor | None = None,
         bf16: bool = True,
         target: torch.nn.Module | None = None,
@@ -187,7 +188,7 @@ class SelfSpecDrafter(StandaloneDrafter):
     kind = "selfspec"
     source_kind = DrafterKind.SELFSPEC
 
-    def __init__(self, model: LlamaForCausalLM, version: str = "day0",
+    def __init__(self, model: LlamaForCausalLM, version: str = DAY0_VERSION,
                  target: torch.nn.Module | None = None):
         # bf16 on the packed path, where the shared layers are the target's panels (exactly bf16)
         # and only the adapter and norm are rounded; fp32 on the module path, where bf16 copies

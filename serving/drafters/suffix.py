@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from feedback.bus.trace import DrafterKind, TraceRecord
+from feedback.registry.artifact_keys import DAY0_VERSION
 from feedback.suffix.draft import CountPrior, Draft, SuffixConfig, SuffixProposer, SuffixRequest
 from feedback.suffix.index import SuffixIndex
 from serving.drafters.base import DraftProposal, DraftRequestView
@@ -37,7 +38,7 @@ class SuffixDrafter:
     """Model-free drafter: prompt lookup plus a per-tenant suffix index that learns online."""
 
     kind = "suffix"
-    version = "day0"
+    version = DAY0_VERSION
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: SuffixConfig | None = None):

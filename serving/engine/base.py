@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from pydantic import BaseModel, Field
 
+from feedback.registry.artifact_keys import DAY0_VERSION
 from feedback.target.fingerprint import TargetFingerprint
 
 
@@ -99,7 +100,7 @@ class VerifyBatch:
     trace_ms: float | None = None
     """Wall time the step spent on its trace's target top-k after the verify (None: none was
     computed): capture's own cost on the step thread (``bench capture``)."""
-    drafter_version: str = "day0"
+    drafter_version: str = DAY0_VERSION
     feature_layers: tuple[int, ...] = ()
     """HF hidden_states indices concatenated into each ``features`` row (empty when none)."""
     tree_nodes: np.ndarray | None = None

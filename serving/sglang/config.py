@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from feedback.registry.artifact_keys import DAY0_VERSION
+
 ALGORITHM_KIND = {"EAGLE3": "eagle", "STANDALONE": "standalone"}
 
 
@@ -22,7 +24,7 @@ class SGLangConfig:
     """Branching per draft step; 1 = a chain, which the trace records exactly."""
     num_draft_tokens: int | None = None
     """Verified tree nodes including the root; default num_steps + 1 (the chain)."""
-    drafter_version: str = "day0"
+    drafter_version: str = DAY0_VERSION
     trace_sample_rate: float = 1.0
     trace_top_k: int = 20
     self_test: bool = True
