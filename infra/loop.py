@@ -203,6 +203,7 @@ class OnlineLoop:
         from feedback.drafters.standalone_lm import StandaloneConfig
         from infra.root import trainer_loop_factory
         from trainer.actor import RemoteTrainer
+        from trainer.device import settle
 
         c = self.cfg
         champion = None
@@ -218,14 +219,16 @@ class OnlineLoop:
         self.costs = dict(c.gate_costs) if c.gate_costs is not None else measure_costs(
             self.target, student, c.k, bf16_activations=self.settings.serving.bf16_activations)
         log.info("gate costs (x one target step): %s", self.costs)
+        placed, gpus = settle(self.settings.trainer)  # where the student trains, decided here (not in Ray's worker)
         self.settings = self.settings.with_changes(trainer={
             "draft_cost": self.costs["draft_cost"], "verify_cost": self.costs["verify_cost"],
-            "verify_costs": self.costs.get("verify_costs")})
+            "verify_costs": self.costs.get("verify_costs"), "device": placed.device})
         export_config = getattr(student, "config", None) or StandaloneConfig.for_target(self.target.model.config)
         # The student travels to the worker pickled (tens of MB with frozen target embeddings).
         factory = trainer_loop_factory(self.settings, student, self.target.fingerprint, export_config,
                                        initial_champion=champion)
-        self.trainer = RemoteTrainer(factory, threads=torch.get_num_threads(), nice=c.trainer_nice).start()
+        self.trainer = RemoteTrainer(factory, threads=torch.get_num_threads(), nice=c.trainer_nice,
+                                     num_gpus=gpus).start()
 
     # ---- serving --------------------------------------------------------------------------
 

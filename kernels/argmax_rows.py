@@ -34,7 +34,7 @@ def argmax_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     if lib is None:
         return x.index_select(0, rows.to(x.device)).argmax(-1)
     rows = rows.to(torch.long).contiguous()
-    out = torch.empty(rows.shape[0], dtype=torch.long)
+    out = torch.empty(rows.shape[0], dtype=torch.long, device="cpu")
     # a worker takes whole rows: for one or two rows (batch 1) waking one costs more than it saves
     threads = min(kernel_threads(), rows.shape[0] // 2) or 1
     rc = lib.argmax_rows(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], x.shape[0],

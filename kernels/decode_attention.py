@@ -91,7 +91,7 @@ def decode_attention(
         raise ValueError("rows must be [B] contiguous int64 on the CPU")
     if not takes(qkv, cos, sin, keys, values, cols, mask) or cols.dtype != torch.int64:
         raise ValueError("decode_attention takes contiguous fp32 CPU tensors (int64 cols, bool mask)")
-    out = torch.empty(b, t, num_heads * d, dtype=torch.float32)  # [B, T, Hq * D]
+    out = torch.empty(b, t, num_heads * d, dtype=torch.float32, device="cpu")  # [B, T, Hq * D]
     rc = lib.decode_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(),
         cols.data_ptr(), rows.data_ptr() if rows is not None else None, mask.data_ptr(),

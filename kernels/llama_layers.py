@@ -128,7 +128,7 @@ class LayerStack:
             raise ValueError("the layer stack takes contiguous fp32 CPU tensors")
         out = h.reshape(tokens, self.hidden).clone()  # [T, H], updated in place layer by layer
         widths = (self.hidden, self.qkv_dim, self.q_dim, 2 * self.inter)  # h2, qkv, att, gu
-        scratch = torch.empty(tokens * sum(widths))  # each a contiguous [T, width] block
+        scratch = torch.empty(tokens * sum(widths), device="cpu")  # each a contiguous [T, width] block
         starts = [scratch.data_ptr() + 4 * tokens * sum(widths[:j]) for j in range(len(widths))]
         captured = {i: torch.empty_like(out) for i in hidden_layers if 0 < i < self.num_layers}
         capacity = keys[0].shape[2]

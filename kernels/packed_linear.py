@@ -144,7 +144,7 @@ def _amx_tiles(w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     count = -(-n // _AMX_PANEL)
     with torch.no_grad():
-        padded = torch.zeros(count * _AMX_PANEL, k, dtype=torch.bfloat16)
+        padded = torch.zeros(count * _AMX_PANEL, k, dtype=torch.bfloat16, device="cpu")
         padded[:n] = w
         t = padded.view(count, 2, 16, k // _AMX_K, 16, 2)  # [p, s, nn, kb, kp, i]
         return t.permute(0, 3, 1, 4, 2, 5).contiguous()  # [p, kb, s, kp, nn, i]
@@ -164,7 +164,7 @@ def _panel_layout(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     n, k = w.shape
     p = panel_width()
     count = -(-n // p)
-    padded = torch.zeros(count * p, k, dtype=dtype)
+    padded = torch.zeros(count * p, k, dtype=dtype, device="cpu")
     padded[:n] = w
     if dtype == torch.bfloat16:
         return padded.view(count, p, k // 2, 2).permute(0, 2, 1, 3).contiguous()  # [N/P, K/2, P, 2]
@@ -247,7 +247,7 @@ class PackedLinear:
             scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # [N]
             q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)  # [N, K]
             panels = _panel_layout(q, torch.int8)  # [N/P, K, P]
-            scales = torch.zeros(panels.shape[0] * panels.shape[2], dtype=torch.float32)
+            scales = torch.zeros(panels.shape[0] * panels.shape[2], dtype=torch.float32, device="cpu")
             scales[:n] = scale
             buf = torch.cat([panels.view(-1), scales.view(torch.int8)])  # panels, then scales
         return cls(buf, n, k, "int8", lib.packed_linear_fused_int8)
@@ -330,7 +330,7 @@ class PackedLinear:
     def _run(self, x, prologue: int, weight, eps: float, residual) -> torch.Tensor:
         width = x.shape[-1]
         tokens = x.numel() // width if width else 0
-        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32)  # [..., N]
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=torch.float32, device="cpu")  # [..., N]
         if tokens == 0:
             return y
         x2 = x.reshape(tokens, width).contiguous()  # [T, K] (or [T, 2K] for swiglu)

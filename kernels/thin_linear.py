@@ -69,7 +69,7 @@ def thin_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if lib is None:
         return _reference(x, w)
     x2 = x.reshape(tokens, x.shape[-1]).contiguous()  # [T, K]
-    y = torch.empty(tokens, w.shape[0], dtype=torch.float32)  # [T, N]
+    y = torch.empty(tokens, w.shape[0], dtype=torch.float32, device="cpu")  # [T, N]
     kernel = lib.thin_linear_bf16 if w.dtype == torch.bfloat16 else lib.thin_linear
     rc = kernel(
         x2.data_ptr(), w.data_ptr(), y.data_ptr(), tokens, w.shape[0], w.shape[1],

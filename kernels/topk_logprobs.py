@@ -63,8 +63,8 @@ def topk_logprobs(
     x = logits.contiguous()
     idx = None if rows is None else rows.to(torch.long).contiguous()
     n = count if idx is None else idx.shape[0]
-    ids = torch.empty(n, t, dtype=torch.long)
-    lp = torch.empty(n, t, dtype=torch.float32)
+    ids = torch.empty(n, t, dtype=torch.long, device="cpu")
+    lp = torch.empty(n, t, dtype=torch.float32, device="cpu")
     rc = lib.topk_logprobs(x.data_ptr(), idx.data_ptr() if idx is not None else None, n, count,
                            vocab, t, ids.data_ptr(), lp.data_ptr(),
                            threads.kernel_threads() if n >= PARALLEL_ROWS else 1)

@@ -211,7 +211,7 @@ def _native_walk(x: Tensor, node_row: Tensor, drafts: Tensor, parents: Tensor,
         u = uniforms.to(torch.float64).contiguous()
         if tuple(u.shape) != (b, n):
             raise ValueError(f"uniforms {tuple(u.shape)} do not fit parents {(b, n)}")
-    out = torch.empty(b * (2 + n), dtype=torch.long)  # num [B], next [B], path [B, N]: one allocation
+    out = torch.empty(b * (2 + n), dtype=torch.long, device="cpu")  # num [B], next [B], path [B, N]: one allocation
     num, nxt, path = out[:b], out[b : 2 * b], out[2 * b :].view(b, n)
     threads = min(kernel_threads(), b // 2) or 1  # a worker per row walk; not woken for one or two
     rc = lib.tree_walk(x.data_ptr(), node_row.data_ptr(), drafts.data_ptr(), parents.data_ptr(),

@@ -34,11 +34,13 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
     must agree with ``settings.source``: ``check_source``). What ``specloop train``, the demo and
     ``bench online`` all run (inside the trainer's Ray worker)."""
     check_source(settings, source is not None)
+    from trainer.device import resolve_device
     from trainer.gate import GateConfig
     from trainer.loop import LoopConfig, TrainerLoop
     from trainer.replay import ReplayBuffer
 
     s = settings
+    student.to(resolve_device(s.device))  # before the distiller builds its optimizer on the weights
     if source is None:
         from feedback.bus.kafka_source import KafkaTraceSource  # written by the feedback-bus issue
 
@@ -123,24 +125,28 @@ class TrainerActor:
         return dict(getattr(self.loop.source, "polled_at", {}))
 
 
-def spawn_actor(loop_factory, threads: int = 1, nice: int = 0, num_cpus: float = 1, max_restarts: int = 5):
-    """A TrainerActor on the current Ray (``init_ray`` first); returns its handle.
+def spawn_actor(loop_factory, threads: int = 1, nice: int = 0, num_cpus: float = 1, max_restarts: int = 5,
+                num_gpus: int = 0):
+    """A TrainerActor on the current Ray (``init_ray`` first); returns its handle. ``num_gpus``: 1 for
+    a CUDA student (trainer/device.py); Ray hides every GPU from an actor that asks for none.
 
     A worker that dies (OOM, a killed process) is restarted by Ray up to ``max_restarts`` times:
     ``loop_factory`` runs again, so the loop resumes from its latest checkpoint and the consumer
     group from its committed offsets; a ``run()`` in flight is retried on the new worker."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus, max_concurrency=2, max_restarts=max_restarts,
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=2, max_restarts=max_restarts,
                       max_task_retries=-1)(TrainerActor).remote(loop_factory, threads, nice)
 
 
 class RemoteTrainer:
     """The driver's handle on a trainer running in a Ray actor: ``start()``, ``stats`` (the loop's
-    counters, re-read at most every ``refresh_s``), ``polled_at()``, ``stop()``."""
+    counters, re-read at most every ``refresh_s``), ``polled_at()``, ``stop()``. ``num_gpus``: what
+    the actor asks Ray for (``trainer.device.settle``)."""
 
-    def __init__(self, loop_factory, threads: int = 1, nice: int = 0, refresh_s: float = 0.5):
+    def __init__(self, loop_factory, threads: int = 1, nice: int = 0, refresh_s: float = 0.5, num_gpus: int = 0):
         self.loop_factory, self.threads, self.nice, self.refresh_s = loop_factory, threads, nice, refresh_s
+        self.num_gpus = num_gpus
         self.actor = self._run = None
         self._stats, self._read_at = LoopStats(), -float("inf")
         self._polled: dict[str, float] = {}
@@ -150,8 +156,8 @@ class RemoteTrainer:
         import ray
 
         self._owns_ray = not ray.is_initialized()  # then stop() shuts down the Ray it started
-        init_ray()
-        self.actor = spawn_actor(self.loop_factory, self.threads, self.nice)
+        init_ray(num_gpus=self.num_gpus)
+        self.actor = spawn_actor(self.loop_factory, self.threads, self.nice, num_gpus=self.num_gpus)
         self._run = self.actor.run.remote()
         return self
 
@@ -202,7 +208,9 @@ def _loop_stats(d: dict) -> LoopStats:
     return LoopStats(**{k: v for k, v in d.items() if k in names})
 
 
-def init_ray(address: str | None = None, num_cpus: int = 2):
+def init_ray(address: str | None = None, num_cpus: int = 2, num_gpus: int = 0):
+    """Connect to ``address``'s Ray, or start a local one with ``num_cpus``; a local one that must
+    place a GPU actor (``num_gpus``) is told the GPUs this process sees rather than left to detect them."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -210,17 +218,23 @@ def init_ray(address: str | None = None, num_cpus: int = 2):
         if address:
             ray.init(address=address)
         else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            import torch
+
+            gpus = {"num_gpus": torch.cuda.device_count()} if num_gpus else {}
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **gpus)
     return ray
 
 
 def start_actor(settings: TrainerSettings, student_factory, fingerprint, source_factory=None, **kw):
     """Start the actor (local Ray unless ``settings.ray_address``); returns its handle. A source
     contradicting ``settings.source`` is refused here, before Ray starts (``check_source``)."""
+    from trainer.device import settle
+
     check_source(settings, source_factory is not None)
-    init_ray(settings.ray_address, settings.num_cpus)
+    settings, gpus = settle(settings)  # a CUDA trainer without a GPU is refused here, before Ray starts
+    init_ray(settings.ray_address, settings.num_cpus, gpus)
     factory = functools.partial(_loop_from_settings, settings, student_factory, fingerprint, source_factory, kw)
-    return spawn_actor(factory)
+    return spawn_actor(factory, num_gpus=gpus)
 
 
 def _loop_from_settings(settings, student_factory, fingerprint, source_factory, kw):

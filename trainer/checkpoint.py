@@ -132,7 +132,9 @@ def load(path: str | Path, distiller, replay: ReplayBuffer) -> dict:
     """Restore one checkpoint directory into a fresh distiller and an empty replay buffer; returns
     the extra metadata. Traces older than the replay's ``max_age_s`` (if set) are not restored."""
     path = Path(path)
-    distiller.load_state_dict(torch.load(path / "distiller.pt", weights_only=True))
+    # read onto the CPU: a checkpoint a CUDA trainer wrote restores on a CPU one (and back); the
+    # weights and the optimizer's state are copied onto the student's device as they load
+    distiller.load_state_dict(torch.load(path / "distiller.pt", weights_only=True, map_location="cpu"))
     meta = json.loads((path / "meta.json").read_text())
     kept = "heldout_ids" in meta  # the split as it was, not re-derived (see ReplayBuffer.min_heldout)
     heldout = set(meta.pop("heldout_ids", []))
@@ -187,4 +189,4 @@ def restore(root: str | Path, distiller: Distiller, replay: ReplayBuffer
 def champion_state(path: str | Path) -> dict | None:
     """The champion's weights saved in checkpoint ``path`` (None if it had no champion)."""
     champ = Path(path) / "champion.pt"
-    return torch.load(champ, weights_only=True) if champ.exists() else None
+    return torch.load(champ, weights_only=True, map_location="cpu") if champ.exists() else None

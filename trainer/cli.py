@@ -228,6 +228,9 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     gen_s = time.perf_counter() - t0
     student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
                            settings.draft_vocab_size, settings.adapter_layers, init=init, fingerprint=fp)
+    from trainer.device import resolve_device
+
+    student.to(resolve_device(settings.device))
     fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=settings.distill_config())
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
     if config is None:

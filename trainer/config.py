@@ -22,6 +22,9 @@ _OWN = "SPECLOOP_TRAINER_"
 Precision = Literal["auto", "fp32", "bf16"]
 """Training steps' forward precision (trainer/distill.py ``autocast_bf16``)."""
 
+DeviceSetting = Literal["auto", "cpu", "cuda"]
+"""Where the student trains (trainer/device.py ``resolve_device``)."""
+
 
 class TrainerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECLOOP_TRAINER_", validate_by_name=True)
@@ -50,6 +53,10 @@ class TrainerSettings(BaseSettings):
     checkpoint_dir: str | None = Field("./specloop-trainer-ckpt", description="Model + optimizer + replay checkpoints; None = none (a restart starts over).")
     ray_address: str | None = Field(None, description="Ray cluster address; None starts a local Ray with num_cpus.")
     num_cpus: int = Field(2, description="CPUs for a local Ray.")
+    device: DeviceSetting = Field(
+        "auto", description="Where the student trains: cuda (the actor asks Ray for one GPU; an error "
+        "at start where none is seen), cpu, or auto (cuda where this process sees a GPU, else cpu). "
+        "Traces and the gate's bookkeeping stay on the CPU (trainer/device.py).")
 
     record_poll_times: bool = Field(False, description="Remember when each request's trace first reached "
                                     "the trainer (freshness figures of the demo and benchmarks; grows with traffic).")

@@ -52,9 +52,10 @@ class _StackedKV:
         return 0
 
 
-def chain_mask(n: int, depth: int) -> torch.Tensor:
+def chain_mask(n: int, depth: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[1, n, n*(depth+1)] bool: causal over the real keys, then the diagonal of each earlier depth."""
-    blocks = [torch.ones(n, n, dtype=torch.bool).tril()] + [torch.eye(n, dtype=torch.bool)] * depth
+    blocks = [torch.ones(n, n, dtype=torch.bool, device=device).tril()]
+    blocks += [torch.eye(n, dtype=torch.bool, device=device)] * depth
     return torch.cat(blocks, dim=1)[None]
 
 
@@ -65,16 +66,17 @@ def chain_hidden(head, tokens: torch.Tensor, feats: torch.Tensor, depth: int) ->
     -> ``depth`` tensors [B, n, H].
     """
     b, n = feats.shape[:2]
+    dev = feats.device
     cache = _StackedKV()
     outs: list[torch.Tensor] = []
     hidden = None
     for d in range(depth):
-        pos = (torch.arange(n) + d).expand(b, n)  # [B, n]
+        pos = (torch.arange(n, device=dev) + d).expand(b, n)  # [B, n]
         ids = tokens[:, d : d + n]  # [B, n]
         if d == 0:
-            hidden = head(ids, features=feats, position_ids=pos, cache=cache, attn_mask=chain_mask(n, 0))
+            hidden = head(ids, features=feats, position_ids=pos, cache=cache, attn_mask=chain_mask(n, 0, dev))
         else:
-            hidden = head(ids, hidden, position_ids=pos, cache=cache, attn_mask=chain_mask(n, d))
+            hidden = head(ids, hidden, position_ids=pos, cache=cache, attn_mask=chain_mask(n, d, dev))
         outs.append(hidden)  # [B, n, H]
     return outs
 
@@ -98,7 +100,7 @@ class EagleStudent(Student):
         return tuple(self.model.config.feature_layers)
 
     def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        t2d = self.model.target_to_draft  # [V]
+        t2d = self.model.target_to_draft.to(ids.device)  # [V]
         inside = (ids >= 0) & (ids < len(t2d))
         out = torch.full_like(ids, -1)
         out[inside] = t2d[ids[inside]]
@@ -110,17 +112,18 @@ class EagleStudent(Student):
                 and record.hidden_states.shape[1] == self.model.config.feature_size)
 
     def _inputs(self, examples: list[SequenceExample], depth: int):
-        """Right-padded tokens [B, n + depth] and features [B, n, F]; n = longest pair count."""
+        """Right-padded tokens [B, n + depth] and features [B, n, F] on the head's device; n = longest
+        pair count."""
         ns = [len(e.tokens) - 1 for e in examples]
         n = max(ns)
         F = self.model.config.feature_size
-        tokens = torch.zeros(len(examples), n + depth, dtype=torch.long)  # [B, n+depth]
-        feats = torch.zeros(len(examples), n, F)  # [B, n, F]
+        tokens = torch.zeros(len(examples), n + depth, dtype=torch.long, device="cpu")  # [B, n+depth]
+        feats = torch.zeros(len(examples), n, F, device="cpu")  # [B, n, F]
         for b, e in enumerate(examples):
             tokens[b, : ns[b]] = torch.from_numpy(e.tokens[1:])
             f = bf16_bits_to_float32(e.features[: ns[b]])  # [n_b, F]
             feats[b, : len(f)] = torch.from_numpy(f)
-        return tokens, feats, ns
+        return tokens.to(self.device), feats.to(self.device), ns
 
     def row_batch(self, examples: list[SequenceExample]) -> RowBatch:
         """Accepted-path rows at every chain depth (discard branches have no target features)."""
@@ -137,18 +140,20 @@ class EagleStudent(Student):
                 keep = (j >= 0) & (j < ns[b])
                 if not keep.any():
                     continue
-                logits.append(self.model.compute_logits(hidden[b, torch.from_numpy(j[keep])]))  # [m, Vd]
+                logits.append(self.model.compute_logits(hidden[b, torch.from_numpy(j[keep]).to(hidden.device)]))  # [m, Vd]
                 ids.append(e.topk_ids[keep])
                 lps.append(e.topk_logprobs[keep])
                 rej.append(e.rejected_ids[keep])
                 w.append(e.weights[keep] * self.depth_decay**d)
+        dev = self.device
+        host = lambda a: torch.from_numpy(a).to(dev)
         return RowBatch(
             logits=torch.cat(logits),  # [N, Vd]
-            topk_ids=self.to_draft_ids(torch.from_numpy(stack_topk(ids, -1))),
-            topk_logprobs=torch.from_numpy(stack_topk(lps, -np.inf)),
-            rejected_ids=self.to_draft_ids(torch.from_numpy(np.concatenate(rej))),
-            weights=torch.from_numpy(np.concatenate(w).astype(np.float32)),
-            discard=torch.zeros(sum(len(x) for x in w), dtype=torch.bool),
+            topk_ids=self.to_draft_ids(host(stack_topk(ids, -1))),
+            topk_logprobs=host(stack_topk(lps, -np.inf)),
+            rejected_ids=self.to_draft_ids(host(np.concatenate(rej))),
+            weights=host(np.concatenate(w).astype(np.float32)),
+            discard=torch.zeros(sum(len(x) for x in w), dtype=torch.bool, device=dev),
         )
 
     @torch.no_grad()
@@ -166,16 +171,17 @@ class EagleStudent(Student):
         n = ns[0]
         outs = chain_hidden(self.model, tokens, feats, k)
         tops = torch.stack([self.to_target_ids(top_candidates(self.model.compute_logits(h[0]), branches))
-                            for h in outs])  # [k, n, m]
+                            for h in outs]).cpu()  # [k, n, m]: read element by element below
         preds = tops[..., 0]  # [k, n] the greedy chain
         # overlap at each accepted-path row, from depth 0 (real features)
         j = main.ctx_len - 2  # [R]
         ok = (j >= 0) & (j < n)
         overlap = np.zeros(main.num_rows)
         if ok.any():
-            q = self.model.compute_logits(outs[0][0, torch.from_numpy(j[ok])]).float().softmax(-1)  # [r, Vd]
-            ids = self.to_draft_ids(torch.from_numpy(main.topk_ids[ok]))
-            overlap[ok] = topk_overlap(q, ids, torch.from_numpy(main.topk_logprobs[ok])).numpy()
+            dev = self.device
+            q = self.model.compute_logits(outs[0][0, torch.from_numpy(j[ok]).to(dev)]).float().softmax(-1)  # [r, Vd]
+            ids = self.to_draft_ids(torch.from_numpy(main.topk_ids[ok]).to(dev))
+            overlap[ok] = topk_overlap(q, ids, torch.from_numpy(main.topk_logprobs[ok]).to(dev)).cpu().numpy()
         # greedy chain from output position p: pair j = c - 2 with c the absolute index of x_p
         seq = torch.from_numpy(main.tokens)  # [L]
         L = len(seq)

@@ -86,21 +86,22 @@ def pack_examples(examples: list[SequenceExample]) -> list[PackedSequence]:
 
 
 def batch_tensors(seqs: list[PackedSequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``(input_ids [B, L], position_ids [B, L], mask [B, 1, L, L] bool)``.
+    """Right-padded ``(input_ids [B, L], position_ids [B, L], mask [B, 1, L, L] bool)``, on the CPU
+    (a student moves them to its device).
 
     Padding tokens attend only to themselves (no row reads them; a fully masked row would be NaN).
     """
     L = max(len(s.tokens) for s in seqs)
     B = len(seqs)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    pos = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.eye(L, dtype=torch.bool).repeat(B, 1, 1)  # [B, L, L]
+    ids = torch.zeros(B, L, dtype=torch.long, device="cpu")
+    pos = torch.zeros(B, L, dtype=torch.long, device="cpu")
+    mask = torch.eye(L, dtype=torch.bool, device="cpu").repeat(B, 1, 1)  # [B, L, L]
     for b, s in enumerate(seqs):
         n = len(s.tokens)
         ids[b, :n] = torch.from_numpy(s.tokens)
         pos[b, :n] = torch.from_numpy(s.positions)
         br = torch.from_numpy(s.branch)  # [n]
-        key = torch.arange(n)
+        key = torch.arange(n, device="cpu")
         sees = torch.from_numpy(s.sees_main)  # [n]
         on_main = (key[None, :] < s.main_len) & (key[None, :] < sees[:, None])  # [n, n]
         own_tail = (br[:, None] >= 0) & (br[None, :] == br[:, None]) & (key[None, :] <= key[:, None])

@@ -55,8 +55,8 @@ def layer_at_rows(inner: torch.nn.Module, layer: torch.nn.Module, hidden: torch.
     counts = torch.bincount(ub, minlength=B)  # [B]
     R = int(counts.max())
     starts = torch.cumsum(counts, 0) - counts  # [B]
-    slot = torch.arange(len(flat)) - starts[ub]  # [U] place within its sequence's queries
-    qpos = torch.zeros(B, R, dtype=torch.long)  # [B, R] query positions, right-padded with 0
+    slot = torch.arange(len(flat), device=flat.device) - starts[ub]  # [U] place within its sequence's queries
+    qpos = torch.zeros(B, R, dtype=torch.long, device=flat.device)  # [B, R] query positions, right-padded with 0
     qpos[ub, slot] = ut
     gather = lambda x: x.gather(1, qpos[..., None].expand(B, R, x.shape[-1]))  # [B, L, D] -> [B, R, D]
 

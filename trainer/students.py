@@ -86,20 +86,37 @@ class Student:
     draft_to_target: torch.Tensor | None = None
     """[Vd] target id of each draft-vocab id, or None when the draft vocabulary is the target's."""
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are, so where its forwards run (trainer/device.py)."""
+        return next(self.model.parameters()).device
+
+    def to(self, device: torch.device | str) -> Student:
+        """Move the model (and the id mappings its forwards index with) to ``device``."""
+        self.model.to(device)
+        for name in ("draft_to_target", "head_vocab"):
+            t = self.__dict__.get(name)
+            if isinstance(t, torch.Tensor):
+                setattr(self, name, t.to(device))
+        self._t2d = self._head_rows = self._head_rows_key = None
+        return self
+
     def _t2d_table(self, vocab_size: int) -> torch.Tensor | None:
         if self.draft_to_target is None:
             return None
-        table = torch.full((vocab_size,), -1, dtype=torch.long)
-        table[self.draft_to_target] = torch.arange(len(self.draft_to_target))
+        d2t = self.draft_to_target
+        table = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)
+        table[d2t] = torch.arange(len(d2t), device=d2t.device)
         return table
 
     def to_draft_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target ids -> draft ids (-1 stays -1; ids outside the draft vocab become -1)."""
+        """Target ids -> draft ids (-1 stays -1; ids outside the draft vocab become -1), on ``ids``'
+        device."""
         if self.draft_to_target is None:
             return ids
         if getattr(self, "_t2d", None) is None:
             self._t2d = self._t2d_table(int(self.draft_to_target.max()) + 1)
-        table = self._t2d
+        table = self._t2d.to(ids.device)
         inside = (ids >= 0) & (ids < len(table))
         out = torch.full_like(ids, -1)
         out[inside] = table[ids[inside]]
@@ -128,25 +145,21 @@ class Student:
         self.model.load_state_dict({k: v for k, v in state.items() if k in trainable}, strict=False)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.draft_to_target is None else self.draft_to_target[ids]
+        return ids if self.draft_to_target is None else self.draft_to_target.to(ids.device)[ids]
 
-    def _row_tensors(self, examples: list[SequenceExample], logits: torch.Tensor, keep=None) -> RowBatch:
+    def _row_tensors(self, examples: list[SequenceExample], logits: torch.Tensor) -> RowBatch:
+        """The rows' targets (from the examples' numpy) beside ``logits``, on its device."""
+        dev = logits.device
+        host = lambda a: torch.from_numpy(a).to(dev)
         cat = lambda name: np.concatenate([getattr(e, name) for e in examples])
-        topk = torch.from_numpy(stack_topk([e.topk_ids for e in examples], -1))
-        rejected = torch.from_numpy(cat("rejected_ids"))
-        discard = torch.from_numpy(np.concatenate([np.full(e.num_rows, e.discard) for e in examples]))
-        out = RowBatch(
+        return RowBatch(
             logits=logits,
-            topk_ids=self.to_draft_ids(topk),
-            topk_logprobs=torch.from_numpy(stack_topk([e.topk_logprobs for e in examples], -np.inf)),
-            rejected_ids=self.to_draft_ids(rejected),
-            weights=torch.from_numpy(cat("weights")),
-            discard=discard,
+            topk_ids=self.to_draft_ids(host(stack_topk([e.topk_ids for e in examples], -1))),
+            topk_logprobs=host(stack_topk([e.topk_logprobs for e in examples], -np.inf)),
+            rejected_ids=self.to_draft_ids(host(cat("rejected_ids"))),
+            weights=host(cat("weights")),
+            discard=host(np.concatenate([np.full(e.num_rows, e.discard) for e in examples])),
         )
-        if keep is not None:
-            for name in ("topk_ids", "topk_logprobs", "rejected_ids", "weights", "discard"):
-                setattr(out, name, getattr(out, name)[keep])
-        return out
 
 
 def _logits(out) -> torch.Tensor:
@@ -193,11 +206,11 @@ class StandaloneStudent(Student):
         if self.head_vocab is None:
             return F.linear(hidden, w)
         if w.requires_grad:
-            return F.linear(hidden, w[self.head_vocab])
+            return F.linear(hidden, w[self.head_vocab.to(w.device)])
         # a frozen head's draft rows are gathered once (18.9 MB at 8k of 49k rows, every call before)
         key = (w.data_ptr(), w._version)
         if getattr(self, "_head_rows_key", None) != key:
-            self._head_rows, self._head_rows_key = w[self.head_vocab], key  # [Vd, H]
+            self._head_rows, self._head_rows_key = w[self.head_vocab.to(w.device)], key  # [Vd, H]
         return F.linear(hidden, self._head_rows)
 
     def row_batch(self, examples: list[SequenceExample]) -> RowBatch:
@@ -209,9 +222,10 @@ class StandaloneStudent(Student):
                 raise ValueError("head_vocab needs a Hugging Face causal LM (.model and .lm_head)")
             return self._row_batch_unpacked(examples)
         seqs = pack_examples(examples)
-        ids, pos, mask = batch_tensors(seqs)  # [B, L], [B, L], [B, 1, L, L]
-        b_idx = torch.cat([torch.full((len(r),), b) for b, s in enumerate(seqs) for r in s.rows])  # [N]
-        t_idx = torch.from_numpy(np.concatenate([r for s in seqs for r in s.rows]))  # [N]
+        dev = self.device
+        ids, pos, mask = (t.to(dev) for t in batch_tensors(seqs))  # [B, L], [B, L], [B, 1, L, L]
+        b_idx = torch.cat([torch.full((len(r),), b, device=dev) for b, s in enumerate(seqs) for r in s.rows])  # [N]
+        t_idx = torch.from_numpy(np.concatenate([r for s in seqs for r in s.rows])).to(dev)  # [N]
         hidden = self._hidden_at(seqs, ids, pos, mask, b_idx, t_idx)  # [N, H]
         logits = self._head(hidden)  # [N, Vd]: the vocab projection only where read
         return self._row_tensors([ex for s in seqs for ex in s.examples], logits)
@@ -227,7 +241,7 @@ class StandaloneStudent(Student):
         if not llama_layers(inner):
             return inner(input_ids=ids, position_ids=pos, attention_mask=mask).last_hidden_state[b_idx, t_idx]
         if pos is None:  # an evaluation's plain causal sequence: the same as its packed form
-            _, pos, mask = batch_tensors(seqs)
+            _, pos, mask = (t.to(ids.device) for t in batch_tensors(seqs))
         hidden, first = self._layer_input(seqs, ids)
         *middle, last = inner.layers[first:]
         if middle:
@@ -240,13 +254,13 @@ class StandaloneStudent(Student):
 
     def _row_batch_unpacked(self, examples: list[SequenceExample]) -> RowBatch:
         L = max(len(e.tokens) for e in examples)
-        tokens = torch.zeros(len(examples), L, dtype=torch.long)  # [B, L] right-padded
+        tokens = torch.zeros(len(examples), L, dtype=torch.long, device="cpu")  # [B, L] right-padded
         for b, e in enumerate(examples):
             tokens[b, : len(e.tokens)] = torch.from_numpy(e.tokens)
         # Causal attention: right padding never reaches a row's context, so no mask is needed.
-        logits = _logits(self.model(tokens))  # [B, L, Vd]
-        b_idx = torch.cat([torch.full((e.num_rows,), b) for b, e in enumerate(examples)])  # [N]
-        pos = torch.from_numpy(np.concatenate([e.ctx_len - 1 for e in examples]))  # [N]
+        logits = _logits(self.model(tokens.to(self.device)))  # [B, L, Vd]
+        b_idx = torch.cat([torch.full((e.num_rows,), b, device=logits.device) for b, e in enumerate(examples)])  # [N]
+        pos = torch.from_numpy(np.concatenate([e.ctx_len - 1 for e in examples])).to(logits.device)  # [N]
         return self._row_tensors(examples, logits[b_idx, pos])  # [N, Vd]
 
     @torch.no_grad()
@@ -255,7 +269,8 @@ class StandaloneStudent(Student):
         the accepted tokens of the student's greedy k-chain from each output position (with
         ``branches`` > 1: of its tree with that many candidates a position, as serving drafts)."""
         main = build_examples(record, include_discard=False, max_len=self.max_len)[0]
-        ids = torch.from_numpy(main.tokens)[None]  # [1, L]
+        dev = self.device
+        ids = torch.from_numpy(main.tokens)[None].to(dev)  # [1, L]
         cut = len(record.prompt_ids) + len(record.output_ids) - len(main.tokens)  # left-truncated
         out = np.asarray(record.output_ids, dtype=np.int64)
         P = len(record.prompt_ids)
@@ -266,20 +281,20 @@ class StandaloneStudent(Student):
         if len(main.ctx_len):
             lo = min(lo, int(main.ctx_len.min()) - 1)
         if self._hf():
-            t_idx = torch.arange(lo, len(main.tokens))
+            t_idx = torch.arange(lo, len(main.tokens), device=dev)
             hidden = self._hidden_at(pack_examples([main]), ids, None, None, torch.zeros_like(t_idx), t_idx)
             logits = self._head(hidden).float()  # [L - lo, Vd]
         else:
             logits = _logits(self.model(ids))[0, lo:].float()  # [L - lo, Vd]
-        rows = logits[torch.from_numpy(main.ctx_len - 1 - lo)]  # [R, Vd]
+        rows = logits[torch.from_numpy(main.ctx_len - 1 - lo).to(dev)]  # [R, Vd]
         q = rows.softmax(-1)
-        ids = self.to_draft_ids(torch.from_numpy(main.topk_ids))
-        overlap = topk_overlap(q, ids, torch.from_numpy(main.topk_logprobs)).numpy()
+        ids = self.to_draft_ids(torch.from_numpy(main.topk_ids).to(dev))
+        overlap = topk_overlap(q, ids, torch.from_numpy(main.topk_logprobs).to(dev)).cpu().numpy()
         # greedy prediction for every output position p (logit index P + p - 1 - cut, from lo)
-        idx = torch.arange(first, len(out)) + P - 1 - cut - lo
+        idx = torch.arange(first, len(out), device=dev) + P - 1 - cut - lo
         best = top_candidates(logits[idx], branches)  # [n', m] predicting each output position
         pred = np.full((len(out), best.shape[-1]), -1, dtype=np.int64)
-        pred[first:] = self.to_target_ids(best).numpy()
+        pred[first:] = self.to_target_ids(best).cpu().numpy()
         in_top = (pred == out[:, None]).any(1)  # [n] (m = 1: the chain's match, which adds nothing)
         return RecordEval(overlap=overlap, accept_at=tree_run_lengths(pred[:, 0] == out, in_top, k))
 
@@ -307,7 +322,7 @@ class SelfSpecStudent(StandaloneStudent):
         inner, E = self.model.model, self.config.exit_layer
 
         def frozen(missing: list[PackedSequence]) -> torch.Tensor:
-            m_ids, m_pos, m_mask = batch_tensors(missing)
+            m_ids, m_pos, m_mask = (t.to(ids.device) for t in batch_tensors(missing))
             return run_layers(inner, inner.embed_tokens(m_ids), m_pos, m_mask, inner.layers[:E])  # [M, L, H]
 
         return padded(self.prefix.outputs(seqs, frozen)), E  # [B, L, H]

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
-# Trainer: Ray actor distilling the drafter (build context: repo root). Compose reserves it a GPU,
-# but training runs on the CPU cores for now: the trainer has no CUDA path yet.
+# Trainer: Ray actor distilling the drafter (build context: repo root) on the GPU compose reserves
+# it (SPECLOOP_TRAINER_DEVICE=cuda; trainer/device.py).
 FROM python:3.11-slim
 
 RUN apt-get update && apt-get install -y --no-install-recommends curl \

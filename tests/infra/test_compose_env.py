@@ -87,6 +87,15 @@ def test_trainer_checkpoints_land_on_its_scratch_volume(monkeypatch):
     assert trainer.checkpoint_dir == "/scratch/trainer-ckpt"
 
 
+def test_the_trainer_trains_on_the_gpu_compose_reserves_it(monkeypatch):
+    """GPU 1 was reserved for a trainer that trained on the container's cores: the trainer now
+    follows SPECLOOP_TRAINER_DEVICE, and compose asks for cuda where it reserves the GPU."""
+    compose = yaml.safe_load(interpolate(COMPOSE_FILE.read_text()))
+    reserved = compose["services"]["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert [d["capabilities"] for d in reserved] == [["gpu"]] and len(reserved[0]["device_ids"]) == 1
+    assert _load(monkeypatch, _env_of("trainer"), TrainerSettings).device == "cuda"
+
+
 def test_compose_default_drafter_is_one_sglang_serves_and_the_trainer_learns_without_features(monkeypatch):
     """SGLang serving records no hidden states (trace_features is TorchEngine only), so the kind
     both sides default to must be one the trainer distils from tokens and top-k alone: not eagle."""
