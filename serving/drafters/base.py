@@ -11,6 +11,10 @@ state (suffix matches, a draft KV cache) keyed by request id. The engine calls, 
     remove_request(request_id, output_ids)  when the request finishes or is aborted (output_ids is
                                             None on abort); model-free drafters learn here
 
+A drafter that keeps acceptance trials of its own may offer ``on_cut(kept)`` ({request id: nodes
+verified}, after every draft): the engine verifies a prefix of each row's proposal (its room, the
+goodput policy's widths), and only the verified nodes were trials.
+
 A drafter may also offer ``prepare_request`` (``PreparableDrafter``): a hot swap then builds the
 incoming drafter's per-request state on the swapping thread, before it is installed, instead of
 between two decode steps (see TorchEngine.swap_drafter).

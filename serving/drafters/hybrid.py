@@ -170,6 +170,23 @@ class HybridDrafter:
         self.suffix.on_verified(request_id, accepted_ids, None)
         self.learned.on_verified(request_id, accepted_ids, features)
 
+    def on_cut(self, kept: dict[str, int]) -> None:
+        """The engine verifies only the first ``kept[request]`` nodes of a row's draft (its
+        widths: serving/engine/torch_engine.py ``_tell_cut``). A learned draft's trials are what
+        was verified: a cut one keeps its verified prefix (nodes are best-first, so a prefix is a
+        subtree), and one cut to nothing was no trial. Counted as proposed, every cut draft was a
+        refusal, and near break-even, where the policy cuts most, the estimate sank below what the
+        verified drafts earned."""
+        for request_id, n in kept.items():
+            drafted = self._learned.get(request_id)
+            if drafted is None or n >= len(drafted[0]):
+                continue
+            if n <= 0:
+                del self._learned[request_id]
+            else:
+                tokens, parents = drafted
+                self._learned[request_id] = (tokens[:n], None if parents is None else parents[:n])
+
     def forget_tenant(self, tenant: str) -> bool:
         """A data deletion request: the learned part keeps nothing per tenant; the suffix index does."""
         return self.suffix.forget_tenant(tenant)

@@ -282,6 +282,7 @@ class TorchEngine(DrafterSwaps, RowMembership):
         proposed = min(plan.k, k)  # drafted positions (a tree's nodes may be more), before the cut
         catch_up_ms = plan.catch_up_ms
         plan = self._trim(plan, batch)
+        self._tell_cut(drafter, rows, plan)
         t1 = time.perf_counter()
         inputs = plan.node_tokens([r.token_ids[-1] for r in rows])  # [B, K+1]
         parents = plan.node_parents()  # [B, K+1]
@@ -362,6 +363,18 @@ class TorchEngine(DrafterSwaps, RowMembership):
             log.exception("speculation policy failed to choose the widths")
             return plan
         return trim_plan(plan, widths)
+
+    def _tell_cut(self, drafter, rows: list[Row], plan: DraftPlan) -> None:
+        """A drafter that keeps its own acceptance trials (the hybrid's learned part) learns how
+        much of each row's draft is verified: the plan keeps a prefix of the proposal's nodes (the
+        row's room, the engine's width, the policy's widths), and a node never verified is no trial."""
+        cut = getattr(drafter, "on_cut", None)
+        if cut is None:
+            return
+        try:
+            cut({r.request_id: n for r, n in zip(rows, plan.lengths.tolist())})
+        except Exception:
+            log.exception("drafter %s failed to take the verified widths", drafter.kind)
 
     def _observe(self, k: int, plan: DraftPlan, tried, num_accepted, report: VerifyBatch,
                  step_ms: float, proposed: int, catch_up_ms: float) -> None:

@@ -211,3 +211,70 @@ def test_the_hybrid_merges_learned_trees_and_learns_from_their_paths(ids_target)
     view.token_ids = view.token_ids + [runner_up, 7]
     hybrid.on_verified("r", [runner_up, 7], None)
     assert hybrid.acceptance.value > before  # one trial, accepted
+
+
+def _hybrid_with_a_learned_tree(ids_target):
+    from serving.drafters.suffix import SuffixConfig, SuffixDrafter
+
+    learned = _drafter(ids_target, 3, sharpen=8.0)
+    hybrid = HybridDrafter(SuffixDrafter(SuffixConfig()), learned,
+                           HybridPolicy(prior_acceptance=0.5, target_step_ms=10.0, draft_ms_per_step=3.0,
+                                        measure_verify=False, explore=0.0))
+    view = _view("r", [1, 2, 3, 4])
+    hybrid.add_request(view)
+    p = hybrid.propose([view], 4)
+    assert p.source[0] == DrafterKind.STANDALONE and int(p.lengths[0]) > 1
+    return hybrid, view, p
+
+
+def test_a_learned_draft_the_engine_cut_to_nothing_is_no_trial(ids_target):
+    """The engine verifies a prefix of a draft (the policy's widths): one cut to nothing was never
+    verified, so the hybrid's learned acceptance must not read it as a refusal."""
+    hybrid, view, _ = _hybrid_with_a_learned_tree(ids_target)
+    before = hybrid.acceptance.value
+    hybrid.on_cut({"r": 0})
+    view.token_ids = view.token_ids + [7]
+    hybrid.on_verified("r", [7], None)  # the bonus token only
+    assert hybrid.acceptance.value == before
+
+
+def test_a_cut_learned_draft_counts_only_its_verified_nodes(ids_target):
+    """Cut to its best node, which the target accepted: one trial, one success (counted as
+    proposed, the best node's children were a refusal nobody verified)."""
+    from feedback.goodput import AcceptanceEstimate
+
+    hybrid, view, p = _hybrid_with_a_learned_tree(ids_target)
+    want = AcceptanceEstimate(value=hybrid.acceptance.value, ema=hybrid.acceptance.ema,
+                              prior_weight=hybrid.acceptance.prior_weight)
+    want.observe(np.array([1]), np.array([1]))
+    best = int(p.tokens[0, 0])
+    hybrid.on_cut({"r": 1, "someone-else": 0})
+    view.token_ids = view.token_ids + [best, 7]
+    hybrid.on_verified("r", [best, 7], None)
+    assert hybrid.acceptance.value == pytest.approx(want.value)
+
+
+def test_the_engine_tells_the_drafter_what_it_verified_of_each_draft(ids_target, run):
+    """TorchEngine's widths reach the drafter: with a width of one node, every draft of four
+    reads as cut to one, and the output stays the target's own."""
+    cuts = []
+
+    class Recording(StandaloneDrafter):
+        def on_cut(self, kept):
+            cuts.append(dict(kept))
+
+    class OneNode(FixedK):
+        def choose_widths(self, parents, confidence, lengths, batch):
+            return np.ones(batch, dtype=np.int64)
+
+        def observe(self, *args, **kwargs):
+            pass
+
+    drafter = _drafter(ids_target, 1)
+    drafter.__class__ = Recording
+    engine = TorchEngine(ids_target, drafter, EngineConfig(k=4), policy=OneNode(4))
+    prompt = PROMPTS[0]
+    [chunks] = run(engine, [GenerationRequest("p", prompt, SamplingParams(temperature=0.0, max_tokens=6))])
+    want = target_greedy_reference(ids_target.model, prompt, 6)
+    assert [t for c in chunks for t in c.token_ids] == want
+    assert cuts and all(kept == {"p": 1} for kept in cuts)
