@@ -187,6 +187,7 @@ class EagleStudent(Student):
         L = len(seq)
         cut = len(record.prompt_ids) + len(out) - L
         accept_at = np.zeros(len(out), dtype=np.int64)
+        leaf_end = np.zeros(len(out), dtype=bool)
         for p in range(len(out)):
             c = len(record.prompt_ids) + p - cut
             jj = c - 2
@@ -196,6 +197,7 @@ class EagleStudent(Student):
             while a < k and c + a < L and int(preds[a, jj]) == int(seq[c + a]):
                 a += 1
             if tops.shape[-1] > 1 and a < k and c + a < L and bool((tops[a, jj] == seq[c + a]).any()):
-                a += 1  # the refused position's runner-up
+                a += 1  # the refused position's runner-up: a leaf, the path ends there refusing nothing
+                leaf_end[p] = True
             accept_at[p] = a
-        return RecordEval(overlap=overlap, accept_at=accept_at)
+        return RecordEval(overlap=overlap, accept_at=accept_at, leaf_end=leaf_end)

@@ -41,6 +41,7 @@ from feedback.goodput import (
 )
 from feedback.suffix.draft import SuffixConfig, SuffixProposer
 from trainer.eval_cache import evaluate_all
+from trainer.students import RecordEval
 
 
 @dataclass
@@ -157,11 +158,17 @@ def match_len(proposal: list[int], truth: np.ndarray) -> int:
     return n
 
 
-def learned_acceptance(accept_at: list[np.ndarray], k: int) -> float:
-    """Per-token acceptance of a learned drafter's greedy k-chains, as serving estimates it live
-    (an accept-until-first-reject step with m of n accepted: m successes, 1 failure if m < n)."""
+def learned_acceptance(accept_at: list[np.ndarray], k: int, leaf_end: list[np.ndarray | None] | None = None) -> float:
+    """Per-token acceptance of a learned drafter's greedy k-chains (or trees), as serving estimates
+    it live (serving/drafters/draft_tree.py ``tree_trial``: an accept-until-first-reject step with
+    m of n accepted is m successes and 1 failure if m < n, unless the path ended on a runner-up,
+    a leaf below which nothing was drafted: ``leaf_end``)."""
     acc = np.concatenate(accept_at) if accept_at else np.zeros(0)
-    successes, failures = float(acc.sum()), float((acc < k).sum())
+    refused = acc < k
+    if leaf_end is not None and any(e is not None for e in leaf_end):
+        ends = np.concatenate([np.zeros(len(a), bool) if e is None else e for a, e in zip(accept_at, leaf_end)])
+        refused &= ~ends
+    successes, failures = float(acc.sum()), float(refused.sum())
     return successes / (successes + failures) if successes + failures else 0.0
 
 
@@ -191,6 +198,7 @@ def simulate(
     acceptance: float | None = None,
     length: int | None = None,
     learned_steps: list[float] | None = None,
+    leaf_end: np.ndarray | None = None,
 ) -> tuple[int, int, float]:
     """Replay one output: returns (tokens, target forwards, cost in target-step units).
 
@@ -204,7 +212,8 @@ def simulate(
     Without ``suffix`` the learned draft runs at every step. The learned draft is ``length``
     tokens long (default: the goodput-best length at ``acceptance``, as serving's hybrid drafts).
     ``learned_steps``: [successes, failures] of the learned drafts taken, added to (the per-token
-    acceptance serving would measure live on the steps it drafts).
+    acceptance serving would measure live on the steps it drafts; ``leaf_end[p]``: the path from p
+    ended on a runner-up, which refused nothing).
     """
     n = len(output)
     p = steps = 0
@@ -214,7 +223,7 @@ def simulate(
     g_learned = 0.0
     if accept_at is not None:
         if acceptance is None:
-            acceptance = learned_acceptance([accept_at], cfg.k)
+            acceptance = learned_acceptance([accept_at], cfg.k, [leaf_end])
         if length is None:
             length = learned_length(acceptance, cfg)
         g_learned = learned_goodput(acceptance, length, costs, draft_nodes(length, cfg.branches, cfg.k))
@@ -233,7 +242,7 @@ def simulate(
             cost += costs.verify_ms(draft_nodes(length, cfg.branches, cfg.k)) + cfg.draft_cost * length
             if learned_steps is not None:
                 learned_steps[0] += a
-                learned_steps[1] += a < length
+                learned_steps[1] += a < length and not (leaf_end is not None and leaf_end[p])
         else:
             a = 0
             cost += 1.0
@@ -250,28 +259,31 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
     ea_sum, rows = 0.0, 0
     solo = [0, 0]
     pol = [0, 0.0]
-    chains: list[np.ndarray | None] = [None] * len(heldout)
+    chains: list[RecordEval | None] = [None] * len(heldout)
     if student is not None:
         for i, (rec, ev) in enumerate(zip(heldout, evaluate_all(student, heldout, cfg.k, cfg.branches))):
             ea_sum += float(ev.overlap.sum())
             rows += int(ev.overlap.shape[0])
-            t, s, _ = simulate(rec.output_ids, rec.prompt_ids, ev.accept_at, cfg, None, length=cfg.k)
+            t, s, _ = simulate(rec.output_ids, rec.prompt_ids, ev.accept_at, cfg, None, length=cfg.k,
+                               leaf_end=ev.leaf_end)
             solo[0] += t
             solo[1] += s
-            chains[i] = ev.accept_at
+            chains[i] = ev
     # Serving's live acceptance is an EMA over recent traffic, so while it serves one domain it
     # tracks that domain: each held-out request is simulated at its own domain's rate (one rate
     # over a mixed held-out set would under-rate a drafter that learned the current domain).
-    by_domain: dict[str, list[np.ndarray]] = {}
-    for rec, accept_at in zip(heldout, chains):
-        if accept_at is not None:
-            by_domain.setdefault(rec.domain or "", []).append(accept_at)
-    acceptance = {d: learned_acceptance(c, cfg.k) for d, c in by_domain.items()}
+    by_domain: dict[str, list[RecordEval]] = {}
+    for rec, ev in zip(heldout, chains):
+        if ev is not None:
+            by_domain.setdefault(rec.domain or "", []).append(ev)
+    acceptance = {d: learned_acceptance([e.accept_at for e in evs], cfg.k, [e.leaf_end for e in evs])
+                  for d, evs in by_domain.items()}
     if cfg.hybrid and suffix is not None and student is not None:
         acceptance = hybrid_acceptance(heldout, chains, cfg, suffix, acceptance)
-    for rec, accept_at in zip(heldout, chains):
-        t, _, c = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix if cfg.hybrid else None,
-                           rec.tenant, acceptance.get(rec.domain or ""))
+    for rec, ev in zip(heldout, chains):
+        t, _, c = simulate(rec.output_ids, rec.prompt_ids, None if ev is None else ev.accept_at, cfg,
+                           suffix if cfg.hybrid else None, rec.tenant, acceptance.get(rec.domain or ""),
+                           leaf_end=None if ev is None else ev.leaf_end)
         pol[0] += t
         pol[1] += c
     return DrafterScore(
@@ -282,7 +294,7 @@ def score(student, heldout: list[TraceRecord], cfg: GateConfig, suffix: SuffixPr
     )
 
 
-def hybrid_acceptance(heldout: list[TraceRecord], chains: list[np.ndarray | None], cfg: GateConfig,
+def hybrid_acceptance(heldout: list[TraceRecord], chains: list[RecordEval | None], cfg: GateConfig,
                       suffix: SuffixProposer, acceptance: dict[str, float], rounds: int = 3) -> dict[str, float]:
     """Per domain, the learned drafter's per-token acceptance on the steps the hybrid gives it.
 
@@ -296,10 +308,11 @@ def hybrid_acceptance(heldout: list[TraceRecord], chains: list[np.ndarray | None
     rates = dict(acceptance)
     for _ in range(rounds):
         steps: dict[str, list[float]] = {}
-        for rec, accept_at in zip(heldout, chains):
+        for rec, ev in zip(heldout, chains):
             d = rec.domain or ""
-            simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, suffix, rec.tenant, rates.get(d),
-                     learned_steps=steps.setdefault(d, [0.0, 0.0]))
+            simulate(rec.output_ids, rec.prompt_ids, None if ev is None else ev.accept_at, cfg, suffix, rec.tenant,
+                     rates.get(d), learned_steps=steps.setdefault(d, [0.0, 0.0]),
+                     leaf_end=None if ev is None else ev.leaf_end)
         new = {d: (s / (s + f) if s + f else rates[d]) for d, (s, f) in steps.items() if d in rates}
         settled = all(abs(new[d] - rates[d]) < 1e-3 for d in new)
         rates.update(new)

@@ -29,6 +29,9 @@ from trainer.partial_forward import layer_at_rows, llama_layers, run_layers
 class RecordEval:
     overlap: np.ndarray  # [R] sum over the target top-k of min(p, q), accepted-path rows
     accept_at: np.ndarray  # [len(output)] accepted tokens of the greedy k-chain (or tree) from each position
+    leaf_end: np.ndarray | None = None
+    """[len(output)] bool: the accepted path from that position ended on a runner-up, a leaf with
+    nothing drafted below it, so its step refused nothing (serving's ``tree_trial``)."""
 
 
 @dataclass
@@ -51,16 +54,22 @@ def run_lengths(match: np.ndarray, cap: int) -> np.ndarray:
     return np.minimum(run[:-1], cap)
 
 
-def tree_run_lengths(match: np.ndarray, in_top: np.ndarray, cap: int) -> np.ndarray:
+def tree_runs(match: np.ndarray, in_top: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
     """Accepted tokens from each position of a draft whose every level also offers the drafter's
     runners-up (serving/drafters/draft_tree.py): the greedy chain's run (``match``, capped at
     ``cap``), and one more where the first refused position's token was among them (``in_top``);
-    a runner-up has no children, so acceptance stops there."""
+    a runner-up has no children, so acceptance stops there. Also [n] bool: the path ended on such
+    a runner-up (a leaf), so nothing drafted was refused."""
     run = run_lengths(match, cap)  # [n]
     nxt = np.arange(len(run)) + run  # [n] the first position the chain got wrong
     more = (run < cap) & (nxt < len(run))
     more[more] = in_top[nxt[more]]
-    return run + more
+    return run + more, more
+
+
+def tree_run_lengths(match: np.ndarray, in_top: np.ndarray, cap: int) -> np.ndarray:
+    """``tree_runs``' accepted tokens alone."""
+    return tree_runs(match, in_top, cap)[0]
 
 
 def top_candidates(logits: torch.Tensor, branches: int) -> torch.Tensor:
@@ -296,7 +305,8 @@ class StandaloneStudent(Student):
         pred = np.full((len(out), best.shape[-1]), -1, dtype=np.int64)
         pred[first:] = self.to_target_ids(best).cpu().numpy()
         in_top = (pred == out[:, None]).any(1)  # [n] (m = 1: the chain's match, which adds nothing)
-        return RecordEval(overlap=overlap, accept_at=tree_run_lengths(pred[:, 0] == out, in_top, k))
+        accept_at, leaf_end = tree_runs(pred[:, 0] == out, in_top, k)
+        return RecordEval(overlap=overlap, accept_at=accept_at, leaf_end=leaf_end)
 
 
 class SelfSpecStudent(StandaloneStudent):

@@ -53,6 +53,7 @@ def test_hybrid_rate_is_measured_on_the_steps_the_learned_drafter_gets():
     from trainer_tracegen import make_trace
 
     from trainer.gate import build_suffix_index, hybrid_acceptance
+    from trainer.students import RecordEval
 
     seen = make_trace("a", seed=1, out_len=40)
     novel = np.random.default_rng(7).integers(1000, 2000, size=40)
@@ -62,7 +63,7 @@ def test_hybrid_rate_is_measured_on_the_steps_the_learned_drafter_gets():
     cfg = GateConfig(k=4, verify_cost=1.2, draft_cost=0.05)
     accept_at = np.concatenate([np.full(40, 4), np.zeros(40, dtype=np.int64)])  # right, then wrong
     everywhere = {"code": 0.5}
-    rates = hybrid_acceptance([rec], [accept_at], cfg, proposer, everywhere)
+    rates = hybrid_acceptance([rec], [RecordEval(np.zeros(0), accept_at)], cfg, proposer, everywhere)
     assert rates["code"] < 0.1
     t_all, _, c_all = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=0.5)
     t_hyb, _, c_hyb = simulate(rec.output_ids, rec.prompt_ids, accept_at, cfg, proposer, acceptance=rates["code"])
@@ -88,6 +89,38 @@ def test_a_tree_adds_the_runner_up_where_the_chain_was_refused():
     in_top = np.array([1, 1, 1, 0, 0, 1], dtype=bool)  # the target's token is among the candidates
     assert tree_run_lengths(match, in_top, 4).tolist() == [3, 2, 1, 1, 0, 1]
     assert tree_run_lengths(match, in_top, 2).tolist() == [2, 2, 1, 1, 0, 1]  # no runner-up past the depth
+
+
+def test_a_path_that_ends_on_a_runner_up_refused_nothing():
+    """Serving's trials (``tree_trial``): a path that ends on a runner-up, a leaf, is all
+    successes; the gate counted it a refusal too, and underrated every tree drafter against the
+    suffix index it is compared with."""
+    from serving.drafters.draft_tree import tree_trial
+    from trainer.gate import learned_acceptance
+    from trainer.students import tree_runs
+
+    match = np.array([1, 1, 0, 1, 0, 0], dtype=bool)
+    in_top = np.array([1, 1, 1, 0, 0, 1], dtype=bool)
+    accept_at, leaf_end = tree_runs(match, in_top, 4)
+    assert leaf_end.tolist() == [True, True, True, False, False, True]
+    # [3, 2, 1, 1, 0, 1]: 8 accepted; refused only where the path ended on the chain (positions 3, 4)
+    assert learned_acceptance([accept_at], 4, [leaf_end]) == pytest.approx(8 / 10)
+    assert learned_acceptance([accept_at], 4) == pytest.approx(8 / 14)  # every short path a refusal
+    # serving's count of the same two kinds of step: a chain of 4 with a runner-up at every level
+    tokens, parents = [10, 11, 12, 13, 20, 21, 22, 23], [-1, 0, 1, 2, -1, 0, 1, 2]
+    assert tree_trial(tokens, parents, [10, 21, 99]) == (2, 2)  # ended on a runner-up: no refusal
+    assert tree_trial(tokens, parents, [10, 99]) == (2, 1)  # the chain refused at level 2
+
+
+def test_the_hybrid_simulation_counts_no_refusal_at_a_runner_up():
+    output = np.arange(40)
+    accept_at = np.ones(40, dtype=np.int64)  # one token accepted from every position...
+    ends = np.ones(40, dtype=bool)  # ...each a runner-up
+    cfg = GateConfig(k=4, verify_cost=1.2, draft_cost=0.05)
+    leaf, chain = [0.0, 0.0], [0.0, 0.0]
+    simulate(output, output[:4], accept_at, cfg, None, acceptance=0.5, length=2, learned_steps=leaf, leaf_end=ends)
+    simulate(output, output[:4], accept_at, cfg, None, acceptance=0.5, length=2, learned_steps=chain)
+    assert leaf[1] == 0 and chain[1] == chain[0] > 0
 
 
 def test_a_student_scored_with_candidates_accepts_at_least_its_chain():
