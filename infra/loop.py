@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from prometheus_client import CollectorRegistry
 
+from feedback.drafters.defaults import SELFSPEC_ADAPTER_LAYERS, SELFSPEC_EXIT_LAYER
 from infra.costs import measure_costs
 from infra.day0 import (
     FrozenDrafter,
@@ -68,9 +69,9 @@ class LoopConfig:
     """A selfspec artifact to start from (e.g. pre-trained on package text with ``specloop train
     --corpus``): serving's day-0 learned drafter (the hybrid's learned half from the first request)
     and the trainer's first student and champion. None: ``day0_init``."""
-    selfspec_exit_layer: int = 2
+    selfspec_exit_layer: int = SELFSPEC_EXIT_LAYER
     """selfspec: target layers shared before the adapter."""
-    selfspec_adapter_layers: int = 1
+    selfspec_adapter_layers: int = SELFSPEC_ADAPTER_LAYERS
     """selfspec: trainable adapter layers (copies of the target's layers after the shared ones)."""
     ops_log: bool = True
     """Serving and trainer log what they do to MLflow ops runs from the first request."""

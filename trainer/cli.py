@@ -8,6 +8,12 @@ from pathlib import Path
 
 import typer
 
+from feedback.drafters.defaults import (
+    SELFSPEC_ADAPTER_LAYERS,
+    SELFSPEC_DRAFT_VOCAB_SIZE,
+    SELFSPEC_EXIT_LAYER,
+)
+
 
 def _default_loader(overrides: dict):
     from trainer.config import TrainerSettings
@@ -45,8 +51,9 @@ def use_generator(factory) -> None:
     _generator = factory
 
 
-def make_student(model: str, kind: str, max_len: int, exit_layer: int = 2,
-                 draft_vocab_size: int | None = 8192, adapter_layers: int = 1, *, init: Path | None = None,
+def make_student(model: str, kind: str, max_len: int, exit_layer: int = SELFSPEC_EXIT_LAYER,
+                 draft_vocab_size: int | None = SELFSPEC_DRAFT_VOCAB_SIZE, adapter_layers: int = SELFSPEC_ADAPTER_LAYERS,
+                 *, init: Path | None = None,
                  fingerprint=None, served_day0: str | None = None):
     """Build the day-0 student from the target directory. Runs inside the Ray worker, so no model
     weights travel through the object store (on a cluster the path must exist on the worker).

@@ -16,6 +16,11 @@ from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from feedback import endpoints as ep
+from feedback.drafters.defaults import (
+    SELFSPEC_ADAPTER_LAYERS,
+    SELFSPEC_DRAFT_VOCAB_SIZE,
+    SELFSPEC_EXIT_LAYER,
+)
 
 _OWN = "SPECLOOP_TRAINER_"
 
@@ -37,9 +42,10 @@ class TrainerSettings(BaseSettings):
                                          description="standalone: the day-0 draft serving starts with (SPECLOOP_DRAFTER_DIR, "
                                          "shared with serving): the first student and the champion "
                                          "candidates must beat. None: the student starts from the target's layers.")
-    exit_layer: int = Field(2, description="selfspec: target layers shared before the trainable adapter.")
-    adapter_layers: int = Field(1, description="selfspec: trainable adapter layers after the shared ones.")
-    draft_vocab_size: int | None = Field(8192, description="selfspec: lm_head rows read (lowest ids + specials); None = all.")
+    exit_layer: int = Field(SELFSPEC_EXIT_LAYER, description="selfspec: target layers shared before the trainable adapter.")
+    adapter_layers: int = Field(SELFSPEC_ADAPTER_LAYERS, description="selfspec: trainable adapter layers after the shared ones.")
+    draft_vocab_size: int | None = Field(SELFSPEC_DRAFT_VOCAB_SIZE, description="selfspec: lm_head rows read (lowest ids + "
+                                         "specials); None = all. Serving's day-0 selfspec drafter reads the default.")
     source: Literal["kafka", "inprocess"] = Field(
         "kafka", description="Where traces come from: kafka (the trace topic below) or inprocess (a source "
         "the caller hands the trainer: tests, code embedding it; `specloop train` has none). The trainer "

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from feedback.drafters.defaults import (
+    SELFSPEC_ADAPTER_LAYERS,
+    SELFSPEC_DRAFT_VOCAB_SIZE,
+    SELFSPEC_EXIT_LAYER,
+)
 from feedback.registry.artifact_keys import (
     DAY0_VERSION,
     EXTRA_CHAMPION_HELDOUT_ACCEPTANCE,
@@ -30,7 +35,8 @@ def build_drafter(
       ``draft_vocab_size`` (None: full vocabulary; else read the lm_head for the lowest ids only;
       an artifact that records the draft vocabulary it was trained at is served at that one).
     - selfspec: ``exit_layer`` (2: target layers shared), ``adapter_layers`` (1), ``adapter_init``
-      ("next" | "last"), ``draft_vocab_size`` (16384 lowest ids + specials; None: full vocabulary).
+      ("next" | "last"), ``draft_vocab_size`` (8192 lowest ids + specials, as the trainer's
+      student: feedback/drafters/defaults.py; None: full vocabulary).
     - hybrid: ``learned`` ("eagle" | "standalone" | "selfspec"; default: the artifact's kind, else eagle),
       ``learned_options`` (dict, as above), ``suffix`` (an existing suffix drafter to keep its
       index across a swap) or ``suffix_options`` (dict), ``policy`` (HybridPolicy or dict),
@@ -177,10 +183,10 @@ def _selfspec(
     target: Target,
     artifact_dir=None,
     *,
-    exit_layer: int = 2,
-    adapter_layers: int = 1,
+    exit_layer: int = SELFSPEC_EXIT_LAYER,
+    adapter_layers: int = SELFSPEC_ADAPTER_LAYERS,
     adapter_init: str = "next",
-    draft_vocab_size: int | None = 16384,
+    draft_vocab_size: int | None = SELFSPEC_DRAFT_VOCAB_SIZE,
 ):
     from feedback.drafters.from_target import assemble, selfspec_adapter_from_target
     from feedback.drafters.vocab import day0_draft_vocab, special_token_ids

@@ -55,3 +55,16 @@ def test_the_trainer_reads_the_day0_dir_serving_reads(monkeypatch):
     assert served_day0_draft(settings.model_copy(update={"drafter": "eagle"})) is None
     monkeypatch.delenv("SPECLOOP_DRAFTER_DIR")
     assert served_day0_draft(TrainerSettings()) is None
+
+
+def test_serving_and_the_trainer_cut_the_same_day0_selfspec_drafter(target_dir):
+    """Serving's day-0 selfspec drafter read 16,384 lm_head rows and the trainer's student 8,192,
+    so the trainer's first champion was not the drafter serving ran: both now take
+    feedback/drafters/defaults.py."""
+    from serving.drafters.factory import build_drafter
+
+    target, model_dir = target_dir
+    student = make_student(str(model_dir), "selfspec", 64, exit_layer=1)
+    served = build_drafter("selfspec", target, exit_layer=1)
+    assert torch.equal(served.model.selfspec_draft_vocab, student.head_vocab)
+    assert len(student.head_vocab) < target.model.config.vocab_size
