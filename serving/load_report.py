@@ -36,8 +36,7 @@ class LoadReporter(BaseObserver):
     def beat(self, interval_s: float) -> LoadHeartbeat:
         with self._lock:
             tokens, self._tokens = self._tokens, 0
-        load = getattr(self.engine, "load", None)
-        waiting, running = load() if callable(load) else (0, 0)
+        waiting, running = self.engine.load()  # the Engine protocol's (both engines)
         hb = LoadHeartbeat(replica_id=self.replica_id, queue_depth=waiting, running_requests=running,
                            tokens_per_s=tokens / max(interval_s, 1e-9))
         if self.control.heartbeat(hb, ttl_s=max(3 * self.every_s, 2.0)):

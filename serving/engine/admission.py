@@ -52,5 +52,13 @@ class AdmissionGate:
         with self._lock:
             self.in_flight.discard(request_id)
 
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) of the requests in flight where the engine does not say which is
+        which (SGLang queues inside its scheduler): those beyond the running-batch size wait."""
+        with self._lock:
+            n = len(self.in_flight)
+        running = n if self.max_running is None else min(n, self.max_running)
+        return n - running, running
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.in_flight

@@ -158,6 +158,11 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    def load(self) -> tuple[int, int]:
+        """(requests waiting for a place in the running batch, requests running): what the load
+        heartbeat tells the trainer, which trains on spare capacity only (serving/load_report.py)."""
+        ...
+
     @property
     def drafter(self): ...
 

@@ -185,6 +185,11 @@ class SGLangEngine:
         if self._engine is not None:
             self._engine.tokenizer_manager.abort_request(rid=request_id)
 
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) from the admission bound's count: without it every heartbeat of an
+        SGLang replica read idle, and the trainer never yielded to a saturated one."""
+        return self.admission.load()
+
     @property
     def drafter(self) -> SGLangDraft:
         return self._drafter

@@ -408,6 +408,7 @@ def test_requests_beyond_running_plus_waiting_are_refused_and_admitted_once_othe
         held = [asyncio.ensure_future(collect(rid)) for rid in ("a", "b")]  # 1 running + 1 waiting
         while len(fake.started) < 2:
             await asyncio.sleep(0)
+        assert engine.load() == (1, 1)  # what the trainer's heartbeat reads: a queue, not idle
         with pytest.raises(Overloaded, match="capacity"):
             await collect("c")
         fake.go.set()
@@ -421,6 +422,7 @@ def test_requests_beyond_running_plus_waiting_are_refused_and_admitted_once_othe
     assert again[-1].finish_reason == "length"
     assert fake.started == ["a", "b", "c"]  # the refused request never reached SGLang
     assert engine.admission.refused == 1 and engine.admission.in_flight == set()
+    assert engine.load() == (0, 0)
 
 
 @pytest.mark.parametrize("configured, resolved, limit", [
