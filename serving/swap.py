@@ -27,7 +27,6 @@ serving/registry_fetch.py, and become drafters in serving/artifact_loader.py.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -45,10 +44,6 @@ from serving.swap_errors import NothingToRollBack, RefusedArtifact, RegistryUnav
 
 if TYPE_CHECKING:  # annotation only: the Swapper takes any loader (SGLang's too)
     from serving.artifact_loader import ArtifactDrafterLoader
-
-# The MLflow client retries a dead server for minutes by default; the Swapper retries on its own.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 log = logging.getLogger(__name__)
 

@@ -90,6 +90,7 @@ class KafkaTraceSink:
         self._wakeup = threading.Event()
         self._closing = threading.Event()
         self._closed = False
+        self._abandoned = False  # close() counted what was left: late callbacks count nothing
         self._in_flight = 0
         self._use_idempotence = self.settings.idempotence
         self._producer = None
@@ -142,19 +143,31 @@ class KafkaTraceSink:
         return True
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what can be sent within ``timeout``; the rest is shed as ``closed``."""
+        """Send what can be sent within ``timeout``; the rest (queued, or held by the producer for
+        a broker that does not answer) is shed as ``closed``, counted and logged: afterwards
+        ``pending == 0`` and ``emitted == sent + shed``."""
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            closed_before = self.shed_by_reason.get("closed", 0)
         self.flush(timeout)
         self._closing.set()
         self._wakeup.set()
         self._thread.join(timeout=max(1.0, timeout))
-        self._drop_producer(timeout=0.5)
+        self._drop_producer(timeout=0.5)  # aborts its unfinished batches: errbacks count them
         with self._lock:
             while self._queue:
                 self._queue.popleft()
                 self._count_shed_locked("closed")
+            for _ in range(self._in_flight):  # callbacks that never came (or not yet): ours now
+                self._count_shed_locked("closed")
+            self._in_flight = 0
+            self._abandoned = True
+            unsent = self.shed_by_reason.get("closed", 0) - closed_before
+        if unsent:
+            log.warning("kafka trace sink closed with %d trace(s) unsent (shed as 'closed'; "
+                        "%d sent, %d shed in all)", unsent, self.sent, self.shed)
 
     # ---- sender thread ------------------------------------------------------------------------
 
@@ -206,6 +219,8 @@ class KafkaTraceSink:
 
     def _on_delivered(self, nbytes: int, generation: int, _metadata) -> None:
         with self._lock:
+            if self._abandoned:  # close() already counted it as shed
+                return
             if generation == self._generation:
                 self._fatal_streak = 0
                 self._delivered_by_producer += 1
@@ -220,11 +235,13 @@ class KafkaTraceSink:
 
         if generation == self._generation and not isinstance(error, KafkaTimeoutError):
             self._fatal_streak += 1  # the broker answered with an error: maybe a stale producer id
-        self._settle("delivery_failed")
+        self._settle("closed" if self._closing.is_set() else "delivery_failed")
 
     def _settle(self, reason: str) -> None:
         """A record taken off the queue ends as shed."""
         with self._lock:
+            if self._abandoned:  # close() already counted it
+                return
             self._in_flight -= 1
             self._count_shed_locked(reason)
 
@@ -304,7 +321,23 @@ class KafkaTraceSink:
             try:
                 producer.close(timeout=timeout)  # aborts what is left: errbacks count it as shed
             except Exception as e:  # noqa: BLE001
-                log.debug("closing kafka producer: %s", e)
+                # kafka-python's close() flushes first and raises when that times out, before it
+                # stops its sender: the unfinished batches would then neither be sent nor fail
+                # (no errback, never counted). Stop the sender so that it aborts them.
+                log.warning("kafka producer did not close cleanly (%s); aborting its unsent "
+                            "traces", e)
+                self._force_close(producer, timeout)
+
+    @staticmethod
+    def _force_close(producer, timeout: float) -> None:
+        try:
+            sender = producer._sender  # kafka-python's I/O thread
+            sender.force_close()  # it fails every incomplete batch (errbacks run), then exits
+            if timeout > 0 and sender is not threading.current_thread():
+                sender.join(timeout)
+            producer.close(timeout=0)  # nothing left to flush now: the rest of its cleanup
+        except Exception as e:  # noqa: BLE001 - close() counts whatever is still in flight
+            log.debug("force-closing kafka producer: %s", e)
 
     def _compression(self) -> str | None:
         from kafka import codec

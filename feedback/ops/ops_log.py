@@ -22,11 +22,16 @@ import threading
 import time
 from dataclasses import dataclass
 
+from feedback.registry.drafter_registry import use_short_mlflow_http_retries
+
 log = logging.getLogger(__name__)
 
 # MLflow prints "View run ... at: URL" on stdout when a run over HTTP ends; our CLIs and benchmarks
 # print one JSON object there. The demo prints the operator's URL itself.
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+# ... and the MLflow client's short HTTP retries, as on the registry path (a run opened before any
+# DrafterRegistry, or without one, would otherwise retry a dead server for minutes per batch).
+use_short_mlflow_http_retries()
 
 
 @dataclass

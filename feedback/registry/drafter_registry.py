@@ -16,9 +16,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from feedback.target.fingerprint import TargetFingerprint
+
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-from feedback.target.fingerprint import TargetFingerprint
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+"""The MLflow client retries a dead server for minutes per call by default (7 retries, 120 s
+timeout); serving's Swapper and the trainer retry on their own. An operator's own setting wins."""
+
+
+def use_short_mlflow_http_retries() -> None:
+    """Set ``MLFLOW_HTTP_DEFAULTS`` where unset (MLflow reads them per request). Done when this
+    module is imported: the registry path of both serving and the trainer."""
+    for name, value in MLFLOW_HTTP_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+use_short_mlflow_http_retries()
 
 CHAMPION = "champion"
 ARTIFACT_PATH = "drafter"

@@ -10,7 +10,8 @@ drafter an operator saw is not applied to one a poll installed meanwhile). Swap 
 the Swapper (``app.state.swapper``; 409 without one).
 
 Retention: ``DELETE /admin/tenants/{tenant}`` deletes a tenant's data (suffix index here; replay
-and checkpoints in the trainer, asked through the control plane)."""
+and checkpoints in the trainer, asked through the control plane; 503 with Retry-After when the control
+plane could not take the request: retry, dropping the index again is harmless)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import hmac
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from serving.api.errors import APIError
+from serving.api.errors import APIError, unavailable
 
 
 def require_admin(raw: Request) -> None:
@@ -95,6 +96,16 @@ async def delete_tenant(tenant: str, raw: Request) -> dict:
     forget = getattr(drafter, "forget_tenant", None)
     index_dropped = bool(forget(tenant)) if forget is not None else False
     control = getattr(getattr(raw.app.state, "swapper", None), "control", None)
-    requested = bool(await asyncio.to_thread(control.request_deletion, tenant)) if control else False
+    requested = False  # no control plane configured: nothing to ask (the 200 says so)
+    if control is not None:
+        requested = bool(await asyncio.to_thread(control.request_deletion, tenant))
+        if not requested:  # Redis down (or the plane backing off): the trainer keeps the data
+            retry_s = getattr(getattr(control, "settings", None), "retry_after_s", None)
+            raise unavailable(
+                f"The trainer was not reached (control plane unavailable): deletion of tenant "
+                f"{tenant!r}'s traces in replay and checkpoints was not requested. Retry the "
+                f"request; it is safe to repeat (dropping this replica's suffix index again is "
+                f"harmless).",
+                retry_s if isinstance(retry_s, (int, float)) else 1.0, code="trainer_unreachable")
     return {"tenant": tenant, "suffix_index_dropped": index_dropped,
             "trainer_deletion_requested": requested}

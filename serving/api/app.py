@@ -19,6 +19,27 @@ from serving.engine.base import Engine
 log = logging.getLogger(__name__)
 
 
+def _trace_sinks(engine: Engine) -> list:
+    """The sinks the engine's TraceRecorders emit to, each once. The app closes them at shutdown:
+    the Kafka sink sends what it still holds, or counts it as shed ("closed"); left open, its
+    daemon sender thread died with the process and the traces with it, uncounted."""
+    from serving.observers import TraceRecorder
+
+    sinks: list = []
+    for observer in getattr(engine, "observers", ()):
+        sink = observer.sink if isinstance(observer, TraceRecorder) else None
+        if sink is not None and all(sink is not s for s in sinks):
+            sinks.append(sink)
+    return sinks
+
+
+def _close_sink(sink) -> None:
+    try:
+        sink.close()
+    except Exception:  # a sink must not keep the rest of the shutdown from running
+        log.exception("closing trace sink %s failed", type(sink).__name__)
+
+
 def create_app(
     engine: Engine,
     settings: ServingSettings | None = None,
@@ -27,7 +48,9 @@ def create_app(
 ) -> FastAPI:
     """``registry``: the Prometheus registry the engine's metrics live in (served at /metrics).
     ``swapper``: a serving.swap.Swapper; by default one is built when the settings name Redis or
-    MLflow (see serving.builder.build_swapper). Started and stopped with the app."""
+    MLflow (see serving.builder.build_swapper). Started and stopped with the app.
+    The app owns the engine's trace sinks (its TraceRecorders'): they are closed at shutdown,
+    after the engine stopped."""
     settings = settings or ServingSettings()
     replica = settings.replica_name()
     if swapper is None and (settings.redis_url or settings.mlflow_tracking_uri):
@@ -88,6 +111,9 @@ def create_app(
             if swapper is not None:
                 await asyncio.to_thread(swapper.stop)
             await engine.stop()
+            # after the engine: its last traces (requests the stop aborted too) are emitted by now
+            for sink in _trace_sinks(engine):
+                await asyncio.to_thread(_close_sink, sink)
             if ops is not None:
                 ops.flush()
                 await asyncio.to_thread(ops.run.close)

@@ -58,10 +58,10 @@ def overloaded(message: str, retry_after_s: float) -> APIError:
                     headers=_retry_after(retry_after_s))
 
 
-def unavailable(message: str, retry_after_s: float) -> APIError:
-    """503 with Retry-After: the engine is stopping or not running; the request was not served."""
-    return APIError(message, 503, "server_error", code="engine_unavailable",
-                    headers=_retry_after(retry_after_s))
+def unavailable(message: str, retry_after_s: float, code: str = "engine_unavailable") -> APIError:
+    """503 with Retry-After: the engine is stopping or not running (or, by ``code``, another part
+    the request needs is unreachable); the request was not (fully) served: retry."""
+    return APIError(message, 503, "server_error", code=code, headers=_retry_after(retry_after_s))
 
 
 def model_not_found(model: str) -> APIError:

@@ -47,3 +47,68 @@ def test_admin_deletes_a_tenants_index_and_asks_the_trainer():
     assert control.requested == ["acme"]
     assert "acme" not in drafter.proposer.indexes and drafter.index("acme").num_tokens == 0
     assert drafter.index("beta").num_tokens > 0
+
+
+def _app_with(control):
+    settings = ServingSettings(served_model_name="tiny", drafter="suffix", admin_token=TOKEN)
+    engine = build_engine(settings, target=tiny_target(vocab_size=101), registry=CollectorRegistry())
+    swapper = None if control is None else SimpleNamespace(control=control, start=lambda: None,
+                                                           stop=lambda: None)
+    return create_app(engine, settings, CollectorRegistry(), swapper=swapper), engine.drafter
+
+
+def _delete(app, tenant):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.delete(f"/admin/tenants/{tenant}", headers={"Authorization": f"Bearer {TOKEN}"})
+
+    return asyncio.run(go())
+
+
+def test_a_deletion_that_does_not_reach_the_trainer_is_a_503_to_retry():
+    """Redis down: the control plane cannot take the request (request_deletion is False). A 200
+    told the operator the tenant's data was on its way out while the trainer kept it."""
+    from feedback.control.plane import ControlPlane
+    from infra.stack import free_port
+
+    control = ControlPlane(url=f"redis://127.0.0.1:{free_port()}/0", namespace="nobody-listens")
+    app, drafter = _app_with(control)
+    drafter.observe("acme", [5, 6, 7, 8, 9, 10])
+    try:
+        r = _delete(app, "acme")
+        assert r.status_code == 503, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "trainer_unreachable"
+        assert "trainer was not reached" in error["message"] and "Retry" in error["message"]
+        assert drafter.index("acme").num_tokens == 0  # the local part is done anyway
+        again = _delete(app, "acme")  # a retry while Redis is still down: the same answer
+        assert again.status_code == 503 and again.headers["retry-after"]
+    finally:
+        control.close()
+
+
+def test_a_deletion_the_control_plane_refuses_is_503_and_one_it_takes_is_200():
+    class Flaky(_Control):
+        up = False
+
+        def request_deletion(self, tenant):
+            super().request_deletion(tenant)
+            return self.up
+
+    control = Flaky()
+    app, _ = _app_with(control)
+    assert _delete(app, "acme").status_code == 503
+    control.up = True
+    r = _delete(app, "acme")
+    assert r.status_code == 200
+    assert r.json() == {"tenant": "acme", "suffix_index_dropped": False, "trainer_deletion_requested": True}
+    assert control.requested == ["acme", "acme"]
+
+
+def test_without_a_control_plane_the_deletion_is_local_and_200():
+    app, drafter = _app_with(None)
+    drafter.observe("acme", [5, 6, 7, 8])
+    r = _delete(app, "acme")
+    assert r.status_code == 200
+    assert r.json() == {"tenant": "acme", "suffix_index_dropped": True, "trainer_deletion_requested": False}
