@@ -11,17 +11,25 @@ bytes, and the error in headers (``specloop-error``, ``specloop-error-type``, ``
 (broker away) is retried by ``commit``, which commits nothing until it is written; one too large
 for the dead-letter producer (a message fetched past ``max_partition_fetch_bytes``) goes without
 its bytes, with ``specloop-value-omitted`` = their size (the original stays at ``specloop-source``).
+The dead-letter producer blocks for at most ``dlq_max_block_ms`` and a commit waits for dead letters
+at most ``dlq_timeout_ms``: a dead letter that cannot be written is counted and logged, never waited on.
+
+A broker that is away when the source starts (the trainer's Ray actor builds it in its constructor,
+which Ray does not retry) is waited for: ``poll`` returns nothing and retries the connection with a
+capped exponential back-off until one answers.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Literal, Self
 
 from prometheus_client import Counter
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from feedback.background.supervise import Backoff
 from feedback.bus.codec import TraceDecodeError, decode
 from feedback.bus.kafka_sink import REQUEST_OVERHEAD_BYTES
 from feedback.bus.trace import TraceRecord
@@ -31,6 +39,10 @@ log = logging.getLogger(__name__)
 TRACES_CONSUMED = Counter("specloop_traces_consumed_total", "Traces decoded by the trainer.")
 TRACES_DEAD_LETTERED = Counter("specloop_traces_dead_lettered_total",
                                "Trace messages sent to the dead-letter topic.", ["error_type"])
+DEAD_LETTER_SEND_FAILURES = Counter(
+    "specloop_dead_letter_send_failures_total",
+    "Dead letters the producer could not take or deliver in time (broker away); the next commit "
+    "retries them and commits no offsets until they are written.")
 
 
 def merge_windows(*windows: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
@@ -74,49 +86,128 @@ class KafkaSourceSettings(BaseSettings):
         5_000, description="Metadata refresh period. A consumer that subscribed before the topic "
         "existed (the first trace creates it) only sees it at the next refresh; kafka-python's "
         "default of 5 minutes would leave a fresh trainer idle that long.")
+    bootstrap_timeout_ms: int = Field(2_000, description="One connection attempt (the consumer's, then "
+                                      "the dead-letter producer's); a poll waits this long at most for it.")
+    reconnect_backoff_max_s: float = Field(30.0, description="Longest wait between connection attempts "
+                                           "while no broker answers (doubled from 0.5 s per failure).")
+    dlq_max_block_ms: int = Field(2_000, description="Longest the dead-letter producer blocks a poll or "
+                                  "commit (metadata, buffer space) while the broker is away.")
+    dlq_timeout_ms: int = Field(5_000, description="Longest a commit waits for dead letters to be written "
+                            "(then it commits nothing and the next commit retries them).")
 
 
 class KafkaTraceSource:
     """Consume TraceRecords from a consumer group; ``poll`` then ``commit`` once used.
 
-    Unlike the sink this is not shielded from the broker: the constructor raises
-    ``kafka.errors.NoBrokersAvailable`` when no broker answers (the trainer can wait and retry).
+    The constructor does not connect. ``poll`` connects (the consumer, then the dead-letter
+    producer) and, while no broker answers, returns no records after its timeout, logs a warning
+    and retries after a capped exponential back-off (``reconnect_backoff_max_s``); one attempt
+    lasts ``bootstrap_timeout_ms`` at most. Once connected, kafka-python reconnects by itself.
+    ``connected`` and ``connect_failures`` tell where it stands.
     """
 
     def __init__(self, settings: KafkaSourceSettings | None = None, **overrides):
-        from kafka import KafkaConsumer, KafkaProducer
-        from kafka.consumer.subscription_state import ConsumerRebalanceListener
-
         self.settings = s = (settings or KafkaSourceSettings()).model_copy(update=overrides)
         self.consumed = 0
         self.dead_lettered = 0
+        self.dead_letter_send_failures = 0
+        """Dead letters the producer could not take or deliver in time (each retried by a commit)."""
         self.last_window: dict[int, tuple[int, int]] = {}
         """Partition -> (first, last) offset of the records returned by the last poll."""
         self.lineage_window: dict[int, tuple[int, int]] = {}
         """Partition -> (first, last) offset of everything polled since ``mark_lineage()``: the
         exact trace range a drafter registered now was trained on (dead letters included)."""
         self._pending: dict = {}  # TopicPartition -> next offset to commit
-        servers = s.bootstrap_servers.split(",")
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=servers,
-            client_id=s.client_id,
-            group_id=s.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset=s.auto_offset_reset,
-            session_timeout_ms=s.session_timeout_ms,
-            heartbeat_interval_ms=s.heartbeat_interval_ms,
-            request_timeout_ms=max(s.request_timeout_ms, s.session_timeout_ms + 1_000),
-            max_partition_fetch_bytes=s.max_partition_fetch_bytes,
-            metadata_max_age_ms=s.metadata_max_age_ms,
-        )
-        # Not idempotent: a restarted tansu forgets producer ids, which is fatal to kafka-python.
-        self._dlq = KafkaProducer(bootstrap_servers=servers, client_id=f"{s.client_id}-dlq",
-                                  acks="all", enable_idempotence=False,
-                                  max_request_size=s.max_partition_fetch_bytes + REQUEST_OVERHEAD_BYTES,
-                                  ) if s.dead_letter else None
         self.skipped_undecodable = 0
         """Undecodable messages skipped without a dead letter (``dead_letter`` False)."""
         self._dlq_unconfirmed: list[tuple] = []  # (future or None, send kwargs) until the commit checks
+        self._consumer = None
+        self._dlq = None
+        self._closed = False
+        self.connect_failures = 0
+        """Failed connection attempts since the last success."""
+        self._backoff = Backoff(initial_s=min(0.5, s.reconnect_backoff_max_s), max_s=s.reconnect_backoff_max_s)
+        self._connect_at = 0.0  # time.monotonic() of the next connection attempt
+
+    @property
+    def connected(self) -> bool:
+        return self._consumer is not None
+
+    def _connect(self, timeout: float) -> bool:
+        """Connected, or one attempt if one is due within ``timeout`` s (else wait that long)."""
+        if self._consumer is not None:
+            return True
+        if self._closed:
+            return False
+        wait = self._connect_at - time.monotonic()
+        if wait > 0:  # a caller polling in a loop must not spin while the broker is away
+            time.sleep(max(0.0, min(wait, timeout)))
+            if wait > timeout:
+                return False
+        from kafka.errors import KafkaError
+
+        try:
+            self._consumer, self._dlq = self._build()
+        except (KafkaError, OSError) as e:
+            self.connect_failures += 1
+            delay = self._backoff.next()
+            self._connect_at = time.monotonic() + delay
+            log.warning("no Kafka broker answers at %s (%s; attempt %d): no traces until one does, "
+                        "retrying in %.1fs", self.settings.bootstrap_servers, e, self.connect_failures, delay)
+            return False
+        if self.connect_failures:
+            log.warning("connected to Kafka at %s after %d failed attempts", self.settings.bootstrap_servers,
+                        self.connect_failures)
+        self.connect_failures = 0
+        self._backoff.reset()
+        return True
+
+    def _build(self):
+        """The subscribed consumer and the dead-letter producer (None without dead letters); raises
+        when no broker answers within ``bootstrap_timeout_ms``, leaving no client thread behind."""
+        from kafka import KafkaConsumer, KafkaProducer
+        from kafka.consumer.subscription_state import ConsumerRebalanceListener
+
+        s = self.settings
+        servers = s.bootstrap_servers.split(",")
+        clients = []  # a constructor that raises leaves its client's IO thread running: closed below
+
+        def tracked(factory):
+            def make(**configs):
+                client = factory(**configs)
+                clients.append(client)
+                return client
+            return make
+
+        try:
+            consumer = KafkaConsumer(
+                bootstrap_servers=servers,
+                client_id=s.client_id,
+                group_id=s.group_id,
+                enable_auto_commit=False,
+                auto_offset_reset=s.auto_offset_reset,
+                session_timeout_ms=s.session_timeout_ms,
+                heartbeat_interval_ms=s.heartbeat_interval_ms,
+                request_timeout_ms=max(s.request_timeout_ms, s.session_timeout_ms + 1_000),
+                max_partition_fetch_bytes=s.max_partition_fetch_bytes,
+                metadata_max_age_ms=s.metadata_max_age_ms,
+                bootstrap_timeout_ms=s.bootstrap_timeout_ms,
+                kafka_client=tracked(KafkaConsumer.DEFAULT_CONFIG["kafka_client"]),
+            )
+            # Not idempotent: a restarted tansu forgets producer ids, which is fatal to kafka-python.
+            dlq = KafkaProducer(bootstrap_servers=servers, client_id=f"{s.client_id}-dlq",
+                                acks="all", enable_idempotence=False,
+                                max_request_size=s.max_partition_fetch_bytes + REQUEST_OVERHEAD_BYTES,
+                                max_block_ms=s.dlq_max_block_ms, bootstrap_timeout_ms=s.bootstrap_timeout_ms,
+                                kafka_client=tracked(KafkaProducer.DEFAULT_CONFIG["kafka_client"]),
+                                ) if s.dead_letter else None
+        except BaseException:
+            for client in clients:
+                try:
+                    client.close()
+                except Exception:  # the attempt's own error is the one to report
+                    log.debug("closing a failed Kafka client", exc_info=True)
+            raise
         source = self
 
         class _DropRevoked(ConsumerRebalanceListener):
@@ -129,7 +220,8 @@ class KafkaTraceSource:
             def on_partitions_assigned(self, assigned):
                 pass
 
-        self._consumer.subscribe([s.topic], listener=_DropRevoked())
+        consumer.subscribe([s.topic], listener=_DropRevoked())
+        return consumer, dlq
 
     def __enter__(self) -> Self:
         return self
@@ -138,7 +230,11 @@ class KafkaTraceSource:
         self.close()
 
     def poll(self, max_records: int = 256, timeout: float = 1.0) -> list[TraceRecord]:
-        """Up to ``max_records`` valid records, waiting up to ``timeout`` s for the first ones."""
+        """Up to ``max_records`` valid records, waiting up to ``timeout`` s for the first ones (none
+        while no broker answers: see the class)."""
+        if not self._connect(timeout):
+            self.last_window = {}
+            return []
         batches = self._consumer.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
         records: list[TraceRecord] = []
         window: dict[int, tuple[int, int]] = {}
@@ -183,34 +279,58 @@ class KafkaTraceSource:
         return True
 
     def _confirm_dead_letters(self) -> bool:
-        """Every dead letter is on the DLQ topic (resent once if needed) before offsets move on."""
-        if self._dlq is None:
+        """Every dead letter is on the DLQ topic (resent once if needed) before offsets move on.
+        Waits ``dlq_timeout_ms`` at most; after one failed resend (the broker is away) the others
+        wait for the next commit."""
+        if self._dlq is None or not self._dlq_unconfirmed:
             return True
-        self._dlq.flush(timeout=10)
-        remaining = []
+        from kafka.errors import KafkaTimeoutError
+
+        deadline = time.monotonic() + self.settings.dlq_timeout_ms / 1000
+        left = lambda: max(0.0, deadline - time.monotonic())
+        try:
+            self._dlq.flush(timeout=left())
+        except KafkaTimeoutError:
+            pass  # what is still in flight stays unconfirmed below
+        remaining, away = [], False
         for future, send in self._dlq_unconfirmed:
-            if future is None or future.failed():
-                try:
-                    self._send_dead_letter(send).get(timeout=10)
-                except Exception as e:  # noqa: BLE001
-                    log.warning("dead letter not written (%s)", e)
-                    remaining.append((future, send))
+            if future is not None and future.is_done and future.succeeded():
+                continue
+            if away or (future is not None and not future.is_done):  # in flight: not sent twice
+                remaining.append((future, send))
+                continue
+            try:
+                future = self._send_dead_letter(send)
+                future.get(timeout=left())
+            except Exception as e:  # noqa: BLE001
+                self._dead_letter_failed(e, "not written")
+                remaining.append((future, send))
+                away = True
         self._dlq_unconfirmed = remaining
         if remaining:
             log.warning("%d dead letters not written: offsets not committed", len(remaining))
         return not remaining
 
+    def _dead_letter_failed(self, error: BaseException, what: str) -> None:
+        self.dead_letter_send_failures += 1
+        DEAD_LETTER_SEND_FAILURES.inc()
+        log.warning("dead letter %s (%s: %s): the next commit retries it", what, type(error).__name__, error)
+
     def committed(self) -> dict[int, int | None]:
         """Partition -> committed offset of the group (for tests and lag reports)."""
+        if self._consumer is None:
+            return {}
         return {tp.partition: self._consumer.committed(tp) for tp in self._consumer.assignment()}
 
     def close(self) -> None:
         """Leave the group without committing (uncommitted records will be delivered again)."""
+        self._closed = True
         try:
             if self._dlq is not None:
                 self._dlq.close(timeout=5)
         finally:
-            self._consumer.close(autocommit=False)
+            if self._consumer is not None:
+                self._consumer.close(autocommit=False)
 
     def _decode_or_dead_letter(self, msg) -> TraceRecord | None:
         try:
@@ -235,11 +355,12 @@ class KafkaTraceSource:
         ]
         send = {"topic": self.settings.dlq_topic, "key": msg.key, "value": msg.value or b"",
                 "headers": headers}
-        try:
-            future = self._send_dead_letter(send)
-        except Exception as e:  # noqa: BLE001 - raising here would lose the rest of this poll's batch
-            log.warning("dead letter not handed to the producer (%s): the commit retries it", e)
-            future = None
+        future = None
+        if not any(f is None for f, _ in self._dlq_unconfirmed):  # else the producer is known blocked
+            try:
+                future = self._send_dead_letter(send)
+            except Exception as e:  # noqa: BLE001 - raising here would lose the rest of this poll's batch
+                self._dead_letter_failed(e, "not handed to the producer")
         self._dlq_unconfirmed.append((future, send))
         self.dead_lettered += 1
         TRACES_DEAD_LETTERED.labels(error_type=error_type).inc()
