@@ -48,6 +48,9 @@ from serving.drafters.base import Drafter, DraftProposal, DraftRequestView, chai
 from serving.drafters.draft_tree import tree_trial
 from serving.engine.tree import path_confidence
 
+_MAX_CUT_STREAK = 6
+"""Cuts in a row beyond which the sit-out stops growing (63 steps)."""
+
 
 class HybridPolicy(BaseModel):
     """Knobs of the per-row choice."""
@@ -148,6 +151,10 @@ class HybridDrafter:
         self.last_choice: np.ndarray = np.zeros(0, dtype=np.uint8)
         self._row_ms: float | None = None
         """EMA of a learned call's milliseconds per row drafted (``explore_fraction``)."""
+        self._cut_streak = 0
+        """Steps in a row whose learned drafts the engine cut to nothing (``on_cut``)."""
+        self._sit_out = 0
+        """Steps left in which the learned drafter is not called (after cuts: 1, 3, 7, ...)."""
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -176,16 +183,31 @@ class HybridDrafter:
         was verified: a cut one keeps its verified prefix (nodes are best-first, so a prefix is a
         subtree), and one cut to nothing was no trial. Counted as proposed, every cut draft was a
         refusal, and near break-even, where the policy cuts most, the estimate sank below what the
-        verified drafts earned."""
+        verified drafts earned. After a step whose learned drafts were all cut to nothing the
+        learned drafter sits out 1, 3, 7, ... steps (``propose``), so that drafts nobody verifies
+        are not paid for at every step."""
+        cut = verified = False
         for request_id, n in kept.items():
             drafted = self._learned.get(request_id)
-            if drafted is None or n >= len(drafted[0]):
+            if drafted is None:
+                continue
+            verified |= n > 0
+            if n >= len(drafted[0]):
                 continue
             if n <= 0:
+                cut = True
                 del self._learned[request_id]
             else:
                 tokens, parents = drafted
                 self._learned[request_id] = (tokens[:n], None if parents is None else parents[:n])
+        # A cut moves no estimate, so the drafter would be asked (and paid) again at once: as the
+        # engine's policy does for a costly drafter, it sits out 1, 3, 7, ... steps after drafts
+        # cut to nothing, until one of its drafts is verified again.
+        if verified:
+            self._cut_streak = 0
+        elif cut:
+            self._cut_streak = min(self._cut_streak + 1, _MAX_CUT_STREAK)
+            self._sit_out = (1 << self._cut_streak) - 1
 
     def forget_tenant(self, tenant: str) -> bool:
         """A data deletion request: the learned part keeps nothing per tenant; the suffix index does."""
@@ -227,6 +249,9 @@ class HybridDrafter:
             self._rng.random(batch) < self.explore_fraction(int(candidates.sum()))
         )
         need = (ask | (candidates & explore)).nonzero().flatten().tolist()
+        if self._sit_out > 0:  # its last drafts were cut unverified: it sits this step out
+            self._sit_out -= 1
+            need = []
 
         out = sp
         use_suffix = (sp.lengths > 0) & (g_suffix > g_none)  # [B]

@@ -278,3 +278,35 @@ def test_the_engine_tells_the_drafter_what_it_verified_of_each_draft(ids_target,
     want = target_greedy_reference(ids_target.model, prompt, 6)
     assert [t for c in chunks for t in c.token_ids] == want
     assert cuts and all(kept == {"p": 1} for kept in cuts)
+
+
+def test_a_learned_drafter_whose_drafts_are_cut_sits_out_growing_spans(ids_target):
+    """A cut moves no estimate, so without more the hybrid would pay for a learned draft at every
+    step that the engine then cuts: after a step whose learned drafts were all cut it sits out 1,
+    then 3 steps, and one verified draft ends the streak."""
+    hybrid, view, _ = _hybrid_with_a_learned_tree(ids_target)
+    calls = []
+    propose = hybrid.learned.propose
+    hybrid.learned.propose = lambda views, k: calls.append(len(views)) or propose(views, k)
+
+    bonus = itertools.count(20)  # never a repeat: the suffix index finds nothing to draft
+
+    def step(kept: int) -> bool:
+        """One engine step: the draft, the engine's cut to ``kept`` nodes, a bonus token
+        verified; whether the learned drafter was called."""
+        before = len(calls)
+        p = hybrid.propose([view], 4)
+        hybrid.on_cut({"r": min(kept, int(p.lengths[0]))})
+        token = next(bonus)
+        view.token_ids = view.token_ids + [token]
+        hybrid.on_verified("r", [token], None)
+        return len(calls) > before
+
+    hybrid.on_cut({"r": 0})  # the helper's draft: cut
+    token = next(bonus)
+    view.token_ids = view.token_ids + [token]
+    hybrid.on_verified("r", [token], None)
+    assert [step(0) for _ in range(2)] == [False, True]  # sat out 1, drafted, cut again
+    assert [step(0) for _ in range(4)] == [False, False, False, True]  # sat out 3
+    assert [step(1) for _ in range(8)] == [False] * 7 + [True]  # sat out 7, then verified...
+    assert step(1)  # ...so it drafts at the next step again
