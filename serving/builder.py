@@ -65,21 +65,25 @@ def build_observers(
 
 def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str, *, also_on_drift=None,
                        **run_options):
-    """This replica's MLflow ops run and the observer feeding it (None without MLflow, with
-    ``ops_log`` off, or while MLflow is unreachable: never fatal). Drifts are also announced on
-    Redis when ``redis_url`` is set, for the trainer, and passed to ``also_on_drift``.
+    """This replica's MLflow ops run and the observer feeding it (None without MLflow or with
+    ``ops_log`` off). Drifts are also announced on Redis when ``redis_url`` is set, for the
+    trainer, and passed to ``also_on_drift``. MLflow unreachable at start is never fatal: the
+    observer then records nothing (``DiscardedRun``) but still detects and announces drifts; before,
+    it was not built and the trainer heard of no drift for the process's life.
     ``run_options``: OpsRun options (e.g. ``flush_s``)."""
     if not (settings.mlflow_tracking_uri and settings.ops_log):
         return None
-    from feedback.ops.ops_log import open_run
+    from feedback.ops.ops_log import DiscardedRun, open_run
     from serving.ops_observer import DriftPublisher, LiveOpsObserver
 
+    callbacks = [c for c in (DriftPublisher(build_control_plane(settings), settings.tenant, replica_id)
+                             if settings.redis_url else None, also_on_drift) if c is not None]
     run = open_run(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant, replica_id,
                    **run_options)
     if run is None:
-        return None
-    callbacks = [c for c in (DriftPublisher(build_control_plane(settings), settings.tenant, replica_id)
-                             if settings.redis_url else None, also_on_drift) if c is not None]
+        if not callbacks:
+            return None
+        run = DiscardedRun()
 
     def on_drift(ev) -> None:
         for callback in callbacks:

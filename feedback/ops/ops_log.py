@@ -169,6 +169,30 @@ def _clean(key: str) -> str:
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)[:250]
 
 
+class DiscardedRun:
+    """An ops run that keeps nothing, for a process whose MLflow was unreachable when it started:
+    what feeds a run (serving's drift detection, which also tells the trainer) keeps working, and
+    only the MLflow record is missing (``run_id`` None)."""
+
+    run_id = None
+    dropped = errors = sent = 0
+
+    def metrics(self, values: dict[str, float], step: int = 0) -> None:
+        pass
+
+    def event(self, name: str, step: int = 0, **details) -> None:
+        pass
+
+    def tag(self, key: str, value: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def open_run(tracking_uri: str | None, fingerprint, role: str, tenant: str, replica: str,
              **kw) -> OpsRun | None:
     """The ops run of one process, or None (no tracking URI, or MLflow unreachable: never fatal)."""

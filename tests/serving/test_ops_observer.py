@@ -163,3 +163,28 @@ def test_specloop_serve_opens_its_replicas_ops_run(tmp_path):
     (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("role") == "serving"]
     assert run.info.run_name == "serving-acme-replica-1" and run.info.status == "FINISHED"
     assert {"tokens_per_verify", "k_mean", "event.drafter_change"} <= set(run.data.metrics)
+
+
+def test_mlflow_away_at_start_still_announces_drifts(caplog):
+    """With MLflow unreachable when the replica starts, the ops observer was not built, so no
+    drift reached the trainer for the process's life: it now records nothing but still detects
+    and announces them."""
+    import socket
+
+    from feedback.ops.drift import DriftEvent
+    from feedback.ops.ops_log import DiscardedRun
+    from serving.builder import build_ops_observer
+    from serving.config import ServingSettings
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    heard = []
+    settings = ServingSettings(drafter="suffix", mlflow_tracking_uri=f"http://127.0.0.1:{port}")
+    obs = build_ops_observer(settings, tiny_target(vocab_size=64).fingerprint, "r1", also_on_drift=heard.append)
+    assert obs is not None and isinstance(obs.run, DiscardedRun)
+    event = DriftEvent("code", before=0.6, now=0.2)
+    obs.on_drift(event)
+    obs.flush()
+    assert heard == [event] and "no MLflow ops run" in caplog.text
+    assert build_ops_observer(settings, tiny_target(vocab_size=64).fingerprint, "r2") is None  # nobody to tell
