@@ -13,6 +13,8 @@ variables are not passed on. Differences, all forced by the machine:
 - TorchEngine in place of SGLang: ``SPECLOOP_ENGINE``, ``SPECLOOP_DRAFTER_DIR``, ``SPECLOOP_DEVICE``
   and ``SGLANG_PLUGINS`` are dropped, and the drafter is ``hybrid`` (suffix index + a learned
   standalone drafter, which the trainer trains because it reads the same ``SPECLOOP_DRAFTER``);
+- the trainer's ``SPECLOOP_TRAINER_DEVICE`` (compose: ``cuda``, its reserved GPU) is dropped: it
+  trains where it sees a GPU (``auto``);
 - ``SPECLOOP_MODEL`` is the model given (default SmolLM2-135M-Instruct from its wheel);
 - each replica gets a free port and its own ``SPECLOOP_REPLICA_ID``; unless ``SPECLOOP_ADMIN_TOKEN``
   is set (shell or ``.env``), the admin token is generated once per run directory (``admin-token``,
@@ -47,7 +49,8 @@ from infra.stack_cli import RunDirOption
 from infra.suffix_seed import SEED_ENV, ensure_suffix_seed, seed_option
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
-SGLANG_ONLY = ("SPECLOOP_ENGINE", "SPECLOOP_DRAFTER_DIR", "SPECLOOP_DEVICE", "SGLANG_PLUGINS")
+GPU_ONLY = ("SPECLOOP_ENGINE", "SPECLOOP_DRAFTER_DIR", "SPECLOOP_DEVICE", "SGLANG_PLUGINS", "SPECLOOP_TRAINER_DEVICE")
+"""What compose gives its GPU containers only: SGLang's settings and the devices."""
 LOCAL_DRAFTER = "hybrid"
 
 
@@ -126,7 +129,7 @@ def local_env(env: dict[str, str], stack: StackInfo, model: str | None,
     """A compose service's environment, pointed at the local stack (see the module docstring)."""
     from feedback import endpoints as ep
 
-    out = {k: v for k, v in env.items() if k not in SGLANG_ONLY}
+    out = {k: v for k, v in env.items() if k not in GPU_ONLY}
     local = {ep.KAFKA_BOOTSTRAP_SERVERS: stack.bootstrap_servers, ep.REDIS_URL: stack.redis_url,
              ep.MLFLOW_TRACKING_URI: stack.mlflow_uri}
     for key, value in local.items():

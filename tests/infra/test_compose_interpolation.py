@@ -93,3 +93,17 @@ def test_an_operator_admin_token_is_used_instead_of_a_generated_one(tmp_path, mo
     token = topo.admin_token()
     assert token != "an-operator-chosen-token" and token == topo.admin_token()
     assert (tmp_path / "run" / "admin-token").stat().st_mode & 0o777 == 0o600
+
+
+def test_specloop_up_leaves_the_trainer_device_to_the_machine(compose_dir):
+    """Compose trains on the GPU it reserves (SPECLOOP_TRAINER_DEVICE=cuda); `specloop up` runs its
+    topology for a user without GPUs, so the trainer there trains where it sees one (auto): with
+    compose's cuda, a CPU machine's trainer refused to start."""
+    from infra.stack import StackInfo
+    from infra.topology import local_env
+
+    trainer = _env(compose_dir, "trainer", {})
+    assert trainer["SPECLOOP_TRAINER_DEVICE"] == "cuda"
+    stack = StackInfo(run_dir=str(compose_dir), bootstrap_servers="127.0.0.1:1", redis_url="redis://127.0.0.1:2",
+                      mlflow_uri="http://127.0.0.1:3")
+    assert "SPECLOOP_TRAINER_DEVICE" not in local_env(trainer, stack, None)
