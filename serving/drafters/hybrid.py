@@ -46,10 +46,11 @@ from feedback.goodput import (
 )
 from serving.drafters.base import Drafter, DraftProposal, DraftRequestView, chain_parents
 from serving.drafters.draft_tree import tree_trial
+from serving.engine.probes import sit_out_after
 from serving.engine.tree import path_confidence
 
-_MAX_CUT_STREAK = 6
-"""Cuts in a row beyond which the sit-out stops growing (63 steps)."""
+_MOST_SIT_OUT = 63
+"""The longest the learned drafter sits out after cuts in a row (``on_cut``)."""
 
 
 class HybridPolicy(BaseModel):
@@ -206,8 +207,8 @@ class HybridDrafter:
         if verified:
             self._cut_streak = 0
         elif cut:
-            self._cut_streak = min(self._cut_streak + 1, _MAX_CUT_STREAK)
-            self._sit_out = (1 << self._cut_streak) - 1
+            self._cut_streak += 1
+            self._sit_out = sit_out_after(self._cut_streak, _MOST_SIT_OUT)
 
     def forget_tenant(self, tenant: str) -> bool:
         """A data deletion request: the learned part keeps nothing per tenant; the suffix index does."""

@@ -47,7 +47,7 @@ import numpy as np
 from feedback.goodput import LIVE_EVIDENCE_STEPS, AcceptanceEstimate, CostModel, best_k
 from serving.engine.calibration import ConfidenceCalibration
 from serving.engine.policy import BatchState
-from serving.engine.probes import ProbeSchedule
+from serving.engine.probes import ProbeSchedule, sit_out_after
 from serving.engine.realized_rates import RealizedRates
 from serving.engine.tree import best_nodes_first, node_totals, path_confidence
 from serving.engine.verify_costs import VerifyCosts
@@ -336,9 +336,7 @@ class GoodputPolicy:
         31 times on 16 MT-Bench + HumanEval requests that all ended cut (421 of its 704 ms of
         drafts). A cheap drafter (the suffix index) drafts every step; after ``probe_every``
         cuts in a row either kind drafts only on probes."""
-        if self._cheap or cuts <= 0:
-            return 0
-        return min((1 << min(cuts, 16)) - 1, self.probe_interval())
+        return 0 if self._cheap else sit_out_after(cuts, self.probe_interval())
 
     def drafting_loses(self, batch: int) -> bool:
         """Whether, at this batch size, the steps that verified drafts delivered fewer tokens per

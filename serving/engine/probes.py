@@ -15,6 +15,13 @@ import math
 from feedback.goodput import CostModel
 
 
+def sit_out_after(cuts: int, most: int) -> int:
+    """Steps a costly drafter waits after ``cuts`` of its drafts in a row were cut to nothing: 1,
+    3, 7, ... up to ``most``. A cut draft was paid for and verified nothing, so the estimate that
+    asked for it does not move and would ask again at once."""
+    return 0 if cuts <= 0 else min((1 << min(cuts, 16)) - 1, most)
+
+
 class ProbeSchedule:
     """The probe state of one GoodputPolicy (see the module docstring): ``every``, the fewest
     steps between probes; ``k``, a costly drafter's probe length; ``budget``, the share of serving
