@@ -99,6 +99,9 @@ class Swapper:
         self._rejected: dict[str, str] = {}  # version -> why (refused or rolled back)
         self._last_champion: str | None = None
         self._op_lock = threading.RLock()
+        """Held while the installed drafter, its predecessor and the watch change (never over I/O)."""
+        self._load_lock = threading.Lock()
+        """One download at a time (swap_to)."""
         self._inbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: SupervisedThread | None = None
@@ -177,31 +180,45 @@ class Swapper:
 
     def swap_to(self, version: str, *, reason: str = "admin", force: bool = True) -> dict:
         """Download, validate and install ``version``. Raises UnknownVersion, RefusedArtifact or
-        RegistryUnavailable; the engine keeps its drafter on any error."""
+        RegistryUnavailable; the engine keeps its drafter on any error. The download runs outside
+        the lock a rollback takes (one download at a time), so a rollback, an operator's or the
+        watch's, never waits on a slow registry."""
         version = str(version)
-        with self._op_lock:
-            if version != self._current.version:  # the running one may be none ("day0")
-                version = registry_version(version)
-            if version == self._current.version:
-                return {"version": version, "previous_version": None, "changed": False}
-            if not force and version in self._rejected:
-                log.info("ignoring %s for drafter %s: %s earlier", reason, version, self._rejected[version])
-                return {"version": self._current.version, "previous_version": None, "changed": False}
-            drafter = self._load(version)
-            old = self._current
-            self._install(_Installed(version, drafter))
-            self._previous = old
-            self._watch = _Watch(version, self.live.recent(old.version))
-            self._rejected.pop(version, None)
-            self.swaps += 1
-            self._c.swaps.inc()
-            fresh = trace_freshness(drafter)
-            self._event("swap", version=version, previous_version=old.version, reason=reason, **fresh)
-            self.records.note_event(version, f"swapped in on {self.config.replica_id} ({reason})")
-            if fresh:
-                self.records.note_metrics(version, fresh)
-            log.info("drafter %s -> %s (%s)", old.version, version, reason)
-            return {"version": version, "previous_version": old.version, "changed": True}
+        with self._load_lock:
+            with self._op_lock:
+                if version != self._current.version:  # the running one may be none ("day0")
+                    version = registry_version(version)
+                if (unchanged := self._unchanged(version, reason, force)) is not None:
+                    return unchanged
+                beside = self._current.drafter
+            drafter = self._load(version, beside)
+            with self._op_lock:  # what happened meanwhile (a rollback, a refusal elsewhere) counts
+                if (unchanged := self._unchanged(version, reason, force)) is not None:
+                    return unchanged
+                old = self._current
+                self._install(_Installed(version, drafter))
+                self._previous = old
+                self._watch = _Watch(version, self.live.recent(old.version))
+                self._rejected.pop(version, None)
+                self.swaps += 1
+                self._c.swaps.inc()
+                fresh = trace_freshness(drafter)
+                self._event("swap", version=version, previous_version=old.version, reason=reason,
+                            **fresh)
+                self.records.note_event(version, f"swapped in on {self.config.replica_id} ({reason})")
+                if fresh:
+                    self.records.note_metrics(version, fresh)
+        log.info("drafter %s -> %s (%s)", old.version, version, reason)
+        return {"version": version, "previous_version": old.version, "changed": True}
+
+    def _unchanged(self, version: str, reason: str, force: bool) -> dict | None:
+        """The answer of a swap to ``version`` that changes nothing, or None (caller holds _op_lock)."""
+        if version == self._current.version:
+            return {"version": version, "previous_version": None, "changed": False}
+        if not force and version in self._rejected:
+            log.info("ignoring %s for drafter %s: %s earlier", reason, version, self._rejected[version])
+            return {"version": self._current.version, "previous_version": None, "changed": False}
+        return None
 
     def rollback(self, *, reason: str = "admin", live: float | None = None,
                  floor: float | None = None, from_version: str | None = None) -> dict:
@@ -251,16 +268,18 @@ class Swapper:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _load(self, version: str):
-        """``version``'s drafter, fetched on the background loader thread; a refusal is counted,
-        logged and noted on the version before it is raised."""
+    def _load(self, version: str, beside):
+        """``version``'s drafter, fetched on the background loader thread and built beside the
+        drafter ``beside`` (whose frozen parts it may share); a refusal is counted, logged and
+        noted on the version before it is raised."""
         try:
-            drafter = self.fetch.fetch(version, self._current.drafter)
+            drafter = self.fetch.fetch(version, beside)
         except RefusedArtifact as e:
             why = e.__cause__
-            self.refused += 1
-            self._c.refused.inc()
-            self._rejected[version] = "refused"
+            with self._op_lock:
+                self.refused += 1
+                self._c.refused.inc()
+                self._rejected[version] = "refused"
             self._event("refused", version=version, reason=str(why))
             log.error("drafter version %s refused: %s", version, why)
             self.records.note_event(version, f"refused on {self.config.replica_id}: {why}"[:4900])

@@ -373,6 +373,43 @@ def test_artifacts_are_loaded_on_a_background_thread_that_computes_alone(target,
     assert not seen["thread"].is_alive() or _joins(seen["thread"])
 
 
+def test_a_rollback_does_not_wait_for_a_download_in_progress(target, tmp_path, sqlite_registry):
+    """An operator's rollback (or the watch's) while the registry is slow to hand over the next
+    version returns at once; the download, once done, still installs what was asked."""
+    import threading
+
+    first = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
+    second = _register(sqlite_registry, target, _artifact(target, tmp_path / "b", version="b"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    swapper.swap_to(first)
+    release, downloading = threading.Event(), threading.Event()
+    load = swapper.loader.load
+
+    def slow(path, current=None):
+        downloading.set()
+        assert release.wait(30)
+        return load(path, current)
+
+    swapper.loader.load = slow
+    result = {}
+    swapping = threading.Thread(target=lambda: result.update(swapper.swap_to(second)))
+    swapping.start()
+    try:
+        assert downloading.wait(30)
+        done = {}
+        rolling = threading.Thread(target=lambda: done.update(swapper.rollback(reason="operator")))
+        rolling.start()
+        rolling.join(5)
+        assert done == {"from_version": first, "to_version": "day0"}  # not behind the download
+        assert engine.drafter.version == "day0"
+    finally:
+        release.set()
+        swapping.join(30)
+    assert result == {"version": second, "previous_version": "day0", "changed": True}
+    assert engine.drafter.version == second and swapper.status()["previous_version"] == "day0"
+    swapper.stop()
+
+
 def _joins(thread, timeout: float = 5.0) -> bool:
     thread.join(timeout)
     return not thread.is_alive()
