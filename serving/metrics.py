@@ -4,7 +4,12 @@
 (several engines in one process, e.g. tests, share them instead of failing on duplicate names).
 
 Series (``row`` = one request in one verify step):
-    specloop_spec_drafted_tokens_total     drafted tokens
+    specloop_spec_drafted_tokens_total     drafted tokens along each row's path: on a tree step the
+                                           accepted path plus the node that ended it (tree.linear_view),
+                                           so acceptance reads as a chain's
+    specloop_spec_draft_nodes_total        every drafted token the target verified (a tree's nodes;
+                                           = drafted tokens on chain steps): what a request's
+                                           usage.spec.drafted_tokens counts
     specloop_spec_accepted_tokens_total    drafted tokens the target accepted
     specloop_spec_emitted_tokens_total     tokens committed by verify steps (accepted + 1 per row)
     specloop_spec_verify_steps_total       rows verified (one per request per step)
@@ -35,6 +40,8 @@ plugin (serving/sglang/plugin.py) reports the verify steps of sampled requests o
 PromQL:
     acceptance rate       rate(specloop_spec_accepted_tokens_total[5m])
                             / rate(specloop_spec_drafted_tokens_total[5m])
+    drafts per accepted   rate(specloop_spec_draft_nodes_total[5m])
+                            / rate(specloop_spec_accepted_tokens_total[5m])   (what trees spend)
     tokens per verify     rate(specloop_spec_emitted_tokens_total[5m])
                             / rate(specloop_spec_verify_steps_total[5m])
     mean accept length    rate(specloop_spec_accept_length_sum[5m])
@@ -73,6 +80,7 @@ _MS_BUCKETS = (1, 2, 5, 10, 20, 30, 40, 50, 75, 100, 150, 250, 500, 1000, 2500)
 @dataclass
 class _Collectors:
     drafted: Counter
+    draft_nodes: Counter
     accepted: Counter
     emitted: Counter
     verify_steps: Counter
@@ -102,7 +110,12 @@ def _collectors(registry: CollectorRegistry) -> _Collectors:
             return found
         r = registry
         c = _Collectors(
-            drafted=Counter("specloop_spec_drafted_tokens", "Drafted tokens.", registry=r),
+            drafted=Counter("specloop_spec_drafted_tokens",
+                            "Drafted tokens along each row's path (a tree's accepted path + 1).",
+                            registry=r),
+            draft_nodes=Counter("specloop_spec_draft_nodes",
+                                "Drafted tokens the target verified (every node of a tree).",
+                                registry=r),
             accepted=Counter(
                 "specloop_spec_accepted_tokens", "Accepted drafted tokens.", registry=r
             ),
@@ -188,6 +201,7 @@ class SpecMetrics(BaseObserver):
         accepted = int(batch.num_accepted.sum())
         rows = len(batch.request_ids)
         c.drafted.inc(drafted)
+        c.draft_nodes.inc(drafted if batch.tree_nodes is None else int(batch.tree_nodes.sum()))
         c.accepted.inc(accepted)
         c.emitted.inc(accepted + rows)
         c.verify_steps.inc(rows)

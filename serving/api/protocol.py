@@ -294,10 +294,14 @@ class SpecUsage(BaseModel):
     """The request's speculative-decoding statistics (extension of ``usage``)."""
 
     verify_steps: int
-    drafted_tokens: int
+    drafted_tokens: int = Field(description="drafted tokens the target verified: every node of a "
+                                "token tree (SGLang: its proposed drafts). Prometheus' "
+                                "specloop_spec_draft_nodes_total counts the same; its "
+                                "specloop_spec_drafted_tokens_total counts each step's path only")
     accepted_tokens: int
     mean_accept_len: float = Field(description="tokens emitted per target forward")
-    acceptance_rate: float = Field(description="accepted / drafted")
+    acceptance_rate: float = Field(description="accepted / drafted (lower than a chain's on tree "
+                                   "steps: a tree verifies branches that cannot all be accepted)")
 
     @classmethod
     def of(cls, s: SpecStats) -> SpecUsage:

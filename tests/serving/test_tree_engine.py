@@ -393,6 +393,27 @@ def test_tree_steps_are_traced_and_train(ids_target, refs, run):
         assert build_examples(rec)
 
 
+def test_tree_steps_count_drafts_two_ways_and_say_which(ids_target, refs, run):
+    """A request's usage counts every tree node the target verified, as Prometheus'
+    draft_nodes does; Prometheus' drafted tokens count each step's path view, as the traces do."""
+    from prometheus_client import CollectorRegistry
+
+    from serving.metrics import SpecMetrics
+
+    registry, rec = CollectorRegistry(), Recorder()
+    drafter = TreeReplayDrafter(refs, seed=2, corrupt_every=4)
+    engine = TorchEngine(ids_target, drafter, EngineConfig(k=6), [rec, SpecMetrics(registry)])
+    reqs = [_req("a", PROMPTS[0], SamplingParams(max_tokens=30)),
+            _req("b", PROMPTS[2], SamplingParams(max_tokens=30))]
+    outs = run(engine, reqs)
+    usage = sum(chunks[-1].stats.drafted_tokens for chunks in outs)
+    nodes = registry.get_sample_value("specloop_spec_draft_nodes_total")
+    path = registry.get_sample_value("specloop_spec_drafted_tokens_total")
+    assert nodes == usage == sum(int(s.num_drafted.sum() if s.tree_nodes is None else s.tree_nodes.sum())
+                                 for s in rec.steps)
+    assert path == sum(int(s.num_drafted.sum()) for s in rec.steps) < nodes  # branches cost nodes
+
+
 def test_cheap_drafter_that_never_pays_is_only_probed():
     from serving.engine.policy import BatchState
 
