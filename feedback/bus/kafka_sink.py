@@ -60,6 +60,8 @@ class KafkaSinkSettings(BaseSettings):
     bootstrap_timeout_ms: int = Field(2_000, description="Connecting a new producer.")
     reconnect_backoff_s: float = Field(1.0, description="Wait between producer (re)creations.")
     max_message_bytes: int = Field(4 << 20, description="Larger encoded traces are shed.")
+    close_timeout_s: float = Field(5.0, ge=0.0, description="At close (serving's shutdown), how long "
+                                   "queued traces may still be sent; the rest is shed as `closed`.")
     client_id: str = Field("specloop-serving", description="Kafka client id.")
 
 
@@ -142,12 +144,14 @@ class KafkaTraceSink:
             time.sleep(0.01)
         return True
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Send what can be sent within ``timeout``; the rest (queued, or held by the producer for
+    def close(self, timeout: float | None = None) -> None:
+        """Send what can be sent within ``timeout`` (default: the settings' ``close_timeout_s``,
+        env SPECLOOP_KAFKA_CLOSE_TIMEOUT_S); the rest (queued, or held by the producer for
         a broker that does not answer) is shed as ``closed``, counted and logged: afterwards
         ``pending == 0`` and ``emitted == sent + shed``."""
         if self._closed:
             return
+        timeout = self.settings.close_timeout_s if timeout is None else timeout
         with self._lock:
             self._closed = True
             closed_before = self.shed_by_reason.get("closed", 0)
