@@ -67,23 +67,20 @@ def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str, 
                        **run_options):
     """This replica's MLflow ops run and the observer feeding it (None without MLflow or with
     ``ops_log`` off). Drifts are also announced on Redis when ``redis_url`` is set, for the
-    trainer, and passed to ``also_on_drift``. MLflow unreachable at start is never fatal: the
-    observer then records nothing (``DiscardedRun``) but still detects and announces drifts; before,
-    it was not built and the trainer heard of no drift for the process's life.
-    ``run_options``: OpsRun options (e.g. ``flush_s``)."""
+    trainer, and passed to ``also_on_drift``. MLflow unreachable at start is never fatal: the run
+    is then a ``PendingRun``, which opens itself once MLflow answers (metrics before that are
+    dropped), and drifts are detected and announced all along (before, the replica recorded nothing
+    until restarted).
+    ``run_options``: OpsRun options (e.g. ``flush_s``) and ``open_run_or_later``'s retry ones."""
     if not (settings.mlflow_tracking_uri and settings.ops_log):
         return None
-    from feedback.ops.ops_log import DiscardedRun, open_run
+    from feedback.ops.ops_log import open_run_or_later
     from serving.ops_observer import DriftPublisher, LiveOpsObserver
 
     callbacks = [c for c in (DriftPublisher(build_control_plane(settings), settings.tenant, replica_id)
                              if settings.redis_url else None, also_on_drift) if c is not None]
-    run = open_run(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant, replica_id,
-                   **run_options)
-    if run is None:
-        if not callbacks:
-            return None
-        run = DiscardedRun()
+    run = open_run_or_later(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant,
+                            replica_id, **run_options)
 
     def on_drift(ev) -> None:
         for callback in callbacks:

@@ -64,9 +64,9 @@ def build_loop(settings: TrainerSettings, student, fingerprint, source=None, **k
         kw.setdefault("deletions", control)  # tenant data deletion requests (the admin route)
         kw.setdefault("rollbacks_from", control)  # serving's rollbacks: the champion follows them
     if "ops" not in kw and s.ops_log and s.tracking_uri:
-        from feedback.ops.ops_log import open_run
+        from feedback.ops.ops_log import open_run_or_later  # MLflow away now: opened once back
 
-        kw["ops"] = open_run(s.tracking_uri, fingerprint, "trainer", s.tenant, s.group_id)
+        kw["ops"] = open_run_or_later(s.tracking_uri, fingerprint, "trainer", s.tenant, s.group_id)
     return TrainerLoop(
         source, student, fingerprint,
         loop=LoopConfig(tenant=s.tenant, poll_records=s.poll_records, poll_timeout_s=s.poll_timeout_s,

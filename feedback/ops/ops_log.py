@@ -9,7 +9,8 @@ steps) plus a tag holding the latest one's details.
 
 Nothing here may fail the caller: a full queue drops and counts, an MLflow outage is logged, counted
 (``errors``) and retried with the next batch (metrics are re-queued once), and ``close`` waits at
-most ``close_timeout_s``.
+most ``close_timeout_s``. MLflow unreachable when the process starts: ``open_run_or_later`` gives a
+``PendingRun``, which opens the run once MLflow answers.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from feedback.background.supervise import Backoff
 from feedback.registry.drafter_registry import use_short_mlflow_http_retries
 
 log = logging.getLogger(__name__)
@@ -169,28 +172,143 @@ def _clean(key: str) -> str:
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)[:250]
 
 
-class DiscardedRun:
-    """An ops run that keeps nothing, for a process whose MLflow was unreachable when it started:
-    what feeds a run (serving's drift detection, which also tells the trainer) keeps working, and
-    only the MLflow record is missing (``run_id`` None)."""
+class PendingRun:
+    """The ops run of a process whose MLflow was unreachable when it started: it opens itself once
+    MLflow answers (before, such a process recorded nothing until it was restarted).
 
-    run_id = None
-    dropped = errors = sent = 0
+    ``opener`` (which makes the OpsRun, raising while MLflow is away) is retried on a daemon thread
+    of its own, ``retry_initial_s`` after the start, then doubling up to ``retry_max_s``; callers
+    never wait on it (before the run is open their calls only touch memory, after it they go to the
+    OpsRun, whose own thread sends). Not a SupervisedThread: its loop being "down" would turn
+    serving's ``/health`` to 503 over an MLflow outage, while the replica serves fine.
+
+    Before the run is open, metric points are dropped and counted in ``dropped`` (the outage shows
+    as a gap, as for an outage later in a run's life, not as a partial replay); tags and event
+    counts, which are state rather than time series, are kept (latest value per key) and set on the
+    run when it opens, so ``live_drafter`` and the ``event.<name>`` totals are right from then on.
+    ``run_id`` is None until then; ``close`` closes the run, or stops the retries."""
+
+    def __init__(self, opener: Callable[[], OpsRun], name: str = "ops", *,
+                 retry_initial_s: float = 5.0, retry_max_s: float = 300.0):
+        self.name = name
+        self.run: OpsRun | None = None
+        """The real run, once open."""
+        self.attempts = 0
+        self._opener = opener
+        self._dropped = 0
+        self._failed = 0
+        self._events: dict[str, int] = {}
+        self._tags: dict[str, str] = {}
+        self._step = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._backoff = Backoff(initial_s=retry_initial_s, max_s=retry_max_s)
+        self._thread = threading.Thread(target=self._retry, name=f"ops-open-{name}", daemon=True)
+        self._thread.start()
+
+    # ---- the OpsRun interface ---------------------------------------------------------------------
+    @property
+    def run_id(self) -> str | None:
+        run = self.run
+        return run.run_id if run is not None else None
+
+    @property
+    def dropped(self) -> int:
+        run = self.run
+        return self._dropped + (run.dropped if run is not None else 0)
+
+    @property
+    def errors(self) -> int:
+        """Failed opens, then the run's failed batches."""
+        run = self.run
+        return self._failed + (run.errors if run is not None else 0)
+
+    @property
+    def sent(self) -> int:
+        run = self.run
+        return run.sent if run is not None else 0
 
     def metrics(self, values: dict[str, float], step: int = 0) -> None:
-        pass
+        run = self.run
+        if run is not None:
+            run.metrics(values, step)
+        else:
+            self._dropped += sum(v is not None for v in values.values())
 
     def event(self, name: str, step: int = 0, **details) -> None:
-        pass
+        if self.run is None:
+            with self._lock:
+                if self.run is None:  # still: counted here, handed over at the open
+                    self._events[name] = self._events.get(name, 0) + 1
+                    self._tags[f"last_{name}"] = json.dumps(details, default=str)[:4000]
+                    self._step = max(self._step, int(step))
+                    return
+        self.run.event(name, step, **details)
 
     def tag(self, key: str, value: str) -> None:
-        pass
+        if self.run is None:
+            with self._lock:
+                if self.run is None:
+                    self._tags[key] = str(value)[:4000]
+                    return
+        self.run.tag(key, value)
 
     def flush(self) -> None:
-        pass
+        run = self.run
+        if run is not None:
+            run.flush()
 
     def close(self) -> None:
-        pass
+        with self._lock:
+            self._stop.set()
+            run = self.run
+        if run is not None:
+            run.close()
+
+    # ---- the retries ----------------------------------------------------------------------------
+    def _retry(self) -> None:
+        delay = self._backoff.next()
+        while not self._stop.wait(delay):
+            self.attempts += 1
+            try:
+                run = self._opener()
+            except Exception as e:  # noqa: BLE001 - MLflow still away: try again later
+                self._failed += 1
+                delay = self._backoff.next()
+                log.warning("ops run %s: MLflow still unreachable (%d tries), next in %.1f s: %s",
+                            self.name, self.attempts, delay, e)
+                continue
+            with self._lock:
+                closed = self._stop.is_set()
+                if not closed:
+                    self._hand_over(run)
+            if closed:  # closed while this open was under way
+                run.close()
+            else:
+                log.warning("ops run %s: opened (%s) after %d tries", self.name, run.run_id,
+                            self.attempts)
+            return
+
+    def _hand_over(self, run: OpsRun) -> None:
+        """Under ``_lock``: what was kept goes to ``run``, which from now on takes every call."""
+        for key, value in self._tags.items():
+            run.tag(key, value)
+        with run._lock:
+            run._events.update(self._events)
+        if self._events:
+            run.metrics({f"event.{n}": c for n, c in self._events.items()}, self._step)
+        self.run = run
+
+
+def _open(tracking_uri: str, fingerprint, role: str, tenant: str, replica: str, **kw) -> OpsRun:
+    return OpsRun(
+        tracking_uri,
+        f"specloop/{fingerprint.key()}",
+        f"{role}-{tenant}-{replica}",
+        tags={"role": role, "tenant": tenant, "replica": replica,
+              "target_model_id": fingerprint.model_id},
+        **kw,
+    )
 
 
 def open_run(tracking_uri: str | None, fingerprint, role: str, tenant: str, replica: str,
@@ -199,14 +317,21 @@ def open_run(tracking_uri: str | None, fingerprint, role: str, tenant: str, repl
     if not tracking_uri:
         return None
     try:
-        return OpsRun(
-            tracking_uri,
-            f"specloop/{fingerprint.key()}",
-            f"{role}-{tenant}-{replica}",
-            tags={"role": role, "tenant": tenant, "replica": replica,
-                  "target_model_id": fingerprint.model_id},
-            **kw,
-        )
+        return _open(tracking_uri, fingerprint, role, tenant, replica, **kw)
     except Exception:
         log.warning("no MLflow ops run for %s (%s)", role, tracking_uri, exc_info=True)
         return None
+
+
+def open_run_or_later(tracking_uri: str | None, fingerprint, role: str, tenant: str, replica: str,
+                      *, retry_initial_s: float = 5.0, retry_max_s: float = 300.0,
+                      **kw) -> OpsRun | PendingRun | None:
+    """``open_run``, but MLflow unreachable now gives a PendingRun that opens the run once MLflow
+    answers (retried after ``retry_initial_s``, doubling to ``retry_max_s``). None: no tracking URI."""
+    run = open_run(tracking_uri, fingerprint, role, tenant, replica, **kw)
+    if run is not None or not tracking_uri:
+        return run
+    log.warning("ops run %s-%s-%s: retrying in the background", role, tenant, replica)
+    return PendingRun(lambda: _open(tracking_uri, fingerprint, role, tenant, replica, **kw),
+                      f"{role}-{tenant}-{replica}", retry_initial_s=retry_initial_s,
+                      retry_max_s=retry_max_s)

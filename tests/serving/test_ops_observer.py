@@ -50,7 +50,8 @@ def test_prometheus_acceptance_by_position_k_and_speculation_off():
     reg = CollectorRegistry()
     m = SpecMetrics(reg)
     m.on_step(SimpleNamespace(request_ids=["a", "b", "c"], num_drafted=np.array([3, 2, 0]),
-                              num_accepted=np.array([2, 0, 0]), draft_ms=1.0, verify_ms=5.0))
+                              num_accepted=np.array([2, 0, 0]), draft_ms=1.0, verify_ms=5.0,
+                              tree_nodes=None))
 
     def val(name, **labels):
         return reg.get_sample_value(name, labels or None)
@@ -62,6 +63,7 @@ def test_prometheus_acceptance_by_position_k_and_speculation_off():
     assert val("specloop_spec_position_accepted_total", position="3") is None
     assert val("specloop_spec_off_rows_total") == 1
     assert val("specloop_spec_draft_length_count") == 3 and val("specloop_spec_draft_length_sum") == 5
+    assert val("specloop_spec_draft_nodes_total") == val("specloop_spec_drafted_tokens_total") == 5  # chains
 
 
 def _step(draft_ms=None, verify_ms=None, drafted=2, accepted=1):
@@ -167,12 +169,13 @@ def test_specloop_serve_opens_its_replicas_ops_run(tmp_path):
 
 def test_mlflow_away_at_start_still_announces_drifts(caplog):
     """With MLflow unreachable when the replica starts, the ops observer was not built, so no
-    drift reached the trainer for the process's life: it now records nothing but still detects
-    and announces them."""
+    drift reached the trainer for the process's life; then it recorded nothing for its life. Now
+    it detects and announces drifts all along, and its run opens once MLflow answers
+    (tests/feedback/ops/test_ops_log.py), so it is built even with nobody to tell of drifts."""
     import socket
 
     from feedback.ops.drift import DriftEvent
-    from feedback.ops.ops_log import DiscardedRun
+    from feedback.ops.ops_log import PendingRun
     from serving.builder import build_ops_observer
     from serving.config import ServingSettings
 
@@ -181,10 +184,14 @@ def test_mlflow_away_at_start_still_announces_drifts(caplog):
         port = s.getsockname()[1]
     heard = []
     settings = ServingSettings(drafter="suffix", mlflow_tracking_uri=f"http://127.0.0.1:{port}")
-    obs = build_ops_observer(settings, tiny_target(vocab_size=64).fingerprint, "r1", also_on_drift=heard.append)
-    assert obs is not None and isinstance(obs.run, DiscardedRun)
+    fingerprint = tiny_target(vocab_size=64).fingerprint
+    obs = build_ops_observer(settings, fingerprint, "r1", also_on_drift=heard.append)
+    assert obs is not None and isinstance(obs.run, PendingRun) and obs.run.run_id is None
     event = DriftEvent("code", before=0.6, now=0.2)
     obs.on_drift(event)
     obs.flush()
     assert heard == [event] and "no MLflow ops run" in caplog.text
-    assert build_ops_observer(settings, tiny_target(vocab_size=64).fingerprint, "r2") is None  # nobody to tell
+    alone = build_ops_observer(settings, fingerprint, "r2")  # nobody to tell: built all the same
+    assert alone is not None and alone.on_drift is None and isinstance(alone.run, PendingRun)
+    obs.run.close()
+    alone.run.close()

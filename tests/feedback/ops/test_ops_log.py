@@ -79,3 +79,50 @@ def test_flush_sends_everything_queued_before_the_next_tick(tmp_path):
     assert data.metrics["event.gate"] == 1 and "better" in data.tags["last_gate"]
     assert len(run.client.get_metric_history(run.run_id, "train_loss")) == 2500
     run.close()
+
+
+def test_mlflow_away_at_start_opens_the_run_once_it_answers(private_stack):
+    """A replica (or trainer) that started while MLflow was away recorded nothing until restarted:
+    its run now opens once MLflow answers; what came before is dropped (counted) but tags and event
+    counts are kept, and nothing the caller does raises or waits on MLflow meanwhile."""
+    from mlflow.tracking import MlflowClient
+
+    from feedback.ops.ops_log import PendingRun, open_run_or_later
+    from infra.stack import free_port
+
+    port = free_port()  # nothing listens here yet
+    uri = f"http://127.0.0.1:{port}"
+    run = open_run_or_later(uri, tiny_target(vocab_size=32).fingerprint, "serving", "acme", "r1",
+                            flush_s=0.1, retry_initial_s=0.2, retry_max_s=0.5)
+    assert isinstance(run, PendingRun) and run.run_id is None
+    run.tag("live_drafter", "suffix:0")
+    run.event("drafter_change", 1, kind="suffix", version="0")
+    started = time.monotonic()
+    for i in range(5):
+        run.metrics({"acceptance.code": 0.5}, step=i)
+    run.flush()
+    assert time.monotonic() - started < 0.1  # the caller never waits on MLflow
+    deadline = time.monotonic() + 30
+    while run.attempts < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run.run_id is None and run.sent == 0 and run.dropped == 5 and run.errors >= 2
+
+    private_stack.start_mlflow(port)
+    deadline = time.monotonic() + 30
+    while run.run_id is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert run.run_id is not None
+    for i in range(5, 10):
+        run.metrics({"acceptance.code": 0.7}, step=i)
+    run.event("drift", 9, domain="code")
+    run.event("drafter_change", 9, kind="eagle", version="1")
+    run.flush()
+    client = MlflowClient(tracking_uri=uri)
+    assert [(h.step, h.value) for h in client.get_metric_history(run.run_id, "acceptance.code")] == [
+        (i, 0.7) for i in range(5, 10)]
+    data = client.get_run(run.run_id).data
+    assert data.tags["role"] == "serving" and data.tags["live_drafter"] == "suffix:0"
+    assert data.metrics["event.drafter_change"] == 2 and data.metrics["event.drift"] == 1  # counts go on
+    assert "eagle" in data.tags["last_drafter_change"] and run.sent >= 5
+    run.close()
+    assert client.get_run(run.run_id).info.status == "FINISHED"
