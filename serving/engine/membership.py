@@ -1,17 +1,17 @@
-"""Rows of TorchEngine's batch: how a request is checked, joins (prefill), streams each step's
-tokens, and leaves (finished, aborted or failed), with the drafter and the observers told at each
-of those points. Mixed into TorchEngine (serving/engine/torch_engine.py), whose step thread owns
-``_rows``, ``_waiting`` and the batch cache; ``_forget`` and ``_request_abort`` take its lock."""
+"""Rows of TorchEngine's batch: how a request joins (prefill), streams each step's tokens, and
+leaves (finished, aborted or failed), with the drafter and the observers told at each of those
+points; requests are checked before, by ``generate`` (serving/engine/request_checks.py). Mixed into
+TorchEngine (serving/engine/torch_engine.py), whose step thread owns ``_rows``, ``_waiting`` and the
+batch cache; ``_forget`` and ``_request_abort`` take its lock."""
 
 from __future__ import annotations
 
 import logging
-import math
 
 import numpy as np
 import torch
 
-from serving.engine.base import GenerationChunk, GenerationRequest, RequestError
+from serving.engine.base import GenerationChunk, RequestError
 from serving.engine.batch_cache import RaggedKVCache
 from serving.engine.rows import Row
 from serving.output import apply_stops
@@ -21,32 +21,6 @@ log = logging.getLogger(__name__)
 
 class RowMembership:
     """Requests in and out of the batch (mixed into TorchEngine)."""
-
-    def _validate(self, request: GenerationRequest) -> None:
-        def bad(msg: str):
-            raise RequestError(msg, invalid=True)
-
-        if not isinstance(request.request_id, str) or not request.request_id:
-            bad("request_id must be a non-empty string")
-        ids = request.prompt_ids
-        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
-            bad("the prompt is empty")
-        if not all(_is_int(t) and 0 <= t < self.vocab_size for t in ids):
-            bad(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(ids) >= self.max_context:
-            bad(
-                f"the prompt has {len(ids)} tokens; the context holds {self.max_context} "
-                "(prompt + at least one output token)"
-            )
-        p = request.params
-        if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            bad("temperature must be a finite number >= 0")
-        if not (0 < p.top_p <= 1):
-            bad("top_p must be in (0, 1]")
-        if p.top_k < 0 or p.max_tokens < 1:
-            bad("top_k must be >= 0 and max_tokens >= 1")
-        if not all(_is_int(t) for t in p.stop_token_ids):
-            bad("stop_token_ids must be integers")
 
     def _forget(self, request_id: str) -> None:
         with self._cv:
@@ -161,7 +135,3 @@ class RowMembership:
             return
         bits = feats.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)  # [P-1, F]
         self._notify("on_request_start", row.request, bits)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)

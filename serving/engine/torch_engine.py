@@ -54,6 +54,7 @@ from serving.engine.membership import RowMembership
 from serving.engine.model_runner import ModelRunner
 from serving.engine.outbox import Outbox
 from serving.engine.policy import BatchState, FixedK, SpeculationPolicy
+from serving.engine.request_checks import check_request
 from serving.engine.rows import Client, Row, Submission
 from serving.engine.tree import trim_plan
 from serving.engine.verify_step import path_features, step_report, verify_rows
@@ -68,7 +69,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 class TorchEngine(DrafterSwaps, RowMembership):
     """The embedded engine. Its rooms: this file runs the step loop; serving/engine/membership.py
-    checks requests and moves them into and out of the batch's rows;
+    moves requests (checked by request_checks.py, as SGLangEngine's) into and out of the batch's rows;
     serving/engine/model_runner.py calls the target (forward, caches, features);
     serving/engine/verify_step.py accepts drafts and builds the observers' report;
     serving/engine/drafter_swap.py installs new drafters under a running batch."""
@@ -139,7 +140,7 @@ class TorchEngine(DrafterSwaps, RowMembership):
         self._preparer.stop()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        self._validate(request)
+        check_request(request, vocab_size=self.vocab_size, max_context=self.max_context)
         self._start_thread()
         client = Client(asyncio.get_running_loop(), asyncio.Queue())
         with self._cv:

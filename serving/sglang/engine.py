@@ -10,6 +10,8 @@ with TorchEngine:
     shared rule ends a request that SGLang would continue, the engine aborts it in SGLang;
   - drafter swaps come from the shared Swapper through ``swap_drafter`` (draft-only weight session,
     draft_weights.py; drafters are SGLangDraft, drafts.py);
+  - requests are checked by ``serving.engine.request_checks.check_request`` (RequestError,
+    invalid) before they are admitted or reach SGLang;
   - admission control is the AdmissionGate TorchEngine uses too (serving/engine/admission.py):
     requests in flight, running or queued inside SGLang, are at most SGLang's
     ``max_running_requests`` + ``max_waiting``; one more gets Overloaded (HTTP 429).
@@ -44,6 +46,7 @@ from serving.engine.base import (
     SpecStats,
     Unavailable,
 )
+from serving.engine.request_checks import check_request
 from serving.observers import notify
 from serving.output import OutputText, apply_stops, eos_token_ids, stop_token_set
 from serving.sglang.collector import TraceCollector, to_verify_batch
@@ -124,6 +127,9 @@ class SGLangEngine:
             self._collector = None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        fp = self.fingerprint  # vocab_size and max_context: load_metadata's (None/0: unknown yet)
+        check_request(request, vocab_size=fp.vocab_size if fp is not None else None,
+                      max_context=self.max_context or None)  # before admission: nothing to release
         if self._engine is None:
             raise Unavailable("the SGLang engine is not running")
         p = request.params

@@ -359,6 +359,44 @@ def test_a_request_sglang_refuses_is_invalid():
     assert err.value.invalid
 
 
+def bad_top_p() -> SamplingParams:
+    params = SamplingParams(max_tokens=1)
+    params.top_p = 0.0  # past pydantic, as a direct Python caller can
+    return params
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([1, 100], SamplingParams(max_tokens=1), r"integers in \[0, 100\)"),  # id >= vocab
+    ([1, 2, 3], bad_top_p(), r"top_p must be in \(0, 1\]"),
+    ([1] * 32, SamplingParams(max_tokens=1), "the context holds 32"),
+    ([], SamplingParams(max_tokens=1), "the prompt is empty"),
+])
+def test_a_bad_request_is_refused_before_sglang_or_admission(prompt, params, message):
+    from feedback.target.fingerprint import TargetFingerprint
+
+    rec = Recording()
+    fp = TargetFingerprint(model_id="m", tokenizer_hash="ids", vocab_size=100)
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path="/d", max_waiting=0,
+                                       server_args={"max_running_requests": 1}),
+                          observers=[rec], fingerprint=fp)
+    engine.max_context = 32  # as load_metadata sets it (max_position_embeddings)
+    fake = engine._engine = HeldStream()
+    fake.go.set()
+
+    async def collect(request):
+        return [c async for c in engine.generate(request)]
+
+    with pytest.raises(RequestError, match=message) as err:
+        asyncio.run(collect(GenerationRequest("r1", prompt, params)))
+    assert err.value.invalid
+    assert fake.started == [] and rec.events == []  # SGLang and the observers saw nothing
+    assert engine.admission.in_flight == set() and engine.load() == (0, 0)
+    assert engine.admission.refused == 0
+    # its place (the only one) and its id are free: a good request with the same id runs
+    chunks = asyncio.run(collect(GenerationRequest("r1", [1, 2, 3], SamplingParams(max_tokens=1))))
+    assert chunks[-1].finish_reason == "length" and fake.started == ["r1"]
+
+
 def test_observers_see_the_prefill_token_as_prompt_and_aborts_on_disconnect():
     rec = Recording()
     fake = FakeStream(outputs_of([10, 11, 12, 13], [1, 3, 4]))
