@@ -24,7 +24,7 @@ import torch
 
 from feedback.bus.trace import TraceRecord
 from trainer.examples import SequenceExample, bf16_bits_to_float32, build_examples, stack_topk
-from trainer.students import RecordEval, RowBatch, Student, top_candidates, topk_overlap
+from trainer.students import RecordEval, RowBatch, Student, to_device, top_candidates, topk_overlap
 
 
 def traffic_frequencies(records: list[TraceRecord], vocab_size: int, prompt_weight: float = 0.25) -> np.ndarray:
@@ -146,13 +146,12 @@ class EagleStudent(Student):
                 rej.append(e.rejected_ids[keep])
                 w.append(e.weights[keep] * self.depth_decay**d)
         dev = self.device
-        host = lambda a: torch.from_numpy(a).to(dev)
         return RowBatch(
             logits=torch.cat(logits),  # [N, Vd]
-            topk_ids=self.to_draft_ids(host(stack_topk(ids, -1))),
-            topk_logprobs=host(stack_topk(lps, -np.inf)),
-            rejected_ids=self.to_draft_ids(host(np.concatenate(rej))),
-            weights=host(np.concatenate(w).astype(np.float32)),
+            topk_ids=self.to_draft_ids(to_device(stack_topk(ids, -1), dev)),
+            topk_logprobs=to_device(stack_topk(lps, -np.inf), dev),
+            rejected_ids=self.to_draft_ids(to_device(np.concatenate(rej), dev)),
+            weights=to_device(np.concatenate(w).astype(np.float32), dev),
             discard=torch.zeros(sum(len(x) for x in w), dtype=torch.bool, device=dev),
         )
 

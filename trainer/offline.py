@@ -25,6 +25,7 @@ from feedback.bus.trace import StepArrays, TraceRecord
 from feedback.jsonl import iter_jsonl
 from feedback.registry.artifact_keys import EXTRA_HELDOUT_ACCEPTANCE
 from feedback.target.fingerprint import TargetFingerprint
+from kernels.topk_logprobs import topk_logprobs
 
 
 @dataclass
@@ -80,9 +81,9 @@ def teacher_trace(model, fingerprint: TargetFingerprint, prompt: list[int], outp
     """A trace of ``output`` as the target's response to ``prompt``: one undrafted verify step per
     output token, with the target's top-``topk`` (ids, logprobs) at that position."""
     ids = torch.tensor([prompt + output])
-    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]: predicts each output token
-    top = logits.log_softmax(-1).topk(topk, dim=-1)
-    return _undrafted_trace(fingerprint, prompt, output, top.indices, top.values, domain=domain,
+    logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [T, V]: predicts each output token
+    top_ids, top_logprobs = topk_logprobs(logits.float().contiguous(), topk)  # [T, topk] each
+    return _undrafted_trace(fingerprint, prompt, output, top_ids, top_logprobs, domain=domain,
                             tenant=tenant, request_id=f"offline-{uuid.uuid4().hex[:12]}")
 
 
@@ -101,9 +102,15 @@ def corpus_traces(model, fingerprint: TargetFingerprint, chunks, *, topk: int = 
         for i in range(0, len(group), batch_size):
             batch = group[i : i + batch_size]
             ids = torch.tensor([c.ids for c in batch])  # [B, T]
-            top = model(ids).logits[:, :-1].float().log_softmax(-1).topk(topk, dim=-1)  # [B, T-1, topk]
+            logits = model(ids).logits.float()  # [B, T, V]
+            rows, length, vocab = logits.shape
+            # every position, the last included (one row in T, cheaper than copying the others out)
+            flat = logits.reshape(rows * length, vocab).contiguous()  # [B*T, V]
+            top_ids, top_logprobs = topk_logprobs(flat, topk)  # [B*T, topk] each
+            top_ids = top_ids.reshape(rows, length, -1)[:, :-1]  # [B, T-1, topk]
+            top_logprobs = top_logprobs.reshape(rows, length, -1)[:, :-1]
             for b, c in enumerate(batch):
-                out.append(_undrafted_trace(fingerprint, c.ids[:1], c.ids[1:], top.indices[b], top.values[b],
+                out.append(_undrafted_trace(fingerprint, c.ids[:1], c.ids[1:], top_ids[b], top_logprobs[b],
                                             domain=c.domain, tenant=tenant,
                                             request_id=f"corpus-{uuid.uuid4().hex[:12]}"))
             if progress is not None:

@@ -72,6 +72,11 @@ def tree_run_lengths(match: np.ndarray, in_top: np.ndarray, cap: int) -> np.ndar
     return tree_runs(match, in_top, cap)[0]
 
 
+def to_device(a: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A numpy array as a tensor on ``device`` (shares memory with ``a`` when that is the CPU)."""
+    return torch.from_numpy(a).to(device)
+
+
 def top_candidates(logits: torch.Tensor, branches: int) -> torch.Tensor:
     """[..., Vd] -> [..., m] draft ids, most likely first: the greedy token (m = 1) or a tree
     level's ``branches`` candidates (capped at the vocabulary), as serving drafts them."""
@@ -159,15 +164,16 @@ class Student:
     def _row_tensors(self, examples: list[SequenceExample], logits: torch.Tensor) -> RowBatch:
         """The rows' targets (from the examples' numpy) beside ``logits``, on its device."""
         dev = logits.device
-        host = lambda a: torch.from_numpy(a).to(dev)
         cat = lambda name: np.concatenate([getattr(e, name) for e in examples])
+        topk_ids = stack_topk([e.topk_ids for e in examples], -1)
+        discard = np.concatenate([np.full(e.num_rows, e.discard) for e in examples])
         return RowBatch(
             logits=logits,
-            topk_ids=self.to_draft_ids(host(stack_topk([e.topk_ids for e in examples], -1))),
-            topk_logprobs=host(stack_topk([e.topk_logprobs for e in examples], -np.inf)),
-            rejected_ids=self.to_draft_ids(host(cat("rejected_ids"))),
-            weights=host(cat("weights")),
-            discard=host(np.concatenate([np.full(e.num_rows, e.discard) for e in examples])),
+            topk_ids=self.to_draft_ids(to_device(topk_ids, dev)),
+            topk_logprobs=to_device(stack_topk([e.topk_logprobs for e in examples], -np.inf), dev),
+            rejected_ids=self.to_draft_ids(to_device(cat("rejected_ids"), dev)),
+            weights=to_device(cat("weights"), dev),
+            discard=to_device(discard, dev),
         )
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.topk_logprobs import topk_logprobs_reference
+
 _I32 = torch.int32
 
 
@@ -84,11 +86,11 @@ def from_sglang(verify_input, predict: torch.Tensor, accept_lens: torch.Tensor,
 
 
 def summarize_target(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k ids and full-vocab log-probabilities of every tree node's target distribution."""
-    logits = logits.float()  # [B, N, V]
-    values, ids = logits.topk(top_k, dim=-1)  # [B, N, T]
-    logprobs = values - torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, N, T]
-    return ids.to(_I32), logprobs
+    """Top-k ids (int32) and full-vocab log-probabilities (fp32) of every tree node's target
+    distribution: [B, N, V] -> [B, N, T] each, on the logits' device."""
+    b, n, v = logits.shape
+    ids, logprobs = topk_logprobs_reference(logits.float().reshape(b * n, v), top_k)  # [B*N, T]
+    return ids.to(_I32).reshape(b, n, -1), logprobs.reshape(b, n, -1)
 
 
 def trace_path(v: VerifyTensors) -> torch.Tensor:
