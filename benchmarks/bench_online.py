@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Literal
 
 import typer
 
@@ -37,11 +38,12 @@ from infra.loop_metrics import (
 )
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
 from infra.paired_serving import serve_paired, target_only_loop, warmed
-from infra.prompts import encode, stream_items
+from infra.prompts import encode, prompts_callback, stream_items
 from infra.suffix_seed import seed_option, seed_summary, use_suffix_seed
 
 log = logging.getLogger(__name__)
 KINDS = ("hybrid", "suffix", "standalone")
+STATIC_BASELINES = ("offline", "snapshot")
 
 
 HELDOUT_EVERY = 5
@@ -78,6 +80,8 @@ async def adapted_and_frozen(target, stack, stream, cfg: LoopConfig, on_point=No
     (infra/paired_serving.py) keeps the machine's drift out of both comparisons.
     ``at_shift(loop)``: called once the pre-shift requests are served. Returns the loop and the
     static drafter's points on the post-shift requests."""
+    if static not in STATIC_BASELINES:  # else a misspelt "offline" ran the snapshot
+        raise ValueError(f"static must be one of {', '.join(STATIC_BASELINES)}, got {static!r}")
     shift = shift_index([d for _, d in stream])
     loop = OnlineLoop(target, stack, cfg, tag=uuid.uuid4().hex[:8])
     beside = [paired] if paired is not None else []
@@ -196,23 +200,32 @@ async def run_all(target, stack, stream, cfg: LoopConfig, static_dir: str, kinds
     return {**head, "by_drafter": by_drafter}
 
 
+def _check_kinds(kinds: list[str]) -> list[str]:
+    """``--drafter``: each one of KINDS, refused before anything loads."""
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        raise typer.BadParameter(f"{', '.join(map(repr, unknown))}: choose from {', '.join(KINDS)}")
+    return kinds
+
+
 def bench_online(
     json_out: bool = json_option(),
-    prompts: str = typer.Option(None, help="JSONL stream (prompt or messages, domain), served in file order; or \"sharegpt\" (held-out real user prompts: --chat chat then --code code)."),
+    prompts: str = typer.Option(None, callback=prompts_callback, help="JSONL stream (prompt or messages, domain), served in file order; or \"sharegpt\" (held-out real user prompts: --chat chat then --code code)."),
     max_tokens: int = typer.Option(48, min=1, help="New tokens per request."),
     chat: int = typer.Option(24, min=1, help="Chat requests before the shift (MT-Bench, or ShareGPT with --prompts sharegpt)."),
     code: int = typer.Option(24, min=1, help="Code requests after the shift (HumanEval, or ShareGPT with --prompts sharegpt)."),
     k: int = typer.Option(4, min=1, help="Most drafted tokens per step."),
     adaptive_k: bool = typer.Option(False, help="GoodputPolicy instead of fixed k."),
-    drafter: list[str] = typer.Option(list(KINDS), help="Drafter kinds to run (repeatable)."),
+    drafter: list[str] = typer.Option(list(KINDS), callback=_check_kinds,
+                                      help="Drafter kinds to run (repeatable): hybrid | suffix | standalone."),
     threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
-    learned: str = typer.Option("target-layers", help="Learned drafter: target-layers (standalone LM copying the "
+    learned: Literal["target-layers", "selfspec"] = typer.Option("target-layers", help="Learned drafter: target-layers (standalone LM copying the "
                                 "target's first layers) | selfspec (target's own first layers + trained adapter)."),
     day0_artifact: str = typer.Option(None, help="Start the learned drafter (serving's and the trainer's, and "
                                       "the offline static baseline) from this selfspec artifact, e.g. one "
                                       "pre-trained with `specloop train --corpus`."),
-    static: str = typer.Option("offline", help="Static baseline after the shift: offline (same kind trained offline "
+    static: Literal["offline", "snapshot"] = typer.Option("offline", help="Static baseline after the shift: offline (same kind trained offline "
                                "on the target's pre-shift responses) | snapshot (the loop's drafter frozen at the shift)."),
     suffix_seed: int = seed_option(),
 ) -> None:
@@ -225,9 +238,10 @@ def bench_online(
     from serving.target import load_target
 
     torch.set_num_threads(threads)
+    items = stream_items(prompts, chat, code)  # read before the target loads (checked when parsed)
     target = load_target()
     seed = use_suffix_seed(target, suffix_seed)  # serving's suffix indexes and the trainer's gate
-    stream = encode(stream_items(prompts, chat, code), target.tokenizer)
+    stream = encode(items, target.tokenizer)
     cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned, day0_artifact=day0_artifact)
     with tempfile.TemporaryDirectory(prefix="specloop-bench-online-") as tmp:
         stack = build_stack(load_settings(), tmp)

@@ -60,6 +60,9 @@ from infra.suffix_seed import seed_summary, use_suffix_seed
 
 log = logging.getLogger(__name__)
 
+DRAFTER_KINDS = ("suffix", "eagle", "standalone", "selfspec", "hybrid")
+"""What ``build_drafter`` builds (serving/drafters/factory.py); ``--drafter``'s choices."""
+
 
 def select_prompts(items: list[PromptItem], limit: int, warm: int) -> dict[str, tuple[list, list]]:
     """Per domain: (evaluation prompts, disjoint warm-up prompts)."""
@@ -159,6 +162,10 @@ async def bench_spec_async(
 
     if policy not in ("fixed", "adaptive", "both"):
         raise ValueError(f"policy must be fixed, adaptive or both, got {policy!r}")
+    if drafter_kind not in DRAFTER_KINDS:  # before the target loads, not after
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {drafter_kind!r}")
+    if target is None and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"dtype must be a torch dtype's name (float32, bfloat16), got {dtype!r}")
     policies = ("fixed", "adaptive") if policy == "both" else (policy,)
 
     if threads:

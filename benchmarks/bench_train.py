@@ -11,6 +11,7 @@ hybrid policy with the suffix drafter, charged with the student's draft cost mea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import typer
 
@@ -115,6 +116,22 @@ def _cached_traces(target, name: str, prompts, args, feature_layers, cache_dir,
     return traces
 
 
+STUDENTS = ("eagle", "standalone", "selfspec")
+DOMAINS = ("chat", "code")
+TRAIN_PROMPT_SETS = ("sharegpt",)
+"""What ``--prompts`` takes besides its default (MT-Bench chat / HumanEval code): the cached traces
+are named after it and the train / held-out split is the domain's prompts in set order."""
+
+
+def _check_choices(args) -> None:
+    """The command line's choices, for callers of ``run``: an unknown student trained standalone,
+    an unknown domain HumanEval."""
+    for name, value, allowed in (("student", args.student, STUDENTS), ("domain", args.domain, DOMAINS),
+                                 ("prompts", args.prompts, (None, *TRAIN_PROMPT_SETS))):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
 def run(args) -> dict:
     import time
 
@@ -132,6 +149,7 @@ def run(args) -> dict:
     from trainer.students import StandaloneStudent
 
     autocast_bf16(args.precision, torch.device("cpu"))  # a bad value is refused before any work
+    _check_choices(args)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     target = load_target(args.model)
@@ -223,18 +241,29 @@ def run(args) -> dict:
     }
 
 
+def _check_train_prompts(value: str | None) -> str | None:
+    """``--prompts``: the default or ``sharegpt`` only, refused before any work (a JSONL file given
+    here used to be ignored, and the run trained on MT-Bench / HumanEval while reporting the file)."""
+    if value is not None and value not in TRAIN_PROMPT_SETS:
+        raise typer.BadParameter(f"{value!r}: choose {' or '.join(TRAIN_PROMPT_SETS)} (the held-out ShareGPT set), "
+                                 "or leave it out for MT-Bench / HumanEval; bench train takes no prompt files")
+    return value
+
+
 def bench_train(
     json_out: bool = json_option(),
     model: str = typer.Option("SmolLM2-135M-Instruct", help="Target model."),
-    student: str = typer.Option("eagle", help="eagle | standalone | selfspec"),
-    domain: str = typer.Option("chat", help="chat (MT-Bench) | code (HumanEval)."),
-    prompts: str | None = typer.Option(None, help="sharegpt: the domain's prompts from the held-out ShareGPT set "
-                                       "instead of MT-Bench / HumanEval."),
+    student: Literal["eagle", "standalone", "selfspec"] = typer.Option("eagle", help="eagle | standalone | selfspec"),
+    domain: Literal["chat", "code"] = typer.Option("chat", help="chat (MT-Bench) | code (HumanEval)."),
+    prompts: str | None = typer.Option(None, callback=_check_train_prompts,
+                                       help="sharegpt: the domain's prompts from the held-out ShareGPT set "
+                                       "instead of MT-Bench / HumanEval (no prompt files here)."),
     init: Path | None = typer.Option(None, help="selfspec: start from this artifact (e.g. pre-trained with "
                                      "`specloop train --corpus`) instead of the day-0 copy of a target layer."),
     exit_layer: int = typer.Option(2, help="selfspec: target layers shared before the adapter."),
     adapter_layers: int = typer.Option(1, help="selfspec: trainable adapter decoder layers."),
-    adapter_init: str = typer.Option("next", help="selfspec: adapter starts as target layer E (next) or its last (last)."),
+    adapter_init: Literal["next", "last"] = typer.Option(
+        "next", help="selfspec: adapter starts as target layer E (next) or its last (last)."),
     train_prompts: int = typer.Option(36, help="MT-Bench prompts whose traces train."),
     heldout_prompts: int = typer.Option(12, help="Held-out MT-Bench prompts (same domain)."),
     max_new_tokens: int = typer.Option(64, help="Tokens generated per prompt."),

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Literal
 
 import typer
 
 from benchmarks.engine_options import bf16_activations_option
 from benchmarks.output import json_option, print_json
+from infra.prompts import prompt_domains, prompts_callback
 from infra.suffix_seed import seed_option
 
 
@@ -19,17 +21,20 @@ def _setup_logging(verbose: bool) -> None:
 
 def spec(
     json_out: bool = json_option(),
-    prompts: str = typer.Option(None, help="JSONL prompt file (lines with prompt or messages, optional domain), or \"sharegpt\" (held-out real user prompts)."),
+    prompts: str = typer.Option(None, callback=prompts_callback,
+                                help="JSONL prompt file (lines with prompt or messages, optional domain), or \"sharegpt\" (held-out real user prompts)."),
     limit: int = typer.Option(8, min=1, help="Evaluation prompts per domain."),
     max_tokens: int = typer.Option(96, min=1, help="New tokens per prompt."),
     k: int = typer.Option(8, min=1, help="Most drafted tokens (tree nodes) per step; serving's default."),
-    drafter: str = typer.Option("suffix", help="suffix | eagle | standalone | hybrid"),
+    drafter: Literal["suffix", "eagle", "standalone", "selfspec", "hybrid"] = typer.Option(
+        "suffix", help="suffix | eagle | standalone | selfspec | hybrid"),
     warm: int = typer.Option(16, min=0, help="Other prompts of the same domain served before measuring (0 = day 0 only)."),
     artifact: str = typer.Option(None, help="Drafter artifact directory for learned drafters (default: day-0 init)."),
     threads: int = typer.Option(2, min=1, help="torch threads."),
-    dtype: str = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
-    domain: list[str] = typer.Option(None, help="Only these domains (repeatable)."),
-    policy: str = typer.Option("adaptive", help="adaptive (GoodputPolicy picks 0..k, serving's default) | fixed (k every step) | "
+    dtype: Literal["float32", "bfloat16"] = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
+    domain: list[str] = typer.Option(None, help="Only these domains (repeatable): chat, code for the built-in "
+                                     "prompt sets, a JSONL file's own domains."),
+    policy: Literal["adaptive", "fixed", "both"] = typer.Option("adaptive", help="adaptive (GoodputPolicy picks 0..k, serving's default) | fixed (k every step) | "
                                "both (same prompts, adds adaptive_vs_fixed)."),
     tree: bool = typer.Option(True, "--tree/--no-tree", help="Suffix drafter proposes token trees of "
                               "up to k nodes (the adaptive policy cuts them to what pays)."),
@@ -47,10 +52,11 @@ def spec(
                                       "seeded per prompt so that lossless is still token identity."),
 ) -> None:
     """Speedup of speculative decoding over target-only decoding, day 0 and warmed."""
+    batches = _batch_sizes(batch)
+    _check_domains(domain, prompts)
     _setup_logging(verbose)
     from benchmarks.bench_spec import run
 
-    batches = _batch_sizes(batch)
     out = run(prompts, limit, max_tokens, k, drafter, warm, artifact, threads, dtype, domain, policy,
               tree, batches, batch_repeats, device, cuda_graphs, suffix_seed, bf16_activations, temperature)
     print_json(out, json_out)
@@ -68,10 +74,20 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _check_domains(domains: list[str] | None, prompts: str | None) -> None:
+    """``--domain`` values the prompt set has; a usage error (before any model loads) otherwise."""
+    have = prompt_domains(prompts)
+    unknown = [d for d in domains or () if d not in have]
+    if unknown:
+        raise typer.BadParameter(f"{', '.join(map(repr, unknown))}: the prompt set's domains are "
+                                 f"{', '.join(have)}", param_hint="--domain")
+
+
 def capture(
     json_out: bool = json_option(),
     tiny: bool = typer.Option(False, "--tiny", help="A tiny random model instead of SmolLM2 (smoke runs)."),
-    prompts: str = typer.Option(None, help="JSONL prompt file or \"sharegpt\" (default: MT-Bench + HumanEval)."),
+    prompts: str = typer.Option(None, callback=prompts_callback,
+                                help="JSONL prompt file or \"sharegpt\" (default: MT-Bench + HumanEval)."),
     limit: int = typer.Option(8, min=1, help="Prompts per run (round-robin over domains)."),
     max_tokens: int = typer.Option(64, min=1, help="New tokens per prompt."),
     k: int = typer.Option(4, min=1, help="Drafted tokens per step (suffix drafter)."),
@@ -79,7 +95,7 @@ def capture(
     repeats: int = typer.Option(3, min=1, help="Pairs of runs (capture, no capture), order alternating."),
     features: bool = typer.Option(False, "--features", help="Capture also records target hidden states."),
     threads: int = typer.Option(2, min=1, help="torch threads."),
-    dtype: str = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
+    dtype: Literal["float32", "bfloat16"] = typer.Option("float32", help="float32 (exactly lossless on CPU) | bfloat16"),
     verbose: bool = typer.Option(True, help="Progress logs on stderr."),
     bf16_activations: bool = bf16_activations_option(),
 ) -> None:

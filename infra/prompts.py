@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import re
 from pathlib import Path
 
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, ValidationError, model_validator
 
 from feedback.jsonl import iter_jsonl
 
@@ -79,14 +80,47 @@ def load_humaneval() -> list[PromptItem]:
 
 
 def load_jsonl(path: str | Path) -> list[PromptItem]:
+    """Every line a JSON object with ``prompt`` (a string) or ``messages`` (chat turns), optional
+    ``domain``, ``category`` and ``id``; blank lines skipped. ValueError naming ``path`` (and the
+    line) for a file that is missing, unreadable, empty or holds a line of anything else."""
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"{path}: no such file")
+    if not file.is_file():
+        raise ValueError(f"{path}: not a file" + (" (a directory)" if file.is_dir() else ""))
     items = []
-    for n, row in iter_jsonl(path):
-        row.setdefault("id", f"{Path(path).stem}-{n}")
-        try:
-            items.append(PromptItem(**row))
-        except ValueError as e:
-            raise ValueError(f"{path}:{n}: {e}") from None
+    try:
+        for n, row in iter_jsonl(file):
+            if not isinstance(row, dict):  # bad input, not a bad call: ValueError like every line's
+                raise ValueError(  # noqa: TRY004
+                    f"{path}:{n}: a prompt line must be a JSON object with \"prompt\" or "
+                    f"\"messages\", got {_json_kind(row)}")
+            try:
+                items.append(PromptItem(**{"id": f"{file.stem}-{n}", **row}))
+            except ValidationError as e:
+                raise ValueError(f"{path}:{n}: {_one_line(e)}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if not items:
+        raise ValueError(f"{path}: no prompts in it (JSONL lines with \"prompt\" or \"messages\")")
     return items
+
+
+def _json_kind(value: object) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+def _one_line(e: ValidationError) -> str:
+    """A pydantic error on one line: each field's problem, ``;``-separated."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
 
 
 _CODE_HINT = re.compile(
@@ -152,14 +186,62 @@ def load_sharegpt(n_chat: int = 60, n_code: int = 60, skip: int = 0) -> list[Pro
     return got["chat"] + got["code"]
 
 
+PROMPT_SETS = ("sharegpt",)
+"""The built-in prompt sets a ``--prompts`` value may name instead of a JSONL file."""
+
+BUILTIN_DOMAINS = ("chat", "code")
+"""The domains of the built-in sets (MT-Bench + HumanEval, ShareGPT)."""
+
+
 def load_prompts(spec: str | None, n_chat: int = 60, n_code: int = 60) -> list[PromptItem]:
     """``spec``: None (MT-Bench then HumanEval), ``sharegpt`` (the held-out real-user stream), or a
-    JSONL path."""
+    JSONL path (ValueError naming the file, and the line, for anything else: ``check_prompts``)."""
     if spec is None:
         return default_prompts()
     if spec == "sharegpt":
         return load_sharegpt(n_chat, n_code)
-    return load_jsonl(spec)
+    return _load_file(spec)
+
+
+def _load_file(spec: str) -> list[PromptItem]:
+    try:
+        return load_jsonl(spec)
+    except ValueError as e:
+        if Path(spec).exists():
+            raise
+        close = difflib.get_close_matches(spec.lower(), PROMPT_SETS, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        names = ", ".join(repr(n) for n in PROMPT_SETS)
+        raise ValueError(f"{e} (expected a JSONL prompt file or a built-in set: {names}{hint})") from None
+
+
+def check_prompts(spec: str | None) -> list[PromptItem] | None:
+    """A ``--prompts`` value checked without loading any model: None and the built-in sets pass
+    (None returned); a file is read whole (prompt files are small) and its items returned.
+    ValueError naming the file and the line otherwise (``load_prompts``)."""
+    if spec is None or spec in PROMPT_SETS:
+        return None
+    return _load_file(spec)
+
+
+def prompts_callback(value: str | None) -> str | None:
+    """Typer callback of the benchmarks' ``--prompts``: a missing file, a directory, a misspelt set
+    name or a malformed line is a usage error (exit code 2) before anything loads."""
+    import typer
+
+    try:
+        check_prompts(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
+def prompt_domains(spec: str | None) -> tuple[str, ...]:
+    """The domains the prompt set ``spec`` holds (a file's lines without one: ``default``)."""
+    items = check_prompts(spec)
+    if items is None:
+        return BUILTIN_DOMAINS
+    return tuple(sorted({item.domain or "default" for item in items}))
 
 
 def default_prompts() -> list[PromptItem]:
