@@ -191,6 +191,8 @@ class Swapper:
                 if (unchanged := self._unchanged(version, reason, force)) is not None:
                     return unchanged
                 beside = self._current.drafter
+            # (a rollback meanwhile leaves the new drafter built beside the one rolled back from:
+            # the suffix index is the same object, only the learned half's starting estimate differs)
             drafter = self._load(version, beside)
             with self._op_lock:  # what happened meanwhile (a rollback, a refusal elsewhere) counts
                 if (unchanged := self._unchanged(version, reason, force)) is not None:
