@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 from pathlib import Path
 
 import typer
@@ -34,8 +36,86 @@ def use_settings(loader) -> None:
     _loader = loader
 
 
+class InputError(ValueError):
+    """A mistake in what ``specloop train`` was given (settings, the model, a prompt file, where to
+    write): the command prints it as one line and exits 1, where a bug keeps its traceback."""
+
+
 def _settings(**overrides):
-    return _loader(overrides)
+    try:
+        return _loader(overrides)
+    except ValueError as exc:  # pydantic's ValidationError, pydantic-settings' SettingsError
+        raise InputError(f"settings: {_one_line(exc)}") from exc
+
+
+def _first_error(exc) -> str:
+    """A pydantic ValidationError in one line: its first error, where and what (and how many more)."""
+    errors = exc.errors()
+    err = errors[0]
+    where = ".".join(str(p) for p in err["loc"])
+    text = f"{exc.title}.{where}: {err['msg']}" if where else f"{exc.title}: {err['msg']}"
+    given = err.get("input")
+    if err.get("type") != "missing" and isinstance(given, str | int | float) and len(repr(given)) <= 80:
+        text += f" (got {given!r})"
+    return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+
+
+def _one_line(exc: BaseException) -> str:
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        return _first_error(exc)
+    text = str(exc)
+    cause = exc.__cause__
+    if isinstance(cause, ValidationError) and str(cause) in text:  # e.g. read_meta's "invalid artifact config"
+        text = text.replace(str(cause), _first_error(cause))
+    return " ".join(text.split()) or type(exc).__name__
+
+
+@contextlib.contextmanager
+def _input(*types: type[BaseException], about: object = None):
+    """Inside: ``types`` raised are a mistake in the input (an InputError, one line; ``about``
+    names what was given where the message does not)."""
+    try:
+        yield
+    except InputError:
+        raise
+    except types as exc:
+        text = _one_line(exc)
+        raise InputError(text if about is None or str(about) in text else f"{about}: {text}") from exc
+
+
+def _check_out(out: Path) -> None:
+    """Before any work: ``--out`` is deleted and replaced by the new artifact at the end
+    (``save_drafter(overwrite=True)``), so it must be a new path, an empty directory, or a drafter
+    artifact already; anything else (a folder of other files, a file, ``.``) is refused."""
+    from feedback.registry.artifact import CONFIG_FILE, DrafterArtifactError, read_meta
+
+    def refuse(why: str):
+        raise typer.BadParameter(f"{out}: {why}", param_hint="'--out'")
+
+    if out.name in ("", ".", ".."):
+        refuse("name the artifact directory itself (e.g. --out ./my-drafter): it is deleted and rewritten")
+    if out.is_symlink():
+        refuse("a symbolic link; give the artifact directory itself")
+    if out.is_dir():
+        try:
+            empty = not any(out.iterdir())
+        except OSError as exc:
+            refuse(f"cannot be read ({exc.strerror or exc})")
+        if not empty:
+            try:
+                read_meta(out)
+            except DrafterArtifactError:
+                refuse(f"a directory that is not a drafter artifact (no valid {CONFIG_FILE}); it would be "
+                       "deleted and replaced by the new artifact: give a new or empty directory")
+    elif out.exists():
+        refuse("exists and is not a directory (the artifact is a directory): give a new path")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        refuse(f"cannot be created: {parent} is not a directory")
+    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+        refuse(f"cannot be written: {parent} is not writable")
 
 
 _generator = None
@@ -124,15 +204,30 @@ def train(
     corpus_cache: Path = typer.Option(CORPUS_CACHE, help="--corpus/--requests/--offline: where "
                                       "teacher-forced and generated traces are kept between runs."),
     out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline/--corpus/--requests: artifact "
-                             "directory written."),
+                             "directory written: a new path, an empty directory or an earlier artifact "
+                             "(replaced); anything else is refused."),
     model_id: str | None = typer.Option(None, help="--offline: target id in the fingerprint (default: the directory "
                                         "name; serving's default target is SmolLM2-135M-Instruct)."),
-    max_new_tokens: int = typer.Option(64, help="--offline/--requests: tokens generated per prompt."),
-    steps: int = typer.Option(400, help="--offline/--corpus/--requests: most training steps (early stop on "
+    max_new_tokens: int = typer.Option(64, min=1, help="--offline/--requests: tokens generated per prompt."),
+    steps: int = typer.Option(400, min=1, help="--offline/--corpus/--requests: most training steps (early stop on "
                               "held-out acceptance)."),
 ) -> None:
     """Consume traces, distil the drafter, gate, register and announce promotions; with
     ``--offline`` train a static drafter once from prompts and save (and register) it."""
+    from feedback.registry.artifact import DrafterArtifactError
+
+    if offline is not None or corpus > 0 or requests > 0:
+        _check_out(out)
+    try:
+        _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, model_id, max_new_tokens, steps)
+    except (InputError, DrafterArtifactError) as exc:  # a mistake in the input; anything else is a bug
+        log.debug("specloop train refused its input", exc_info=True)
+        typer.echo(f"Error: {_one_line(exc)}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, model_id, max_new_tokens,
+           steps) -> None:
     import json
 
     model = model or _settings().model
@@ -147,18 +242,22 @@ def train(
     from feedback.registry.artifact_keys import DAY0_VERSION
     from feedback.target.location import model_fingerprint
     from trainer.actor import start_actor
+    from trainer.device import resolve_device
     from trainer.export import artifact_exporter
 
     settings = _settings()
-    path, fp = model_fingerprint(model)  # the same fingerprint serving gives this target's traces
-    model = str(path)
-    config = AutoConfig.from_pretrained(model)
-    export_cfg = StandaloneConfig.for_target(config) if settings.drafter == "standalone" else None
-    if settings.drafter == "selfspec":
-        from feedback.drafters.from_target import SelfSpecConfig
+    with _input(ValueError):
+        resolve_device(settings.device)  # a cuda setting without a GPU, before the model and Ray start
+    with _input(OSError, ValueError):  # a missing model, or one this drafter does not fit
+        path, fp = model_fingerprint(model)  # the same fingerprint serving gives this target's traces
+        model = str(path)
+        config = AutoConfig.from_pretrained(model)
+        export_cfg = StandaloneConfig.for_target(config) if settings.drafter == "standalone" else None
+        if settings.drafter == "selfspec":
+            from feedback.drafters.from_target import SelfSpecConfig
 
-        export_cfg = SelfSpecConfig.for_target(config, settings.exit_layer, settings.adapter_layers,
-                                               draft_vocab_size=settings.draft_vocab_size)
+            export_cfg = SelfSpecConfig.for_target(config, settings.exit_layer, settings.adapter_layers,
+                                                   draft_vocab_size=settings.draft_vocab_size)
     served_day0 = served_day0_draft(settings)
     factory = functools.partial(make_student, model, settings.drafter, settings.max_len,
                                 settings.exit_layer, settings.draft_vocab_size, settings.adapter_layers,
@@ -184,14 +283,19 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     and/or teacher-force ``corpus`` chunks per domain of package text, distil
     (trainer/offline.py), save; register in MLflow as the tenant's champion when
     SPECLOOP_TRAINER_TRACKING_URI is set explicitly."""
-    import os
     import time
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from feedback.registry.artifact import save_drafter
+    from feedback.registry.artifact import (
+        DrafterArtifactError,
+        load_drafter,
+        read_meta,
+        save_drafter,
+    )
     from feedback.target.location import model_fingerprint
+    from trainer.device import resolve_device
     from trainer.export import student_draft_vocab
     from trainer.offline import (
         OfflinePrompt,
@@ -207,14 +311,26 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     if init is not None and settings.drafter != "selfspec":  # before minutes of generation
         raise typer.BadParameter(f"--init starts a selfspec drafter, not {settings.drafter}; "
                                  "set SPECLOOP_TRAINER_DRAFTER=selfspec")
+    # What can be checked without the target's weights is, before minutes of generation and training.
+    if init is not None:
+        kind = read_meta(init).kind  # DrafterArtifactError: no readable config.json
+        if kind != settings.drafter:
+            raise DrafterArtifactError(f"{init}: a {kind} drafter artifact; --init needs a {settings.drafter} one")
+    with _input(ValueError):
+        device = resolve_device(settings.device)
     t0 = time.perf_counter()
-    path, fp = model_fingerprint(model)
-    model = str(path)
+    with _input(OSError, ValueError):  # a missing model directory, or one that is not a model
+        path, fp = model_fingerprint(model)
+        model = str(path)
+        tok = AutoTokenizer.from_pretrained(model)
     if model_id:
         fp = fp.model_copy(update={"model_id": model_id})
-    tok = AutoTokenizer.from_pretrained(model)
-    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    items = read_prompts(prompts, tok) if prompts is not None else []
+    if init is not None:  # validated as serving validates it: its target, checksums, shapes
+        load_drafter(init, fp)
+    with _input(OSError, ValueError, about=prompts):  # a bad row names its line
+        items = read_prompts(prompts, tok) if prompts is not None else []
+    with _input(OSError):  # a model directory without weights
+        target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     if requests > 0:
         from trainer.package_prompts import package_requests
 
@@ -235,9 +351,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     gen_s = time.perf_counter() - t0
     student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
                            settings.draft_vocab_size, settings.adapter_layers, init=init, fingerprint=fp)
-    from trainer.device import resolve_device
-
-    student.to(resolve_device(settings.device))
+    student.to(device)
     fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=settings.distill_config())
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
     if config is None:
@@ -245,11 +359,12 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
 
         config = StandaloneConfig.for_target(student.model.config)
     version = f"static-{int(time.time())}"
-    save_drafter(student.model, config, fp, out, version=version, overwrite=True,
-                 draft_vocab=student_draft_vocab(student), from_target=getattr(student, "from_target", None),
-                 extra={"offline_prompts": str(prompts), "corpus_chunks_per_domain": corpus,
-                        "package_requests_per_domain": requests, "init": str(init),
-                        **{k: v for k, v in fit.items() if k != "stopped_early"}})
+    with _input(OSError, about=out):  # a full disk, a directory made read-only meanwhile
+        save_drafter(student.model, config, fp, out, version=version, overwrite=True,
+                     draft_vocab=student_draft_vocab(student), from_target=getattr(student, "from_target", None),
+                     extra={"offline_prompts": str(prompts), "corpus_chunks_per_domain": corpus,
+                            "package_requests_per_domain": requests, "init": str(init),
+                            **{k: v for k, v in fit.items() if k != "stopped_early"}})
     result = {"artifact": str(out), "version": version, "drafter": settings.drafter, "prompts": len(items),
               "package_requests": 2 * requests, "corpus_chunks": 2 * corpus, "init": str(init) if init else None,
               "generation_s": gen_s, **fit}
