@@ -56,7 +56,11 @@ class TrainerSettings(BaseSettings):
     redis_url: str | None = Field(None, validation_alias=ep.shared("redis_url", ep.REDIS_URL, _OWN), description="Control plane; None = no heartbeats (always train), no announcements.")
     redis_namespace: str = Field(ep.DEFAULT_REDIS_NAMESPACE, validation_alias=ep.shared("redis_namespace", ep.REDIS_NAMESPACE, _OWN), description="Control-plane key prefix (shared with serving).")
     tracking_uri: str = Field("sqlite:///specloop-mlflow.db", validation_alias=ep.shared("tracking_uri", ep.MLFLOW_TRACKING_URI, _OWN), description="MLflow tracking + registry URI.")
-    checkpoint_dir: str | None = Field("./specloop-trainer-ckpt", description="Model + optimizer + replay checkpoints; None = none (a restart starts over).")
+    checkpoint_dir: str | None = Field(
+        "./specloop-trainer-ckpt", description="Model + optimizer + replay checkpoints, each in a "
+        "subdirectory per tenant, drafter kind and target (a trainer resumes only from its own; "
+        "another one sharing the directory neither loads nor deletes them); None = none (a restart "
+        "starts over).")
     ray_address: str | None = Field(None, description="Ray cluster address; None starts a local Ray with num_cpus.")
     num_cpus: int = Field(2, description="CPUs for a local Ray.")
     device: DeviceSetting = Field(

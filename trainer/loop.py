@@ -118,8 +118,17 @@ class TrainerLoop:
         """What each candidate is logged with in MLflow (its trace offsets survive a restart)."""
         self.checkpoint_fault: Callable[[str], None] | None = None
         """Tests only: called at each checkpoint step (see trainer/checkpoint.py)."""
-        if self.cfg.checkpoint_dir and checkpoint.exists(self._ckpt_root):
-            self._restore()
+        self.checkpoint_identity = checkpoint.identity(self.cfg.tenant, getattr(student, "kind", None), fingerprint)
+        """Whose checkpoints this loop writes and loads (tenant, drafter kind, target): they live in
+        a directory of their own under ``checkpoint_dir`` (``checkpoint_root``)."""
+        if self.cfg.checkpoint_dir:
+            if old := checkpoint.legacy(self.cfg.checkpoint_dir):
+                log.warning("%d checkpoint(s) of the earlier layout directly in %s are ignored, not "
+                            "deleted (nor purged by retention or a tenant's deletion request: remove "
+                            "them once unneeded); this trainer's are in %s", len(old),
+                            self.cfg.checkpoint_dir, self.checkpoint_root)
+            if checkpoint.exists(self.checkpoint_root):
+                self._restore()
         self._trained_tokens = self.replay.tokens_seen if len(self.replay) else -1
         """Training-trace tokens at the last trained round (restored traces count as trained)."""
 
@@ -128,8 +137,13 @@ class TrainerLoop:
         return self.distiller.student
 
     @property
-    def _ckpt_root(self) -> Path:
-        return Path(self.cfg.checkpoint_dir)
+    def checkpoint_root(self) -> Path | None:
+        """This identity's checkpoints: a subdirectory of ``checkpoint_dir`` (None: no checkpoints).
+        Trainers of another tenant, drafter kind or target sharing ``checkpoint_dir`` each have
+        their own, so none loads or prunes another's (trainer/checkpoint.py)."""
+        if not self.cfg.checkpoint_dir:
+            return None
+        return checkpoint.identity_root(self.cfg.checkpoint_dir, self.checkpoint_identity)
 
     # -- one round --------------------------------------------------------------------------
     def run_round(self) -> LoopStats:
@@ -375,12 +389,14 @@ class TrainerLoop:
                  "stats": {"rounds": self.stats.rounds, "train_steps": self.stats.train_steps,
                            "promotions": self.stats.promotions}}
         champ = self.champion.trainable_state() if self.champion is not None else None
-        checkpoint.save(self._ckpt_root, self.distiller, self.replay, extra, champion_state=champ,
-                        keep=keep or self.cfg.checkpoint_keep, fault=self.checkpoint_fault)
+        checkpoint.save(self.checkpoint_root, self.distiller, self.replay, extra, champion_state=champ,
+                        keep=keep or self.cfg.checkpoint_keep, fault=self.checkpoint_fault,
+                        ident=self.checkpoint_identity)
 
     def _restore(self) -> None:
         """Resume from the newest checkpoint that loads (none loads: start fresh)."""
-        path, self.distiller, self.replay, meta = checkpoint.restore(self._ckpt_root, self.distiller, self.replay)
+        path, self.distiller, self.replay, meta = checkpoint.restore(self.checkpoint_root, self.distiller, self.replay,
+                                                                     self.checkpoint_identity)
         if path is None:
             return
         self.champion_version = meta.get("champion_version")

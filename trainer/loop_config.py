@@ -16,6 +16,8 @@ class LoopConfig:
     steps_per_round: int = 20
     rounds_per_gate: int = 5
     checkpoint_dir: str | None = None
+    """Where checkpoints go: each (tenant, drafter kind, target) in a subdirectory of its own
+    (``TrainerLoop.checkpoint_root``); None = none."""
     checkpoint_keep: int = checkpoint.KEEP
     """Complete checkpoints kept (newest first; older ones are the fallback if the newest fails)."""
     lineage: dict = field(default_factory=dict)

@@ -54,7 +54,8 @@ def test_ray_actor_trains_and_promotes(tmp_path, monkeypatch):
         actor = start_actor(s, _student, FP, _source, registry=None)
         stats = ray.get(actor.run.remote(max_rounds=2), timeout=300)
         assert stats["train_steps"] > 0 and stats["promotions"] >= 1, stats
-        assert (checkpoint.latest(tmp_path / "ckpt") / "meta.json").exists()
+        root = checkpoint.identity_root(tmp_path / "ckpt", checkpoint.identity("default", "standalone", FP))
+        assert (checkpoint.latest(root) / "meta.json").exists()
     finally:
         ray.shutdown()
 

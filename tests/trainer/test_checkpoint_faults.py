@@ -91,7 +91,8 @@ def test_killed_between_checkpoint_steps_resumes_with_nothing_lost(kill_at, reco
     assert resumed.distiller.global_step == step
     for a, b in zip(params, resumed.student.model.parameters()):
         assert torch.equal(a, b)
-    left = sorted(p.name for p in tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == [resumed.checkpoint_root.name]  # this identity's only
+    left = sorted(p.name for p in resumed.checkpoint_root.iterdir())
     assert len(left) <= 2 and all(n.startswith("ckpt-") for n in left), left  # kept 2 deep, no temp
 
 
@@ -101,6 +102,6 @@ def test_a_checkpoint_that_does_not_load_falls_back_to_the_previous_one(records,
     loop.run_round()
     first = loop.distiller.global_step
     loop.run_round()
-    (checkpoint.latest(tmp_path) / "distiller.pt").write_bytes(b"torn")
+    (checkpoint.latest(loop.checkpoint_root) / "distiller.pt").write_bytes(b"torn")
     resumed = _loop(src, tmp_path)
     assert resumed.distiller.global_step == first

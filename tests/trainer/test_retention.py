@@ -63,11 +63,12 @@ def test_expired_traces_leave_the_replay_and_every_checkpoint(tmp_path):
     loop = _loop(src, tmp_path, replay)
     loop.run_round()
     loop.run_round()
-    assert {r.request_id for r in old} <= _on_disk(tmp_path)
+    root = loop.checkpoint_root
+    assert {r.request_id for r in old} <= _on_disk(root)
     replay.max_age_s = 40  # the configured age passes for the old ones
     assert loop.apply_retention() == 20
-    assert not ({r.request_id for r in old} & _on_disk(tmp_path))
-    assert len(checkpoint.all_checkpoints(tmp_path)) == 1  # older ones held the expired traces
+    assert not ({r.request_id for r in old} & _on_disk(root))
+    assert len(checkpoint.all_checkpoints(root)) == 1  # older ones held the expired traces
 
 
 class _Deletions:
@@ -89,14 +90,14 @@ def test_a_tenant_deletion_request_empties_its_traces_everywhere(tmp_path):
     loop = _loop(src, tmp_path, ReplayBuffer(fingerprint=FP, tenant="acme"), tenant="acme",
                  deletions=deletions)
     loop.run_round()
-    assert _on_disk(tmp_path)
+    assert _on_disk(loop.checkpoint_root)
     deletions.tenants.append("acme")  # the admin route asked for it
     loop.run_round()
     assert deletions.completed == ["acme"]
     deleted = {r.request_id for r in recs[:20]}  # what it held when the request came
     kept = {r.request_id for r in loop.replay.train_records} | {r.request_id for r in loop.replay.heldout}
     assert not (deleted & kept)
-    assert not (deleted & _on_disk(tmp_path))
+    assert not (deleted & _on_disk(loop.checkpoint_root))
 
 
 @pytest.mark.integration
