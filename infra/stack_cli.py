@@ -52,8 +52,21 @@ def stack_settings(storage: str | None) -> StackSettings:
     return StackSettings() if storage is None else StackSettings(storage=storage)
 
 
+def nothing_recorded(run_dir: Path | None) -> bool:
+    """True, and says so, when the run directory records no stack (a mistyped ``--run-dir``, or
+    one already stopped): a ``down`` then has nothing to stop, and must not create the directory
+    and report "nothing was running" while the stack it meant runs on elsewhere."""
+    directory = resolve_run_dir(run_dir)
+    if (directory / STATE_FILE).is_file():
+        return False
+    typer.echo(f"nothing to stop: no stack recorded in {directory}")
+    return True
+
+
 def cmd_down(run_dir: RunDirOption = None) -> None:
     """Stop every service recorded in the run directory."""
+    if nothing_recorded(run_dir):
+        return
     stopped = Stack(run_dir).down()
     typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
 

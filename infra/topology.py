@@ -266,5 +266,9 @@ def cmd_up(
 
 def cmd_down(run_dir: RunDirOption = None) -> None:
     """Stop the replicas, the trainer and the stack `specloop up` started."""
+    from infra.stack_cli import nothing_recorded
+
+    if nothing_recorded(run_dir):
+        return
     stopped = Topology(run_dir).down()
     typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))

@@ -104,6 +104,17 @@ def test_cli_up_status_down_from_separate_processes(tmp_path):
     assert specloop("stack", "status", "--run-dir", run_dir).stdout == ""  # nothing recorded
 
 
+@pytest.mark.parametrize("command", [("stack", "down"), ("down",)])
+def test_down_in_a_directory_with_no_stack_says_so_and_creates_nothing(tmp_path, command):
+    """A mistyped --run-dir used to be created and answered "nothing was running", while the stack
+    meant ran on elsewhere."""
+    typo = tmp_path / "no-such-run"
+    down = specloop(*command, "--run-dir", str(typo))
+    assert down.returncode == 0, down.stderr
+    assert f"no stack recorded in {typo}" in down.stdout
+    assert not typo.exists()
+
+
 @pytest.mark.usefixtures("requires_tansu", "requires_weed")
 def test_s3_storage_keeps_messages_across_broker_restarts(private_stack: Stack):
     from kafka import KafkaConsumer, KafkaProducer, TopicPartition
