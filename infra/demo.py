@@ -217,6 +217,21 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     return summary
 
 
+def _check_day0_artifact(path: Path) -> None:
+    """Before the stack starts and the model loads: ``--day0-artifact`` is a selfspec artifact
+    (the demo checked it only after minutes of set-up, and then with a traceback)."""
+    from feedback.registry.artifact import DrafterArtifactError, read_meta
+
+    try:
+        meta = read_meta(path)
+    except DrafterArtifactError as e:
+        raise typer.BadParameter(str(e), param_hint="--day0-artifact") from None
+    if meta.kind != "selfspec":
+        raise typer.BadParameter(f"{path} is a {meta.kind} drafter; the demo starts its learned drafter "
+                                 "from a selfspec artifact (`specloop train` with "
+                                 "SPECLOOP_TRAINER_DRAFTER=selfspec)", param_hint="--day0-artifact")
+
+
 def demo(
     chat: int = typer.Option(40, min=1, help="MT-Bench chat requests before the domain shift."),
     code: int = typer.Option(40, min=1, help="HumanEval code requests after it."),
@@ -242,6 +257,8 @@ def demo(
     """Run the closed loop live: serve -> trace -> train -> register -> swap, on a domain shift."""
     if learned not in ("target-layers", "selfspec"):
         raise typer.BadParameter(f"{learned!r}: choose target-layers or selfspec", param_hint="--learned")
+    if day0_artifact is not None:
+        _check_day0_artifact(day0_artifact)
     import torch
     from rich.console import Console
 

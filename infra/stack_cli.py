@@ -36,8 +36,11 @@ def cmd_up(
     """Start the services on free loopback ports (those already running are kept)."""
     names = tuple(s.strip() for s in services.split(",") if s.strip())
     unknown = [n for n in names if n not in SERVICES]
-    if unknown or storage not in (None, "memory", "s3"):
-        raise typer.BadParameter(f"unknown service(s) {unknown} or storage {storage!r}")
+    if unknown:
+        raise typer.BadParameter(f"unknown service(s) {', '.join(unknown)}: choose from "
+                                 f"{', '.join(SERVICES)}", param_hint="--services")
+    if storage not in (None, "memory", "s3"):
+        raise typer.BadParameter(f"storage {storage!r}: choose memory or s3", param_hint="--storage")
     stack = Stack(run_dir, stack_settings(storage))
     try:
         info = stack.up(names)

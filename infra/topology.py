@@ -241,8 +241,13 @@ def cmd_up(
     suffix_seed: int = seed_option(),
 ) -> None:
     """Run what docker-compose.yml runs, as local processes: stack, serving replicas, trainer."""
+    from feedback.target.location import resolve_model_path
     from infra.stack import ServiceStartError
 
+    try:  # before the seed and the services: a typo is one line, not a traceback minutes in
+        resolve_model_path(model)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e), param_hint="--model") from None
     extra_env = {}
     if suffix_seed > 0:  # every replica's suffix index and the trainer's gate start from it
         from serving.target import load_target

@@ -247,6 +247,19 @@ class ServingSettings(EngineChoice):
         "Unchecked: the contract (serving/sglang/contract.py) covers the derived ones only.",
     )
 
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, value: str) -> str:
+        """A torch device name, checked here so that a typo (``gpu``) is a settings error naming
+        the field, not a traceback from the model load (whether the device exists: load_target)."""
+        import torch
+
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"{value!r} is not a torch device (e.g. cpu, cuda, cuda:0)") from None
+        return value
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _api_keys_json(cls, value: Any) -> Any:

@@ -57,6 +57,7 @@ def load_target(
     decoding (bf16 rounding differs between a multi-token verify and a one-token step)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     path, model_id = resolve_model_path(model)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -64,6 +65,20 @@ def load_target(
     log.info("loaded %s in %.2f s", model_id, time.perf_counter() - t0)
     vocab = int(net.get_output_embeddings().weight.shape[0])
     return Target(net, tokenizer, fingerprint_for(model_id, tokenizer, vocab), model_id)
+
+
+def check_device(device: str) -> None:
+    """ValueError (one line) for a device this process cannot use: a CUDA device without a GPU, or
+    past the last one (torch's own errors are an AssertionError or a RuntimeError from deep in the
+    model's ``.to``)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"device {device}: no CUDA GPU is available to this process")
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device {device}: this process sees {count} CUDA GPU(s) (cuda:0..cuda:{count - 1})")
 
 
 def load_default_tokenizer():

@@ -251,3 +251,40 @@ def test_the_demo_refuses_a_missing_day0_artifact_before_starting_anything(tmp_p
     text = " ".join((out.output + (out.stderr or "")).replace("│", " ").split())
     assert out.exit_code == 2 and "does not exist" in text, text
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("config, expected", [
+    (None, "no config.json"),
+    ("{not json", "invalid artifact config"),
+    ("standalone", "is a standalone drafter; the demo starts its learned drafter from a selfspec"),
+])
+def test_the_demo_refuses_a_day0_artifact_that_is_no_selfspec_artifact_before_starting_anything(
+        tmp_path, monkeypatch, config, expected):
+    """It was read only after the stack, the model and the suffix seed, and failed with a traceback."""
+    from typer.testing import CliRunner
+
+    import infra.root
+    from infra.cli import app
+
+    def refuse(*a, **k):
+        raise AssertionError("the stack was started: the bad artifact was not caught first")
+
+    monkeypatch.setattr(infra.root, "build_stack", refuse)
+    art = tmp_path / "art"
+    art.mkdir()
+    if config == "standalone":
+        from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
+        from feedback.registry.artifact import save_drafter
+        from serving.target import tiny_target
+
+        target = tiny_target(vocab_size=64)
+        cfg = StandaloneConfig.for_target(target.model.config, num_layers=1)
+        model = standalone_from_target(target.model, num_layers=1, init="target-layers", seed=0)
+        save_drafter(model, cfg, target.fingerprint, art, version="s", overwrite=True)
+    elif config is not None:
+        (art / "config.json").write_text(config)
+    out = CliRunner().invoke(app, ["demo", "--day0-artifact", str(art), "--run-dir", str(tmp_path / "run")])
+    text = " ".join((out.output + (out.stderr or "")).replace("│", " ").split())
+    assert out.exit_code == 2 and expected in text, text
+    assert not (tmp_path / "run").exists()
+

@@ -31,3 +31,30 @@ def test_status_of_a_missing_stack_says_so_and_fails_without_creating_it(tmp_pat
     text = out.output + (out.stderr or "")
     assert out.exit_code == 1 and f"no stack recorded in {run_dir}" in text, text
     assert not (tmp_path / "typo").exists()
+
+
+def test_an_unknown_service_is_named_apart_from_the_storage(tmp_path):
+    from infra.cli import app
+
+    out = CliRunner().invoke(app, ["stack", "up", "--services", "broker,kafka", "--run-dir", str(tmp_path)])
+    text = " ".join(out.output.replace("│", " ").split())
+    assert out.exit_code == 2 and "unknown service(s) kafka: choose from" in text, text
+    assert "storage" not in text
+
+
+def test_up_with_a_model_that_does_not_exist_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """`specloop up --model typo` failed with a traceback from the model load (after the suffix
+    seed's set-up) instead of naming the option."""
+    import infra.topology
+    from infra.cli import app
+
+    def refuse(*a, **k):
+        raise AssertionError("work started: the missing model was not caught first")
+
+    monkeypatch.setattr(infra.topology, "ensure_suffix_seed", refuse)
+    monkeypatch.setattr(infra.topology, "Topology", refuse)
+    out = CliRunner().invoke(app, ["up", "--model", str(tmp_path / "nope"), "--run-dir", str(tmp_path / "run")])
+    text = " ".join((out.output + (out.stderr or "")).replace("│", " ").split())
+    assert out.exit_code == 2 and "no such directory" in text and "--model" in text, text
+    assert not (tmp_path / "run").exists()
+

@@ -90,6 +90,7 @@ def no_model(monkeypatch):
     (["generate", "hi", "--drafter", "eagle", "--drafter-dir", "/no/such/artifact"], "does not exist"),
     (["generate", "hi", "--drafter", "suffix", "--drafter-dir", "."], "drafter=suffix has none"),
     (["serve", "--drafter-dir", "."], "drafter=suffix has none"),  # suffix is the default
+    (["generate", "hi", "--device", "gpu"], "'gpu' is not a torch device (e.g. cpu, cuda, cuda:0)"),
 ])
 def test_bad_arguments_are_usage_errors_before_anything_loads(args, expected):
     result, out = run(args)
@@ -109,3 +110,25 @@ def test_a_refused_artifact_or_missing_model_is_one_line_not_a_traceback(args, m
     result, out = run(args + ["--drafter", "standalone", "--drafter-dir", "."])
     assert result.exit_code == 1 and isinstance(result.exception, SystemExit), out
     assert "Error: /models/draft: drafter 7 was built for target other-1234" in out
+
+
+def test_a_cuda_device_without_a_gpu_is_one_line_before_the_model_loads(monkeypatch):
+    """torch's own errors for it come from deep inside the model's ``.to`` (an AssertionError on a
+    CPU build): load_target checks the device first, and the CLI prints its ValueError as one line."""
+    import torch
+
+    import serving.target
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(serving.target, "resolve_model_path",
+                        lambda model: pytest.fail("the model was looked up before the device"))
+    with pytest.raises(ValueError, match="device cuda:1: no CUDA GPU is available to this process"):
+        serving.target.load_target(device="cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"sees 1 CUDA GPU\(s\) \(cuda:0..cuda:0\)"):
+        serving.target.load_target(device="cuda:1")
+    serving.target.check_device("cuda:0")  # there: no error
+    result, out = run(["generate", "hi", "--device", "cuda:3"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), out
+    assert "Error: device cuda:3: this process sees 1 CUDA GPU(s)" in out
