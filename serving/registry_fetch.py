@@ -80,5 +80,8 @@ class RegistryFetch:
 
         try:
             return self.loader.load(path, current)
-        except (DrafterArtifactError, ValueError, TypeError, KeyError) as e:
+        # RuntimeError / MemoryError too (torch's, e.g. an artifact whose shapes allocate more than
+        # this host has): a version that cannot be built is refused like one that fails its checks,
+        # where it used to escape as a 500, and on the Swapper's thread mark /health down each poll
+        except (DrafterArtifactError, ValueError, TypeError, KeyError, RuntimeError, MemoryError) as e:
             raise RefusedArtifact(f"drafter version {version} refused: {e}") from e

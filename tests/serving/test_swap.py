@@ -410,6 +410,24 @@ def test_a_rollback_does_not_wait_for_a_download_in_progress(target, tmp_path, s
     swapper.stop()
 
 
+def test_a_version_that_cannot_be_built_is_refused_not_an_error(target, tmp_path, sqlite_registry):
+    """torch's RuntimeError (or a MemoryError) while building a version escaped as a 500 from the
+    admin route, and from an announcement or a poll it failed the Swapper's loop (/health down)
+    and the version was fetched again at every poll."""
+    version = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+
+    def cannot(path, current=None):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    swapper.loader.load = cannot
+    with pytest.raises(RefusedArtifact, match="can't allocate memory"):
+        swapper.swap_to(version)
+    assert engine.drafter.version == "day0" and swapper.refused == 1
+    assert swapper.swap_to(version, force=False)["changed"] is False  # not fetched again unasked
+    swapper.stop()
+
+
 def _joins(thread, timeout: float = 5.0) -> bool:
     thread.join(timeout)
     return not thread.is_alive()
