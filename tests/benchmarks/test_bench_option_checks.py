@@ -125,6 +125,13 @@ def test_bench_train_refuses_a_prompts_file_it_would_have_ignored(refuse_work, t
     assert "--prompts" in text and "sharegpt" in text and "no prompt files" in text, text
 
 
+@pytest.mark.parametrize("option", ["--train-prompts", "--chunks", "--steps-per-chunk", "--batch-traces", "--k"])
+def test_bench_train_counts_below_one_are_usage_errors(refuse_work, option):
+    """They took 0 (an empty training set, no curve point) and failed or reported nothing later."""
+    out, text = invoke("train", option, "0")
+    assert out.exit_code == 2 and option in text and "Traceback" not in text, text
+
+
 def test_callers_of_the_benchmarks_are_refused_too():
     import asyncio
     from types import SimpleNamespace
