@@ -86,6 +86,17 @@ def identity_root(checkpoint_dir: str | Path, ident: dict[str, str]) -> Path:
     return Path(checkpoint_dir) / identity_dirname(ident)
 
 
+def open_root(checkpoint_dir: str | Path, ident: dict[str, str]) -> Path:
+    """``ident``'s root under ``checkpoint_dir`` (trainers of another tenant, drafter kind or target
+    sharing it each have their own), saying so when checkpoints of the earlier layout sit there."""
+    root = identity_root(checkpoint_dir, ident)
+    if old := legacy(checkpoint_dir):
+        log.warning("%d checkpoint(s) of the earlier layout directly in %s are ignored, not deleted "
+                    "(nor purged by retention or a tenant's deletion request: remove them once "
+                    "unneeded); this trainer's are in %s", len(old), checkpoint_dir, root)
+    return root
+
+
 def legacy(checkpoint_dir: str | Path) -> list[Path]:
     """Checkpoints of the earlier layout (directly in ``checkpoint_dir``): ignored, never deleted."""
     return all_checkpoints(checkpoint_dir)

@@ -121,29 +121,17 @@ class TrainerLoop:
         self.checkpoint_identity = checkpoint.identity(self.cfg.tenant, getattr(student, "kind", None), fingerprint)
         """Whose checkpoints this loop writes and loads (tenant, drafter kind, target): they live in
         a directory of their own under ``checkpoint_dir`` (``checkpoint_root``)."""
-        if self.cfg.checkpoint_dir:
-            if old := checkpoint.legacy(self.cfg.checkpoint_dir):
-                log.warning("%d checkpoint(s) of the earlier layout directly in %s are ignored, not "
-                            "deleted (nor purged by retention or a tenant's deletion request: remove "
-                            "them once unneeded); this trainer's are in %s", len(old),
-                            self.cfg.checkpoint_dir, self.checkpoint_root)
-            if checkpoint.exists(self.checkpoint_root):
-                self._restore()
+        self.checkpoint_root = (checkpoint.open_root(self.cfg.checkpoint_dir, self.checkpoint_identity)
+                                if self.cfg.checkpoint_dir else None)
+        """This identity's checkpoints, a subdirectory of ``checkpoint_dir`` (None: no checkpoints)."""
+        if self.checkpoint_root is not None and checkpoint.exists(self.checkpoint_root):
+            self._restore()
         self._trained_tokens = self.replay.tokens_seen if len(self.replay) else -1
         """Training-trace tokens at the last trained round (restored traces count as trained)."""
 
     @property
     def student(self):
         return self.distiller.student
-
-    @property
-    def checkpoint_root(self) -> Path | None:
-        """This identity's checkpoints: a subdirectory of ``checkpoint_dir`` (None: no checkpoints).
-        Trainers of another tenant, drafter kind or target sharing ``checkpoint_dir`` each have
-        their own, so none loads or prunes another's (trainer/checkpoint.py)."""
-        if not self.cfg.checkpoint_dir:
-            return None
-        return checkpoint.identity_root(self.cfg.checkpoint_dir, self.checkpoint_identity)
 
     # -- one round --------------------------------------------------------------------------
     def run_round(self) -> LoopStats:
