@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from feedback.pydantic_errors import first_error
+
 log = logging.getLogger(__name__)
 
 _MODEL = typer.Option(help="Target: SmolLM2-135M-Instruct (default) or a Hugging Face model dir.")
@@ -52,7 +54,7 @@ def _settings(**overrides):
     try:
         settings = _loader({k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        raise typer.BadParameter(_first_error(exc)) from exc
+        raise typer.BadParameter(first_error(exc)) from exc
     if settings.engine == "torch" and settings.drafter == "suffix" and settings.drafter_dir is not None:
         raise typer.BadParameter(  # the suffix drafter has no artifact: the directory would be ignored
             f"drafter_dir={settings.drafter_dir} holds a learned drafter, but drafter=suffix has none: "
@@ -93,18 +95,12 @@ def _require_engine(engine: str | None) -> None:
     try:
         name = EngineChoice(**({"engine": engine} if engine is not None else {})).engine
     except ValidationError as exc:
-        raise typer.BadParameter(_first_error(exc)) from exc
+        raise typer.BadParameter(first_error(exc)) from exc
     try:
         require_engine(name)
     except EngineUnavailable as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(1) from None
-
-
-def _first_error(exc) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"])
-    return f"{where}: {err['msg']}" if where else err["msg"]
 
 
 def serve(
@@ -235,7 +231,7 @@ async def _generate_once(settings, prompt: str, raw: bool, params: dict) -> dict
         else:
             req = p.ChatCompletionRequest(messages=[{"role": "user", "content": prompt}], **params)
     except ValidationError as exc:
-        raise typer.BadParameter(_first_error(exc)) from exc
+        raise typer.BadParameter(first_error(exc)) from exc
     engine = _build_engine(settings)
     serving = OpenAIServing(engine, settings)
     try:

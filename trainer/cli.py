@@ -48,27 +48,17 @@ def _settings(**overrides):
         raise InputError(f"settings: {_one_line(exc)}") from exc
 
 
-def _first_error(exc) -> str:
-    """A pydantic ValidationError in one line: its first error, where and what (and how many more)."""
-    errors = exc.errors()
-    err = errors[0]
-    where = ".".join(str(p) for p in err["loc"])
-    text = f"{exc.title}.{where}: {err['msg']}" if where else f"{exc.title}: {err['msg']}"
-    given = err.get("input")
-    if err.get("type") != "missing" and isinstance(given, str | int | float) and len(repr(given)) <= 80:
-        text += f" (got {given!r})"
-    return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
-
-
 def _one_line(exc: BaseException) -> str:
     from pydantic import ValidationError
 
+    from feedback.pydantic_errors import first_error
+
     if isinstance(exc, ValidationError):
-        return _first_error(exc)
+        return first_error(exc)
     text = str(exc)
     cause = exc.__cause__
     if isinstance(cause, ValidationError) and str(cause) in text:  # e.g. read_meta's "invalid artifact config"
-        text = text.replace(str(cause), _first_error(cause))
+        text = text.replace(str(cause), first_error(cause))
     return " ".join(text.split()) or type(exc).__name__
 
 
