@@ -59,9 +59,8 @@ class StepTimer(BaseObserver):
         self.rows.append(len(batch.request_ids))
         self.drafted.append(int(np.asarray(batch.num_drafted).sum()))
         self.accepted.append(int(np.asarray(batch.num_accepted).sum()))
-        nodes = getattr(batch, "tree_nodes", None)
-        self.tree_steps += nodes is not None
-        self.nodes.append(int(np.asarray(batch.num_drafted if nodes is None else nodes).sum()))
+        self.tree_steps += batch.tree_nodes is not None
+        self.nodes.append(int(np.asarray(batch.draft_nodes).sum()))
 
     def reset(self) -> None:
         self.__init__()

@@ -201,7 +201,7 @@ class SpecMetrics(BaseObserver):
         accepted = int(batch.num_accepted.sum())
         rows = len(batch.request_ids)
         c.drafted.inc(drafted)
-        c.draft_nodes.inc(drafted if batch.tree_nodes is None else int(batch.tree_nodes.sum()))
+        c.draft_nodes.inc(int(batch.draft_nodes.sum()))
         c.accepted.inc(accepted)
         c.emitted.inc(accepted + rows)
         c.verify_steps.inc(rows)

@@ -110,6 +110,12 @@ class VerifyBatch:
     tree_ids: np.ndarray | None = None  # [B, N] int32 the drafted tree's tokens, -1 padded
     tree_parents: np.ndarray | None = None  # [B, N] int16 parent node index, -1 root/padding
 
+    @property
+    def draft_nodes(self) -> np.ndarray:
+        """[B] drafted tokens the target verified per row: a tree's nodes, else ``num_drafted``
+        (what a request's ``usage.spec.drafted_tokens`` counts)."""
+        return self.num_drafted if self.tree_nodes is None else self.tree_nodes
+
 
 class RequestError(Exception):
     """Raised from ``generate()`` when one request cannot be served; other requests carry on.

@@ -11,7 +11,7 @@ from benchmarks.runner import StepTimer
 def _step(rows: int, accepted: int):
     return SimpleNamespace(draft_ms=0.1, verify_ms=1.0, request_ids=list(range(rows)),
                            num_drafted=[1] * rows, num_accepted=[accepted] + [0] * (rows - 1),
-                           tree_nodes=None)
+                           tree_nodes=None, draft_nodes=[1] * rows)
 
 
 def test_full_batch_rate_times_each_full_step_from_the_previous_report(monkeypatch):

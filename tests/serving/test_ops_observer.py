@@ -51,7 +51,7 @@ def test_prometheus_acceptance_by_position_k_and_speculation_off():
     m = SpecMetrics(reg)
     m.on_step(SimpleNamespace(request_ids=["a", "b", "c"], num_drafted=np.array([3, 2, 0]),
                               num_accepted=np.array([2, 0, 0]), draft_ms=1.0, verify_ms=5.0,
-                              tree_nodes=None))
+                              draft_nodes=np.array([3, 2, 0])))
 
     def val(name, **labels):
         return reg.get_sample_value(name, labels or None)
