@@ -76,8 +76,10 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
 
 def _check_domains(domains: list[str] | None, prompts: str | None) -> None:
     """``--domain`` values the prompt set has; a usage error (before any model loads) otherwise."""
+    if not domains:  # nothing to check: the file is not read again
+        return
     have = prompt_domains(prompts)
-    unknown = [d for d in domains or () if d not in have]
+    unknown = [d for d in domains if d not in have]
     if unknown:
         raise typer.BadParameter(f"{', '.join(map(repr, unknown))}: the prompt set's domains are "
                                  f"{', '.join(have)}", param_hint="--domain")
