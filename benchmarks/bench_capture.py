@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.runner import RunResult, run_prompts
-from infra.loop_metrics import rounds_on_this_cpu
+from infra.loop_metrics import paired_speedup_interval, rounds_on_this_cpu
 from infra.prompts import PromptItem, interleave_categories, load_prompts, split_by_domain
 
 log = logging.getLogger(__name__)
@@ -179,19 +179,12 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
         stack.down()
         shutil.rmtree(run_dir, ignore_errors=True)
 
-    def tok_s(runs: list[RunResult]) -> float:
-        wall = sum(x.wall_s for x in runs)
-        return sum(x.tokens for x in runs) / wall if wall else 0.0
-
     base, cap = results["none"], results["capture"]
-    pair_overheads = [100.0 * (1.0 - c.tok_s / b.tok_s) for b, c in zip(base, cap)]
-    base_tok_s, cap_tok_s = tok_s(base), tok_s(cap)
+    base_tok_s, cap_tok_s = _tok_s(base), _tok_s(cap)
     sent = sink.sent - sent0
     cap_wall = sum(x.wall_s for x in cap)
     return {
-        "overhead_pct": round(statistics.median(pair_overheads), 2),
-        "overhead_pct_total": round(100.0 * (1.0 - cap_tok_s / base_tok_s), 2) if base_tok_s else None,
-        "overhead_pct_pairs": [round(x, 2) for x in pair_overheads],
+        **overhead_figures(base, cap),
         "capture_step_thread_pct": _median_of(costs, "step_thread_pct"),
         "capture_export_cpu_pct": _median_of(costs, "export_cpu_pct"),
         "traces_per_s": round(sent / cap_wall, 2) if cap_wall else 0.0,
@@ -217,6 +210,29 @@ async def bench_capture_async(items: list[PromptItem], *, tiny: bool = False, li
         "threads": torch.get_num_threads(),
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
     }
+
+
+def overhead_figures(base: list[RunResult], cap: list[RunResult]) -> dict:
+    """Throughput lost to capture, from the paired runs (``base[i]`` and ``cap[i]`` served back to
+    back): the median over pairs, the figure over all runs' totals, each pair's, and a bootstrap
+    interval over the pairs (``overhead_pct_ci95``, infra/loop_metrics.paired_speedup_interval):
+    on this VM a pair moves by +-15 % at times, more than capture costs, and the interval says
+    whether a run could tell its overhead from zero at all."""
+    pair_overheads = [100.0 * (1.0 - c.tok_s / b.tok_s) for b, c in zip(base, cap) if b.tok_s]
+    base_tok_s, cap_tok_s = _tok_s(base), _tok_s(cap)
+    ratio = paired_speedup_interval(cap, base)  # [low, high] of capture / none throughput
+    return {
+        "overhead_pct": round(statistics.median(pair_overheads), 2) if pair_overheads else None,
+        "overhead_pct_ci95": None if ratio is None else [round(100.0 * (1.0 - ratio[1]), 2),
+                                                         round(100.0 * (1.0 - ratio[0]), 2)],
+        "overhead_pct_total": round(100.0 * (1.0 - cap_tok_s / base_tok_s), 2) if base_tok_s else None,
+        "overhead_pct_pairs": [round(x, 2) for x in pair_overheads],
+    }
+
+
+def _tok_s(runs: list[RunResult]) -> float:
+    wall = sum(x.wall_s for x in runs)
+    return sum(x.tokens for x in runs) / wall if wall else 0.0
 
 
 def _median_of(costs: list[dict], key: str) -> float | None:

@@ -56,3 +56,22 @@ def test_the_capture_arm_measures_its_trace_path(kafka_broker, kafka_topic):
         assert none_cost == {} and base.outputs == res.outputs
     finally:
         sink.close()
+
+
+def test_the_overhead_interval_brackets_the_pairs_and_says_when_noise_hides_it():
+    from benchmarks.bench_capture import overhead_figures
+    from benchmarks.runner import RunResult
+
+    def runs(tok_s_list):
+        return [RunResult(tokens=1000, wall_s=1000 / t) for t in tok_s_list]
+
+    # capture 5 % slower in every pair: the interval is tight around 5
+    steady = overhead_figures(runs([100, 80, 120, 90]), runs([95, 76, 114, 85.5]))
+    low, high = steady["overhead_pct_ci95"]
+    assert steady["overhead_pct"] == 5.0 and 4.9 <= low <= 5.0 <= high <= 5.1
+    # pairs at -15 / +13 %: the median reads a figure, the interval spans zero
+    noisy = overhead_figures(runs([100, 100, 100, 100]), runs([115, 87, 113, 89]))
+    low, high = noisy["overhead_pct_ci95"]
+    assert low < 0.0 < high
+    assert noisy["overhead_pct_pairs"] == [-15.0, 13.0, -13.0, 11.0]
+    assert overhead_figures(runs([100]), runs([90]))["overhead_pct_ci95"] is None
