@@ -29,6 +29,7 @@ import typer
 
 from benchmarks.output import json_option, print_json
 from benchmarks.static_fits import StaticFits, static_drafter
+from infra.artifact_options import DAY0_OPTION, check_target, day0_artifact_meta
 from infra.loop import LoopConfig, OnlineLoop
 from infra.loop_metrics import (
     paired_speedup_interval,
@@ -239,7 +240,10 @@ def bench_online(
 
     torch.set_num_threads(threads)
     items = stream_items(prompts, chat, code)  # read before the target loads (checked when parsed)
+    day0 = day0_artifact_meta(day0_artifact)
     target = load_target()
+    if day0 is not None:  # before the suffix seed and the stack (the loop read it only at its start)
+        check_target(day0, day0_artifact, DAY0_OPTION, target.fingerprint)
     seed = use_suffix_seed(target, suffix_seed)  # serving's suffix indexes and the trainer's gate
     stream = encode(items, target.tokenizer)
     cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned, day0_artifact=day0_artifact)

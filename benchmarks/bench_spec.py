@@ -37,19 +37,24 @@ time through a target-only engine and through the speculative engine (adaptive p
 warmed as in the last phase), alternating A/B ``batch_repeats`` times in ABBA order (as opted-out
 requests, so the drafter never learns from what it is measured on); ``by_batch`` gives each
 speedup and ``never_slower`` (speedup >= 0.97).
+
+This module runs the phases; benchmarks/spec_figures.py computes what they report,
+benchmarks/spec_batches.py runs the batch sizes, and infra/artifact_options.py checks
+``--artifact`` before the target loads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 
 import torch
 
 from benchmarks.runner import RunResult, StepTimer, run_prompts
-from infra.loop_metrics import paired_speedup_interval
+from benchmarks.spec_batches import by_batch
+from benchmarks.spec_figures import mean, phase_figures, run_figures
+from infra.artifact_options import LEARNED_KINDS, artifact_meta, check_target, refuse
 from infra.prompts import (
     PromptItem,
     interleave_categories,
@@ -64,6 +69,20 @@ DRAFTER_KINDS = ("suffix", "eagle", "standalone", "selfspec", "hybrid")
 """What ``build_drafter`` builds (serving/drafters/factory.py); ``--drafter``'s choices."""
 
 
+def check_artifact(artifact_dir: str | None, drafter_kind: str):
+    """``--artifact``, before the target loads: a drafter artifact of the kind ``drafter_kind``
+    serves (hybrid: any learned kind, for its learned half; suffix: none). Its config.json, or None."""
+    if artifact_dir is None:
+        return None
+    if drafter_kind == "suffix":
+        refuse("--artifact", "the suffix drafter starts from no artifact (its index learns from what it "
+                             "serves): give --drafter eagle, standalone, selfspec or hybrid with it")
+    kinds = LEARNED_KINDS if drafter_kind == "hybrid" else (drafter_kind,)
+    serves = ("an eagle, standalone or selfspec one" if drafter_kind == "hybrid"
+              else f"{'an' if drafter_kind == 'eagle' else 'a'} {drafter_kind} one")
+    return artifact_meta(artifact_dir, "--artifact", kinds, f"--drafter {drafter_kind} serves {serves}")
+
+
 def select_prompts(items: list[PromptItem], limit: int, warm: int) -> dict[str, tuple[list, list]]:
     """Per domain: (evaluation prompts, disjoint warm-up prompts)."""
     out = {}
@@ -71,29 +90,6 @@ def select_prompts(items: list[PromptItem], limit: int, warm: int) -> dict[str, 
         group = interleave_categories(group)
         out[domain] = (group[:limit], group[limit : limit + warm])
     return out
-
-
-def _figures(spec: RunResult, base: RunResult, timer: StepTimer) -> dict:
-    mismatches = sum(a != b for a, b in zip(spec.outputs, base.outputs))
-    t = timer.summary()
-    return {
-        "spec_tok_s": round(spec.tok_s, 3),
-        "speedup": round(spec.tok_s / base.tok_s, 4) if base.tok_s else 0.0,
-        "mean_accept_len": round(spec.mean_accept_len, 4),
-        "acceptance_rate": round(spec.acceptance_rate, 4),
-        "lossless": mismatches == 0 and spec.failed == 0,
-        "mismatched_outputs": mismatches,
-        "draft_ms_per_token": round(t["draft_ms_per_token"], 4),
-        "draft_ms_per_step": round(t["draft_ms_per_step"], 4),
-        "nodes_per_row_step": round(t["nodes_per_row_step"], 3),
-        "tokens_per_verify": round(spec.mean_accept_len, 4),
-        "tree_step_fraction": round(t["tree_step_fraction"], 3),
-        "verify_ms": round(t["verify_ms"], 3),
-        "tokens": spec.tokens,
-        "failed": spec.failed,
-        "cached_prompt_tokens": {"speculative": spec.cached_prompt_tokens,
-                                 "target_only": base.cached_prompt_tokens},
-    }
 
 
 async def _paired(engine, timer: StepTimer, baseline, prompts, domains, max_tokens,
@@ -166,18 +162,28 @@ async def bench_spec_async(
         raise ValueError(f"drafter must be one of {', '.join(DRAFTER_KINDS)}, got {drafter_kind!r}")
     if target is None and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"dtype must be a torch dtype's name (float32, bfloat16), got {dtype!r}")
+    artifact_config = check_artifact(artifact_dir, drafter_kind)
     policies = ("fixed", "adaptive") if policy == "both" else (policy,)
 
     if threads:
         torch.set_num_threads(threads)
     if target is None:
         target = load_target(model, dtype=getattr(torch, dtype), device=device)
+    if artifact_config is not None:  # before the seed and the baseline's minutes, not at the first drafter
+        check_target(artifact_config, artifact_dir, "--artifact", target.fingerprint)
     seed = use_suffix_seed(target, suffix_seed)  # every suffix drafter built below starts from it
     tok = target.tokenizer
     selection = select_prompts(items, limit, warm)
 
     def ids(group):
         return [p.token_ids(tok) for p in group]
+
+    def new_drafter():
+        """A fresh drafter of the kind measured; chains only with ``tree`` off."""
+        drafter = build_drafter(drafter_kind, target, artifact_dir)
+        if not tree and getattr(drafter, "trees", False):
+            drafter.trees = False
+        return drafter
 
     base_timer = StepTimer()
     # No prefix cache on either side (module docstring): the baseline serves every evaluation
@@ -208,7 +214,7 @@ async def bench_spec_async(
             for domain, (evals, warmups) in selection.items():
                 # A fresh drafter per domain and phase: day 0 knows nothing, warmed knows only the
                 # warm-up prompts of its own domain.
-                drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
+                drafter = new_drafter()
                 choose = GoodputPolicy(k) if pol == "adaptive" else None
                 engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=1, prefix_cache_tokens=0,
                                                                    **engine_options),
@@ -221,35 +227,14 @@ async def bench_spec_async(
                 paired += 1
                 spec, adjacent = await _paired(engine, timer, baseline, ids(evals), [domain] * len(evals),
                                                max_tokens, spec_first=paired % 2 == 1, temperature=temperature)
-                results[domain] = _figures(spec, adjacent, timer)
+                results[domain] = run_figures(spec, adjacent, timer)
                 results[domain]["_run"], results[domain]["_base"] = spec, adjacent
                 await engine.stop()
             phases[phase] = results
         runs[pol] = phases
     await baseline.stop()
 
-    def overall(results: dict) -> dict:
-        runs = {d: r.pop("_run") for d, r in results.items()}
-        bases = [r.pop("_base") for r in results.values()]  # each run's adjacent baseline
-        spec_tokens = sum(r.tokens for r in runs.values())
-        spec_wall = sum(r.wall_s for r in runs.values())
-        base_tokens = sum(b.tokens for b in bases)
-        base_wall = sum(b.wall_s for b in bases)
-        steps = sum(r.verify_steps for r in runs.values())
-        drafted = sum(r.drafted for r in runs.values())
-        accepted = sum(r.accepted for r in runs.values())
-        spec_tok_s = spec_tokens / spec_wall if spec_wall else 0.0
-        base_tok_s = base_tokens / base_wall if base_wall else 0.0
-        return {
-            "spec_tok_s": round(spec_tok_s, 3),
-            "speedup": round(spec_tok_s / base_tok_s, 4) if base_tok_s else 0.0,
-            "mean_accept_len": round(spec_tokens / steps, 4) if steps else 0.0,
-            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
-            "lossless": all(r["lossless"] for r in results.values()),
-            "by_domain": results,
-        }
-
-    by_policy = {pol: {phase: overall(res) for phase, res in phases.items()} for pol, phases in runs.items()}
+    by_policy = {pol: {phase: phase_figures(res) for phase, res in phases.items()} for pol, phases in runs.items()}
     summaries = by_policy[policies[0]]
     head = summaries["warmed" if "warmed" in summaries else "day0"]
     base_tokens = sum(b.tokens for b in base.values())
@@ -276,8 +261,8 @@ async def bench_spec_async(
         "mean_accept_len": head["mean_accept_len"],
         "acceptance_rate": head["acceptance_rate"],
         "lossless": all(s["lossless"] for by_phase in by_policy.values() for s in by_phase.values()),
-        "draft_ms_per_token": _mean([d["draft_ms_per_token"] for d in timers]),
-        "verify_ms": _mean([d["verify_ms"] for d in timers]),
+        "draft_ms_per_token": mean([d["draft_ms_per_token"] for d in timers]),
+        "verify_ms": mean([d["verify_ms"] for d in timers]),
         "phase": "warmed" if "warmed" in summaries else "day0",
         "day0": summaries["day0"],
         "warmed": summaries.get("warmed"),
@@ -286,9 +271,9 @@ async def bench_spec_async(
     out["tree"] = tree
     out["suffix_seed"] = seed_summary(seed)
     if batches:
-        out["by_batch"] = await _by_batch(
-            target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree, batches,
-            batch_repeats, warm > 0, engine_options, temperature,
+        out["by_batch"] = await by_batch(
+            target, selection, ids, new_drafter, k, max_tokens, batches, batch_repeats, warm > 0,
+            engine_options, temperature,
         )
     if len(policies) == 2:
         fixed, adaptive = by_policy["fixed"], by_policy["adaptive"]
@@ -297,139 +282,6 @@ async def bench_spec_async(
             phase: round(adaptive[phase]["spec_tok_s"] / fixed[phase]["spec_tok_s"], 4)
             if fixed[phase]["spec_tok_s"] else None for phase in fixed}
     return out
-
-
-def _drafter(drafter, tree: bool):
-    if not tree and getattr(drafter, "trees", False):
-        drafter.trees = False
-    return drafter
-
-
-def _tail(timer: StepTimer, batch: int) -> float | None:
-    """The fraction of ``timer``'s step milliseconds (draft + verify) in steps of fewer than
-    ``batch`` rows."""
-    ms = [d + v for d, v in zip(timer.draft_ms, timer.verify_ms)]
-    total = sum(ms)
-    return round(sum(m for m, r in zip(ms, timer.rows) if r < batch) / total, 3) if total else None
-
-
-async def _by_batch(target, selection, ids, drafter_kind, artifact_dir, k, max_tokens, tree,
-                    batches, repeats, warmed, engine_options: dict | None = None,
-                    temperature: float = 0.0) -> dict:
-    """Never-slower check: target-only vs speculative (adaptive) at each batch size, A/B
-    alternating in this process. The drafter is built (and warmed) once per batch size."""
-    from serving.drafters.factory import build_drafter
-    from serving.engine.config import EngineConfig
-    from serving.engine.goodput_policy import GoodputPolicy
-    from serving.engine.torch_engine import TorchEngine
-
-    evals = [p for group, _ in selection.values() for p in group]
-    warmups = [p for _, group in selection.values() for p in group] if warmed else []
-    out = {}
-    for b in batches:
-        base_timer, timer = StepTimer(), StepTimer()
-        base_engine = TorchEngine(target, None, EngineConfig(k=0, max_batch_size=b, **(engine_options or {})),
-                                  observers=[base_timer])
-        drafter = _drafter(build_drafter(drafter_kind, target, artifact_dir), tree)
-        policy = GoodputPolicy(k)
-        spec_engine = TorchEngine(target, drafter, EngineConfig(k=k, max_batch_size=b, **(engine_options or {})),
-                                  observers=[timer], policy=policy)
-        if warmups:
-            await run_prompts(spec_engine, ids(warmups), max_tokens, concurrency=b, temperature=temperature)
-        base_s = spec_s = 0.0
-        base_tokens = spec_tokens = 0
-        cached = {"target_only": 0, "speculative": 0}
-        paired: tuple[list, list] = ([], [])  # each round's (speculative, target-only) RunResult
-        lossless = True
-        timer.reset()
-        base_timer.reset()
-        for rep in range(repeats):
-            log.info("batch %d: target-only / speculative, %d prompts", b, len(evals))
-            # train=False: the drafter does not index what it measures, so every repeat measures
-            # the same warmed state (else repeat 2 drafts from repeat 1's identical outputs).
-            # ABBA order: this VM has slow periods of seconds (plain steps 5-9 % slower), and a
-            # drift within a round then weighs on both engines alike.
-            first, second = (base_engine, spec_engine) if rep % 2 == 0 else (spec_engine, base_engine)
-            base_timer.new_segment()  # each engine runs once a round: the gap before its first
-            timer.new_segment()  # step this round (the other engine's run) is not that step's
-            ra = await run_prompts(first, ids(evals), max_tokens, concurrency=b, train=False, temperature=temperature)
-            rb = await run_prompts(second, ids(evals), max_tokens, concurrency=b, train=False, temperature=temperature)
-            r0, r1 = (ra, rb) if first is base_engine else (rb, ra)
-            base_s, base_tokens = base_s + r0.wall_s, base_tokens + r0.tokens
-            spec_s, spec_tokens = spec_s + r1.wall_s, spec_tokens + r1.tokens
-            cached["target_only"] += r0.cached_prompt_tokens
-            cached["speculative"] += r1.cached_prompt_tokens
-            if r0.wall_s and r1.wall_s and r0.tokens:
-                paired[0].append(r1)
-                paired[1].append(r0)
-            lossless &= r0.outputs == r1.outputs and r1.failed == 0
-        await base_engine.stop()
-        await spec_engine.stop()
-        t = timer.summary()
-        speedup = (spec_tokens / spec_s) / (base_tokens / base_s) if spec_s and base_s else 0.0
-        widths = policy.widths
-        plain_base, plain_spec = base_timer.plain_step_ms(b), timer.plain_step_ms(b)
-        # the same ratio at equal machine speed: each engine's wall time scaled by its own plain
-        # step (identical work in both), which this VM moves by up to ~7 % between the engines'
-        # rounds even in ABBA order (ARCHITECTURE.md, "Never slower at batch 8")
-        corrected = speedup * plain_spec / plain_base if plain_base and plain_spec else None
-        full_base, full_spec = base_timer.full_batch_rate(b), timer.full_batch_rate(b)
-        full = full_spec[0] / full_base[0] if full_base and full_spec else None
-        rounds = [a.tok_s / b.tok_s for a, b in zip(*paired)]  # adjacent runs' speculative / target-only
-        median_round = statistics.median(rounds) if rounds else None
-        out[str(b)] = {
-            "speedup": round(speedup, 4),
-            "never_slower": speedup >= 0.97,
-            # [low, high] 95 % bootstrap over the rounds: this VM moves single rounds of the same
-            # work by +-5-8 %, and 0.96 vs 0.98 from one run to the next is within it
-            "speedup_interval": paired_speedup_interval(*paired),
-            # the same comparison round by round: each round's two runs are seconds apart, and the
-            # median is not moved by one round that a slow spell of this VM fell on (the pooled
-            # ratio above weighs that round by its length: at batch 8, where the policy keeps
-            # speculation off, rounds of the same work read 0.96-1.26 in one run)
-            "round_speedups": [round(r, 3) for r in rounds],
-            "speedup_median_round": _round(median_round, 4),
-            "never_slower_median_round": None if median_round is None else median_round >= 0.97,
-            "speedup_at_equal_plain_step": _round(corrected, 4),
-            "never_slower_at_equal_plain_step": None if corrected is None else corrected >= 0.97,
-            # the same ratio over the steps that ran all b rows (``StepTimer.full_batch_rate``):
-            # serving at batch b, without the tail of this finite prompt list (below)
-            "speedup_at_full_batch": _round(full, 4),
-            "never_slower_at_full_batch": None if full is None else full >= 0.97,
-            "lossless": lossless,
-            "tokens_per_row_step": round(spec_tokens / max(sum(timer.rows), 1), 4),
-            "nodes_per_row_step": round(t["nodes_per_row_step"], 3),
-            "plain_step_fraction": round(sum(w == 0 for w in widths) / len(widths), 3) if widths else None,
-            "calibration": round(policy.calibration.value, 3),
-            # diagnostic: the plain step in each engine, the same work, so a gap between them is
-            # the machine's drift between the two engines' rounds, not speculation
-            "plain_step_ms": {"target_only": _round(plain_base), "speculative": _round(plain_spec)},
-            "probes": policy.probes,
-            "cuts": dict(policy.cuts),
-            # diagnostic: the share of each engine's step time spent with fewer than b rows. This
-            # set of prompts is finite: target-only rows advance in lockstep and leave together,
-            # speculative rows leave one by one, and the last ones run at a small batch.
-            "tail_time_fraction": {"target_only": _tail(base_timer, b), "speculative": _tail(timer, b)},
-            # both engines keep a prefix cache here and serve the same prompts every round, so
-            # after the first round both copy most prompts in (equal when the drafter is not
-            # warmed; a warmed engine's cache also holds the warm-up prompts)
-            "cached_prompt_tokens": cached,
-            "full_batch_s": {"target_only": _round(full_base and full_base[1]),
-                             "speculative": _round(full_spec and full_spec[1])},
-            # diagnostic: seconds outside the steps (admissions and their prefills, mostly): the
-            # same work in both engines, and at batch 8 more than half of this benchmark's time
-            "between_steps_s": {"target_only": _round(base_timer.between_steps_s()),
-                                "speculative": _round(timer.between_steps_s())},
-        }
-    return out
-
-
-def _round(x: float | None, digits: int = 3) -> float | None:
-    return None if x is None else round(x, digits)
-
-
-def _mean(xs: list[float]) -> float:
-    return round(sum(xs) / len(xs), 4) if xs else 0.0
 
 
 def run(prompts: str | None, limit: int, max_tokens: int, k: int, drafter: str, warm: int,

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import typer
 
+from infra.artifact_options import DAY0_OPTION, check_target, day0_artifact_meta
 from infra.suffix_seed import current_seed, seed_option, seed_summary, use_suffix_seed
 
 log = logging.getLogger(__name__)
@@ -217,21 +218,6 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     return summary
 
 
-def _check_day0_artifact(path: Path) -> None:
-    """Before the stack starts and the model loads: ``--day0-artifact`` is a selfspec artifact
-    (the demo checked it only after minutes of set-up, and then with a traceback)."""
-    from feedback.registry.artifact import DrafterArtifactError, read_meta
-
-    try:
-        meta = read_meta(path)
-    except DrafterArtifactError as e:
-        raise typer.BadParameter(str(e), param_hint="--day0-artifact") from None
-    if meta.kind != "selfspec":
-        raise typer.BadParameter(f"{path} is a {meta.kind} drafter; the demo starts its learned drafter "
-                                 "from a selfspec artifact (`specloop train` with "
-                                 "SPECLOOP_TRAINER_DRAFTER=selfspec)", param_hint="--day0-artifact")
-
-
 def demo(
     chat: int = typer.Option(40, min=1, help="MT-Bench chat requests before the domain shift."),
     code: int = typer.Option(40, min=1, help="HumanEval code requests after it."),
@@ -257,8 +243,7 @@ def demo(
     """Run the closed loop live: serve -> trace -> train -> register -> swap, on a domain shift."""
     if learned not in ("target-layers", "selfspec"):
         raise typer.BadParameter(f"{learned!r}: choose target-layers or selfspec", param_hint="--learned")
-    if day0_artifact is not None:
-        _check_day0_artifact(day0_artifact)
+    day0 = day0_artifact_meta(day0_artifact)  # before the model loads and the stack starts
     import torch
     from rich.console import Console
 
@@ -273,23 +258,27 @@ def demo(
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}")
     torch.set_num_threads(threads)
-    stack = build_stack(load_settings(), run_dir / "stack")
+    stack = None
     try:
-        info = stack.up()
-        console.print(f"stack up: kafka {info.bootstrap_servers}, {info.redis_url}, mlflow {info.mlflow_uri}")
         target = load_target()
+        if day0 is not None:  # built for this target? (checked again when the drafter is built)
+            check_target(day0, day0_artifact, DAY0_OPTION, target.fingerprint)
         seed = use_suffix_seed(target, suffix_seed)  # serving's suffix index and the trainer's gate
         if seed is not None:
             console.print(f"suffix seed: {seed}")
+        stack = build_stack(load_settings(), run_dir / "stack")
+        info = stack.up()
+        console.print(f"stack up: kafka {info.bootstrap_servers}, {info.redis_url}, mlflow {info.mlflow_uri}")
         stream = encode(stream_items(None, chat, code), target.tokenizer)
         cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned,
                          day0_artifact=str(day0_artifact) if day0_artifact else None)
         summary = asyncio.run(run_demo(target, info, stream, cfg, run_dir, baseline, console))
     except KeyboardInterrupt:
-        console.print("interrupted: stopping the stack")
+        console.print("interrupted" + (": stopping the stack" if stack is not None else ""))
         raise typer.Exit(130)
     finally:
-        stack.down()
+        if stack is not None:
+            stack.down()
     console.print(summary_table(summary))
     db = run_dir / "stack" / "mlflow" / "mlflow.db"
     console.print(f"plot: {summary['plot']}\nsummary: {run_dir / 'summary.json'}")

@@ -123,11 +123,11 @@ def use_generator(factory) -> None:
 
 def make_student(model: str, kind: str, max_len: int, exit_layer: int = SELFSPEC_EXIT_LAYER,
                  draft_vocab_size: int | None = SELFSPEC_DRAFT_VOCAB_SIZE, adapter_layers: int = SELFSPEC_ADAPTER_LAYERS,
-                 *, init: Path | None = None,
-                 fingerprint=None, served_day0: str | None = None):
+                 *, init=None, served_day0: str | None = None):
     """Build the day-0 student from the target directory. Runs inside the Ray worker, so no model
     weights travel through the object store (on a cluster the path must exist on the worker).
-    ``init``: start from this selfspec artifact (checked against ``fingerprint``) instead.
+    ``init``: start from this selfspec adapter instead (``load_drafter``'s, already checked against
+    the target: ``run_offline`` reads the artifact once, before minutes of generation).
     ``served_day0``: a standalone student starts as this served day-0 draft (its directory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -136,15 +136,13 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = SELFSPEC
     from feedback.drafters.standalone_lm import standalone_from_target
     from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from trainer.eagle_student import EagleStudent
-    from trainer.students import SelfSpecStudent, StandaloneStudent
+    from trainer.students import SelfSpecStudent, StandaloneStudent, selfspec_student_from_adapter
 
     target = AutoModelForCausalLM.from_pretrained(model)
     if init is not None:
         if kind != "selfspec":
             raise ValueError(f"init: only a selfspec student starts from an artifact, not {kind}")
-        from trainer.students import selfspec_student_from_artifact
-
-        return selfspec_student_from_artifact(init, target.float(), fingerprint, max_len)
+        return selfspec_student_from_adapter(init, target.float(), max_len)
     if kind == "eagle":
         return EagleStudent(eagle_from_target(target), max_len=max_len)
     if kind == "selfspec":
@@ -303,7 +301,8 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
                                  "set SPECLOOP_TRAINER_DRAFTER=selfspec")
     # What can be checked without the target's weights is, before minutes of generation and training.
     if init is not None:
-        kind = read_meta(init).kind  # DrafterArtifactError: no readable config.json
+        with _input(DrafterArtifactError, OSError, about="--init"):  # no readable config.json
+            kind = read_meta(init).kind
         if kind != settings.drafter:
             raise DrafterArtifactError(f"{init}: a {kind} drafter artifact; --init needs a {settings.drafter} one")
     with _input(ValueError):
@@ -315,8 +314,10 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
         tok = AutoTokenizer.from_pretrained(model)
     if model_id:
         fp = fp.model_copy(update={"model_id": model_id})
-    if init is not None:  # validated as serving validates it: its target, checksums, shapes
-        load_drafter(init, fp)
+    adapter = None
+    if init is not None:  # validated as serving validates it (its target, checksums, shapes); read once
+        with _input(DrafterArtifactError, OSError, about="--init"):
+            adapter, _ = load_drafter(init, fp)
     with _input(OSError, ValueError, about=prompts):  # a bad row names its line
         items = read_prompts(prompts, tok) if prompts is not None else []
     with _input(OSError):  # a model directory without weights
@@ -340,7 +341,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
                                             progress=lambda n: bar.advance(task, n))
     gen_s = time.perf_counter() - t0
     student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
-                           settings.draft_vocab_size, settings.adapter_layers, init=init, fingerprint=fp)
+                           settings.draft_vocab_size, settings.adapter_layers, init=adapter)
     student.to(device)
     fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=settings.distill_config())
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)

@@ -349,11 +349,16 @@ def selfspec_student_from_artifact(directory, target_model: torch.nn.Module, fin
     """A SelfSpecStudent that starts from a saved adapter (e.g. one pre-trained offline with
     ``specloop train --corpus``) instead of the day-0 copy of a target layer. The artifact is
     validated like any served one (checksums, shapes, the target fingerprint)."""
-    from feedback.drafters.from_target import assemble
     from feedback.registry.artifact import DrafterArtifactError, load_drafter
 
     adapter, meta = load_drafter(directory, fingerprint)
     if meta.kind != "selfspec":
         raise DrafterArtifactError(f"{directory}: a {meta.kind} artifact; a selfspec student needs a selfspec one")
-    model = assemble(adapter.float(), target_model)
-    return SelfSpecStudent(model, adapter.config, max_len)
+    return selfspec_student_from_adapter(adapter, target_model, max_len)
+
+
+def selfspec_student_from_adapter(adapter, target_model: torch.nn.Module, max_len: int = 512) -> SelfSpecStudent:
+    """A SelfSpecStudent around an adapter ``load_drafter`` already read and checked."""
+    from feedback.drafters.from_target import assemble
+
+    return SelfSpecStudent(assemble(adapter.float(), target_model), adapter.config, max_len)

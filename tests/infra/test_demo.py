@@ -256,7 +256,7 @@ def test_the_demo_refuses_a_missing_day0_artifact_before_starting_anything(tmp_p
 @pytest.mark.parametrize("config, expected", [
     (None, "no config.json"),
     ("{not json", "invalid artifact config"),
-    ("standalone", "is a standalone drafter; the demo starts its learned drafter from a selfspec"),
+    ("standalone", "is a standalone drafter; the learned drafter starts from a selfspec"),
 ])
 def test_the_demo_refuses_a_day0_artifact_that_is_no_selfspec_artifact_before_starting_anything(
         tmp_path, monkeypatch, config, expected):
@@ -288,3 +288,36 @@ def test_the_demo_refuses_a_day0_artifact_that_is_no_selfspec_artifact_before_st
     assert out.exit_code == 2 and expected in text, text
     assert not (tmp_path / "run").exists()
 
+
+
+def test_the_demo_refuses_another_targets_day0_artifact_before_the_seed_and_the_stack(tmp_path, monkeypatch):
+    """The fingerprint was checked only when the loop built its drafter, after the stack and the
+    suffix seed (minutes on a fresh machine)."""
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import infra.demo
+    import infra.root
+    import serving.target
+    from feedback.registry.artifact import DrafterMeta
+    from feedback.target.fingerprint import TargetFingerprint
+    from infra.cli import app
+
+    def fp(model_id):
+        return TargetFingerprint(model_id=model_id, tokenizer_hash="0" * 16, vocab_size=48)
+
+    def refuse(*a, **k):
+        raise AssertionError("started before the artifact's target was checked")
+
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "config.json").write_text(DrafterMeta(kind="selfspec", version="v1", target=fp("another-model"),
+                                                 config={}, dtype="float32", files={}).model_dump_json())
+    monkeypatch.setenv("COLUMNS", "1000")
+    monkeypatch.setattr(serving.target, "load_target", lambda *a, **k: SimpleNamespace(fingerprint=fp("this-model")))
+    monkeypatch.setattr(infra.demo, "use_suffix_seed", refuse)
+    monkeypatch.setattr(infra.root, "build_stack", refuse)
+    out = CliRunner().invoke(app, ["demo", "--day0-artifact", str(art), "--run-dir", str(tmp_path / "run")])
+    text = " ".join((out.output + (out.stderr or "")).replace("│", " ").split())
+    assert out.exit_code == 2 and "was built for target" in text and "another-model" in text, text

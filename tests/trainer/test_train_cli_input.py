@@ -166,7 +166,7 @@ def test_a_broken_init_artifact_is_refused_before_the_model_loads(config, why, t
 
     line = one_line_error(invoke("--requests", "2", "--init", str(init), "--out", str(tmp_path / "x")))
 
-    assert str(init) in line and why in line, line
+    assert "--init" in line and str(init) in line and why in line, line
     assert not (tmp_path / "x").exists()
 
 
@@ -183,7 +183,41 @@ def test_an_init_artifact_of_another_target_is_refused_before_its_weights_load(t
     line = one_line_error(invoke("--corpus", "1", "--model", str(d), "--init", str(init),
                                  "--out", str(tmp_path / "x")))
 
-    assert str(init) in line and "another-model" in line, line
+    assert "--init" in line and str(init) in line and "another-model" in line, line
+
+
+def test_an_init_artifact_is_read_once_and_the_student_starts_from_it(target_dir, tmp_path, monkeypatch,
+                                                                      selfspec_env):
+    """It was loaded twice: checked before the target's weights, then loaded again for the student."""
+    import torch
+
+    import feedback.registry.artifact
+    import trainer.corpus
+    import trainer.offline
+    from feedback.registry.artifact import save_drafter
+    from trainer.cli import make_student, run_offline
+    from trainer.export import student_draft_vocab
+
+    target, d = target_dir
+    pre = make_student(str(d), "selfspec", 64, exit_layer=1, draft_vocab_size=4096)
+    with torch.no_grad():
+        pre.model.model.layers[1].mlp.up_proj.weight.add_(0.5)  # unlike the day-0 copy of a target layer
+    init = tmp_path / "pretrained"
+    save_drafter(pre.model, pre.config, target.fingerprint, init, version="pre", draft_vocab=student_draft_vocab(pre))
+    loads, real = [], feedback.registry.artifact.load_drafter
+    monkeypatch.setattr(feedback.registry.artifact, "load_drafter", lambda *a, **k: loads.append(a[0]) or real(*a, **k))
+    students = []  # no traces or training: the student is the point
+    monkeypatch.setattr(trainer.corpus, "package_corpus", lambda *a, **k: [])
+    monkeypatch.setattr(trainer.offline, "cached_corpus_traces", lambda *a, **k: [])
+    monkeypatch.setattr(trainer.offline, "train_offline",
+                        lambda student, *a, **k: students.append(student) or {"heldout_acceptance": 0.0})
+
+    result = run_offline(str(d), None, tmp_path / "out", target.model_id, max_new_tokens=8, steps=1, corpus=1,
+                         init=init)
+
+    assert loads == [init] and result["init"] == str(init)
+    layer = students[0].model.model.layers[1]  # the first adapter layer (exit layer 1)
+    assert torch.equal(layer.mlp.up_proj.weight, pre.model.model.layers[1].mlp.up_proj.weight)
 
 
 # model, settings, device -------------------------------------------------------------------------
