@@ -1,6 +1,7 @@
 """Low-level process, port and health helpers of the local stack (infra/stack.py): a process's
 start time from /proc (to tell a live service from a recycled pid), its process group's members,
-stopping a whole group, a log's tail, and the per-service health checks."""
+stopping a whole group, who writes to a run directory's logs, a log's tail, and the per-service
+health checks."""
 
 from __future__ import annotations
 
@@ -63,6 +64,28 @@ def _kill_group(pgid: int, grace_s: float, child: subprocess.Popen | None) -> No
                         child.wait(timeout=1.0)
                 return
             time.sleep(0.05)
+
+
+def _log_writers(directory: Path) -> dict[int, set[str]]:
+    """Process groups whose live members write their output (fd 1 or 2) to a ``*.log`` in
+    ``directory``, with those logs' names: the stack's services when its state file cannot say.
+    Only groups that lead a session of their own, as the stack starts each service (never, say,
+    a shell's job that was pointed at a log)."""
+    groups: dict[int, set[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = _proc_stat(int(entry.name))
+        if not stat or stat[0] == "Z" or stat[2] != stat[3]:  # fields 5 and 6: pgrp, session
+            continue
+        for fd in ("1", "2"):
+            try:
+                target = Path(os.readlink(entry / "fd" / fd))
+            except OSError:  # gone, or another user's
+                continue
+            if target.parent == directory and target.suffix == ".log":
+                groups.setdefault(int(stat[2]), set()).add(target.name)
+    return groups
 
 
 def _tail(path: Path, lines: int = 20) -> str:

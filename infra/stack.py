@@ -2,7 +2,9 @@
 
 Each service runs in its own process group on a free loopback port. What was started is recorded
 in ``<run_dir>/stack.json`` (pid, process start time, ports), so ``specloop stack up`` in one shell
-and ``specloop stack down`` in another work, and stopping never signals a recycled pid.
+and ``specloop stack down`` in another work, and stopping never signals a recycled pid. A state
+file it cannot read is reported (StateFileError, with what still writes to the run directory's
+logs), never rewritten.
 The pytest fixtures (tests/conftest.py) use the same class. The process, port and health helpers
 are in infra/processes.py; ``specloop stack``'s commands in infra/stack_cli.py.
 """
@@ -22,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from infra.processes import (
@@ -31,6 +33,7 @@ from infra.processes import (
     _group_members,
     _http_ok,
     _kill_group,
+    _log_writers,
     _redis_ping,
     _start_time,
     _tail,
@@ -63,6 +66,10 @@ class ServiceInfo(BaseModel):
     url: str
     log: str
     cmd: list[str]
+    config: dict[str, str] | None = None
+    """What defines the process, one keyed digest per part (infra/topology.py: its command and each
+    variable it was given), so that ``specloop up`` restarts it when one changed. None: recorded
+    without one (a stack service, or by an older specloop)."""
 
 
 class StackInfo(BaseModel):
@@ -85,6 +92,11 @@ class StackInfo(BaseModel):
 
 class ServiceStartError(RuntimeError):
     pass
+
+
+class StateFileError(RuntimeError):
+    """The state file is not one this module wrote (invalid JSON, truncated, edited). It is never
+    rewritten or removed here: it is the only record of processes that may still be running."""
 
 
 def free_port() -> int:
@@ -220,9 +232,13 @@ class Stack:
             names = list(state)
         return {name: self.healthy(name) for name in names}
 
-    def info(self) -> StackInfo:
+    def recorded(self) -> dict[str, ServiceInfo]:
+        """Every service the state file records, running or not (StateFileError if it is corrupt)."""
         with self._state() as state:
-            services = {n: ServiceInfo(**raw) for n, raw in state.items()}
+            return {n: ServiceInfo(**raw) for n, raw in state.items()}
+
+    def info(self) -> StackInfo:
+        services = self.recorded()
         live = {n: s for n, s in services.items() if _alive(s.pid, s.start_time)}
         url = lambda n: live[n].url if n in live else None
         return StackInfo(run_dir=str(self.run_dir), bootstrap_servers=url("broker"),
@@ -253,13 +269,14 @@ class Stack:
         return [name for name in names if self.stop(name)]
 
     def start_process(self, name: str, cmd: list[str], port: int, url: str, env: dict[str, str],
-                      ready) -> ServiceInfo:
+                      ready, config: dict[str, str] | None = None) -> ServiceInfo:
         """Start any long-running process the same way (own process group, log in the run
-        directory, recorded in stack.json so ``down`` stops it); ``ready()`` is its health check.
-        infra/topology.py starts the serving replicas and the trainer with it."""
-        return self._start(name, cmd, port, url, env, ready)
+        directory, recorded in stack.json so ``down`` stops it); ``ready()`` is its health check,
+        ``config`` is recorded with it (ServiceInfo.config). infra/topology.py starts the serving
+        replicas and the trainer with it."""
+        return self._start(name, cmd, port, url, env, ready, config)
 
-    def _start(self, name, cmd, port, url, env, ready) -> ServiceInfo:
+    def _start(self, name, cmd, port, url, env, ready, config=None) -> ServiceInfo:
         if self.service(name) is not None:
             raise ServiceStartError(f"{name} is already running in {self.run_dir}; stop it first")
         log_path = self.run_dir / f"{name}.log"
@@ -268,7 +285,7 @@ class Stack:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self._children[name] = proc
         info = ServiceInfo(name=name, pid=proc.pid, start_time=_start_time(proc.pid) or 0,
-                           port=port, url=url, log=str(log_path), cmd=cmd)
+                           port=port, url=url, log=str(log_path), cmd=cmd, config=config)
         with self._state() as state:
             state[name] = info.model_dump()
         deadline = time.monotonic() + self.settings.start_timeout_s
@@ -289,10 +306,41 @@ class Stack:
         path = self.run_dir / STATE_FILE
         with open(self.run_dir / "stack.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            state = json.loads(path.read_text()) if path.exists() else {}
+            state = _read_state(path) if path.exists() else {}
             before = json.dumps(state, sort_keys=True)
             yield state
             if json.dumps(state, sort_keys=True) != before:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(state, indent=2))
                 tmp.replace(path)
+
+
+def _read_state(path: Path) -> dict:
+    """The state file's services, each checked against ServiceInfo; StateFileError if it is not
+    one this module wrote."""
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict):
+            raise TypeError(f"a JSON {type(state).__name__}, not an object of services")
+        for name, raw in state.items():
+            try:
+                ServiceInfo.model_validate(raw)
+            except ValidationError as e:
+                from feedback.pydantic_errors import first_error
+
+                raise TypeError(f"its {name!r}: {first_error(e)}") from None
+    except (ValueError, TypeError) as e:  # invalid JSON or UTF-8 are ValueErrors
+        raise StateFileError(f"{path} is corrupt ({e}); {_still_running(path.parent)} remove "
+                             f"{path.name}, and `specloop up` (or `specloop stack up`) starts afresh") from None
+    return state
+
+
+def _still_running(run_dir: Path) -> str:
+    """What may still run although the state file cannot say: the process groups writing to the
+    run directory's logs (each service's output goes to ``<run_dir>/<name>.log``)."""
+    writers = _log_writers(run_dir)
+    if not writers:
+        return f"no process writes to a log in {run_dir}, so none it recorded seems to be running:"
+    groups = ", ".join(f"{pgid} ({', '.join(sorted(logs))})" for pgid, logs in sorted(writers.items()))
+    return (f"processes it recorded may still be running: process groups {groups} write to logs "
+            f"in {run_dir}; stop each with `kill -- -PGID`, then")

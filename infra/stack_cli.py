@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 
 from infra.stack import (
     SERVICES,
@@ -15,6 +18,7 @@ from infra.stack import (
     Stack,
     StackInfo,
     StackSettings,
+    StateFileError,
     resolve_run_dir,
 )
 
@@ -43,23 +47,49 @@ def cmd_up(
         raise typer.BadParameter(f"storage {storage!r}: choose memory or s3", param_hint="--storage")
     stack = Stack(run_dir, stack_settings(storage))
     try:
-        info = stack.up(names)
+        with state_file_errors():
+            info = stack.up(names)
     except ServiceStartError as e:
         typer.echo(f"stack up failed: {e}", err=True)
         raise typer.Exit(1) from e
     _print_info(info, json_out)
 
 
-def stack_settings(storage: str | None) -> StackSettings:
-    """The stack's settings: ``--storage`` when given, else the environment's ($SPECLOOP_STACK_STORAGE)."""
-    return StackSettings() if storage is None else StackSettings(storage=storage)
+def stack_settings(storage: str | None = None) -> StackSettings:
+    """The stack's settings: ``--storage`` when given, else the environment's ($SPECLOOP_STACK_STORAGE).
+    A bad ``SPECLOOP_STACK_*`` value is one line naming the variable (exit 1), not a traceback."""
+    try:
+        return StackSettings() if storage is None else StackSettings(storage=storage)
+    except ValidationError as e:
+        typer.echo(f"Error: {settings_error(e)}", err=True)
+        raise typer.Exit(1) from None
 
 
-def nothing_recorded(run_dir: Path | None) -> bool:
+def settings_error(exc: ValidationError) -> str:
+    """StackSettings' first error (feedback/pydantic_errors.py) under the variable's name."""
+    from feedback.pydantic_errors import first_error
+
+    loc = [str(p) for p in exc.errors()[0]["loc"]]
+    var = (StackSettings.model_config["env_prefix"] + (loc[0] if loc else "")).upper()
+    text = first_error(exc).replace(".".join([exc.title, *loc]), var, 1)
+    return f"{text}: set a valid value or unset it"
+
+
+@contextlib.contextmanager
+def state_file_errors() -> Iterator[None]:
+    """A corrupt state file (infra/stack.py's StateFileError) as one line on stderr, exit 1."""
+    try:
+        yield
+    except StateFileError as e:
+        typer.echo(f"Error: {e}", err=True)
+        raise typer.Exit(1) from None
+
+
+def nothing_recorded(run_dir: Path | None, settings: StackSettings | None = None) -> bool:
     """True, and says so, when the run directory records no stack (a mistyped ``--run-dir``, or
     one already stopped): a ``down`` then has nothing to stop, and must not create the directory
     and report "nothing was running" while the stack it meant runs on elsewhere."""
-    directory = resolve_run_dir(run_dir)
+    directory = resolve_run_dir(run_dir, settings)
     if (directory / STATE_FILE).is_file():
         return False
     typer.echo(f"nothing to stop: no stack recorded in {directory}")
@@ -68,24 +98,28 @@ def nothing_recorded(run_dir: Path | None) -> bool:
 
 def cmd_down(run_dir: RunDirOption = None) -> None:
     """Stop every service recorded in the run directory."""
-    if nothing_recorded(run_dir):
+    settings = stack_settings()
+    if nothing_recorded(run_dir, settings):
         return
-    stopped = Stack(run_dir).down()
+    with state_file_errors():
+        stopped = Stack(run_dir, settings).down()
     typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
 
 
 def cmd_status(run_dir: RunDirOption = None, json_out: JsonOption = False) -> None:
     """Health of each recorded service; exits 1 if any is down, or none is recorded."""
-    directory = resolve_run_dir(run_dir)
+    settings = stack_settings()
+    directory = resolve_run_dir(run_dir, settings)
     if not (directory / STATE_FILE).is_file():  # checked before Stack() creates the directory
         typer.echo(f"Error: no stack recorded in {directory} (start one with `specloop stack up`)", err=True)
         raise typer.Exit(1)
-    stack = Stack(directory)
-    health = stack.status()
+    stack = Stack(directory, settings)
+    with state_file_errors():
+        health = stack.status()
+        info = stack.info()
     if not health:
         typer.echo(f"Error: no stack recorded in {directory}: nothing is running", err=True)
         raise typer.Exit(1)
-    info = stack.info()
     if json_out:
         typer.echo(json.dumps({"healthy": health, **info.model_dump(exclude={"services"})}))
     else:

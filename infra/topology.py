@@ -23,19 +23,24 @@ variables are not passed on. Differences, all forced by the machine:
 - compose's ``restart: unless-stopped`` becomes ``specloop restart-policy unless-stopped -- CMD``
   (infra/restart.py): a trainer or replica that dies is started again.
 
-Everything is recorded in ``<run_dir>/stack.json``; ``specloop down`` stops the processes (whole
-process groups, Ray's included) and then the stack.
+Everything is recorded in ``<run_dir>/stack.json``, each process with what defines it (its command
+and the environment it was given): a second ``specloop up`` keeps a healthy process whose
+configuration is unchanged and restarts one whose configuration changed (another ``--model``, suffix
+seed, shell or ``.env`` value), as ``docker compose up`` recreates a changed container.
+``specloop down`` stops the processes (whole process groups, Ray's included) and then the stack.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import os
 import re
 import secrets
 import shutil
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -44,8 +49,16 @@ import yaml
 from pydantic import BaseModel
 
 from infra.processes import _http_ok
-from infra.stack import Stack, StackInfo, free_port
-from infra.stack_cli import RunDirOption
+from infra.stack import (
+    STATE_FILE,
+    ServiceInfo,
+    Stack,
+    StackInfo,
+    StackSettings,
+    free_port,
+    resolve_run_dir,
+)
+from infra.stack_cli import RunDirOption, nothing_recorded, stack_settings, state_file_errors
 from infra.suffix_seed import SEED_ENV, ensure_suffix_seed, seed_option
 
 COMPOSE_FILE = Path(__file__).resolve().parents[1] / "docker-compose.yml"
@@ -160,6 +173,41 @@ def specloop_command(compose_cmd: list[str]) -> list[str]:
             for i, part in enumerate(compose_cmd)]
 
 
+PER_START = ("SPECLOOP_PORT",)
+"""What ``up`` assigns anew at each start (a free port): not part of a process's configuration."""
+COMMAND = "command"
+"""The command's entry in a configuration (the rest are variable names)."""
+
+
+def configuration(key: bytes, cmd: list[str], env: Mapping[str, str]) -> dict[str, str]:
+    """What defines a process ``up`` starts: its command and each variable ``up`` gives it (compose's
+    environment, the stack's addresses, ``extra_env``, ...; not the shell's own environment it
+    inherits, nor ``PER_START``), each as a digest keyed by the run directory's ``config-key``:
+    which part changed can be told, and no value, secrets included, can be read or guessed from
+    the state file."""
+    parts = {COMMAND: "\0".join(cmd), **{k: v for k, v in env.items() if k not in PER_START}}
+    return {name: hmac.new(key, f"{name}={value}".encode(), "sha256").hexdigest()[:24]
+            for name, value in parts.items()}
+
+
+def changed(recorded: dict[str, str] | None, now: dict[str, str]) -> str | None:
+    """Why a process recorded with configuration ``recorded`` must be started again for ``now``;
+    None when the two are the same. Names what changed, never a value."""
+    if recorded is None:
+        return "recorded by an older specloop, without its configuration"
+    names = sorted(n for n in recorded.keys() | now.keys() if recorded.get(n) != now.get(n))
+    return f"configuration changed ({', '.join(names)})" if names else None
+
+
+def _secret_file(path: Path, make) -> str:
+    """``path``'s content, written once with ``make()`` (mode 0600 from its creation on)."""
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(make())
+    return path.read_text().strip()
+
+
 class TopologyInfo(BaseModel):
     stack: StackInfo
     replicas: list[str]
@@ -173,59 +221,89 @@ class Topology:
 
     def __init__(self, run_dir: Path | str | None = None, replicas: int = 2, model: str | None = None,
                  drafter: str = LOCAL_DRAFTER, extra_env: dict[str, str] | None = None,
-                 start_timeout_s: float = 300.0):
-        self.stack = Stack(run_dir)
+                 start_timeout_s: float = 300.0, settings: StackSettings | None = None,
+                 compose_file: Path = COMPOSE_FILE):
+        self.stack = Stack(run_dir, settings)
         self.stack.settings.start_timeout_s = max(self.stack.settings.start_timeout_s, start_timeout_s)
         self.run_dir = self.stack.run_dir
         self.replicas, self.model, self.drafter = replicas, model, drafter
         self.extra_env = dict(extra_env or {})
         """Added last to every process's environment (the suffix seed's file; tests: small
         training rounds)."""
-        self.compose_env = compose_environment()
+        self.compose_file = compose_file
+        self.compose_env = compose_environment(compose_file)
         """What docker-compose.yml is interpolated with: the shell's environment over ``.env``."""
 
     def admin_token(self) -> str:
         """SPECLOOP_ADMIN_TOKEN when set (shell or .env), else one generated once per run directory."""
         if self.compose_env.get("SPECLOOP_ADMIN_TOKEN"):
             return self.compose_env["SPECLOOP_ADMIN_TOKEN"]
-        path = self.run_dir / "admin-token"
-        if not path.exists():
-            path.write_text(secrets.token_urlsafe(32))
-            path.chmod(0o600)
-        return path.read_text().strip()
+        return _secret_file(self.run_dir / "admin-token", lambda: secrets.token_urlsafe(32))
 
-    def up(self) -> TopologyInfo:
-        stack = self.stack.up()
+    def up(self, say: Callable[[str], None] = lambda line: None) -> TopologyInfo:
+        """Start the stack, then ``start_processes``; ``say`` is told of each process restarted."""
+        return self.start_processes(self.stack.up(), say)
+
+    def start_processes(self, stack: StackInfo, say: Callable[[str], None] = lambda line: None) -> TopologyInfo:
+        """Start the replicas and the trainer against ``stack``. As ``docker compose up`` recreates a
+        container whose configuration changed, a running process is kept only when it is healthy
+        and was started with the same configuration (``configuration()``); else it is stopped and
+        started again, and ``say`` is told why."""
         # Like a container, a service gets the SPECLOOP_* variables compose gives it and no others
         # (the ones the file interpolates arrive through compose_service).
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECLOOP_")}
-        cmd, env = compose_service("serving", env=self.compose_env)
+        key = _secret_file(self.run_dir / "config-key", lambda: secrets.token_hex(32)).encode()
+        cmd, env = compose_service("serving", self.compose_file, env=self.compose_env)
+        cmd = specloop_command(cmd)
         urls = []
         for i in range(self.replicas):
             name = f"serving-{i}"
-            existing = self.stack.service(name)
-            if existing is not None and self.stack.healthy(name):
-                urls.append(existing.url)
+            given = {**local_env(env, stack, self.model, self.drafter), "SPECLOOP_REPLICA_ID": name,
+                     "SPECLOOP_ADMIN_TOKEN": self.admin_token(), **self.extra_env}
+            config = configuration(key, cmd, given)
+            kept = self._keep(name, config, say)
+            if kept is not None:
+                urls.append(kept.url)
                 continue
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            proc_env = {**base_env, **local_env(env, stack, self.model, self.drafter),
-                        "SPECLOOP_PORT": str(port), "SPECLOOP_REPLICA_ID": name,
-                        "SPECLOOP_ADMIN_TOKEN": self.admin_token(), **self.extra_env}
-            self.stack.start_process(name, specloop_command(cmd), port, url, proc_env,
-                                     ready=lambda u=url: _http_ok(f"{u}/health"))
+            self.stack.start_process(name, cmd, port, url, {**base_env, **given, "SPECLOOP_PORT": str(port)},
+                                     ready=lambda u=url: _http_ok(f"{u}/health"), config=config)
             urls.append(url)
-        if not self.stack.healthy("trainer"):
-            cmd, env = compose_service("trainer", env=self.compose_env)
-            proc_env = {**base_env, **local_env(env, stack, self.model, self.drafter),
-                        "SPECLOOP_TRAINER_CHECKPOINT_DIR": str(self.run_dir / "trainer-ckpt"),
-                        **self.extra_env}
+        for name in self._surplus_replicas():  # as compose scales a service down
+            say(f"{name}: beyond --replicas {self.replicas}, stopping it")
+            self.stack.stop(name)
+        cmd, env = compose_service("trainer", self.compose_file, env=self.compose_env)
+        cmd = specloop_command(cmd)
+        given = {**local_env(env, stack, self.model, self.drafter),
+                 "SPECLOOP_TRAINER_CHECKPOINT_DIR": str(self.run_dir / "trainer-ckpt"), **self.extra_env}
+        config = configuration(key, cmd, given)
+        if self._keep("trainer", config, say) is None:
             started = time.monotonic()
-            self.stack.start_process("trainer", specloop_command(cmd), 0, "", proc_env,
+            self.stack.start_process("trainer", cmd, 0, "", {**base_env, **given}, config=config,
                                      ready=lambda: time.monotonic() - started > 3.0)  # still alive after 3 s
         generated = not self.compose_env.get("SPECLOOP_ADMIN_TOKEN")
         return TopologyInfo(stack=self.stack.info(), replicas=urls,
                             admin_token_file=str(self.run_dir / "admin-token") if generated else None)
+
+    def _surplus_replicas(self) -> list[str]:
+        """Replicas an earlier ``up`` started beyond this one's ``replicas``."""
+        numbered = (re.fullmatch(r"serving-(\d+)", name) for name in self.stack.recorded())
+        return [m.group(0) for m in numbered if m is not None and int(m.group(1)) >= self.replicas]
+
+    def _keep(self, name: str, config: dict[str, str], say: Callable[[str], None]) -> ServiceInfo | None:
+        """The running ``name`` when it is healthy and its configuration is ``config``; else None,
+        having stopped it if its configuration differs (a live process with the same one, still
+        unhealthy, is left to ``start_process``, which refuses to start a second)."""
+        existing = self.stack.service(name)
+        if existing is None:
+            return None
+        why = changed(existing.config, config)
+        if why is None:
+            return existing if self.stack.healthy(name) else None
+        say(f"{name}: {why}, restarting it")
+        self.stack.stop(name)
+        return None
 
     def down(self) -> list[str]:
         return self.stack.down()
@@ -240,7 +318,8 @@ def cmd_up(
     run_dir: RunDirOption = None,
     suffix_seed: int = seed_option(),
 ) -> None:
-    """Run what docker-compose.yml runs, as local processes: stack, serving replicas, trainer."""
+    """Run what docker-compose.yml runs, as local processes: stack, serving replicas, trainer.
+    A replica or trainer already running is kept unless its configuration changed (then restarted)."""
     from feedback.target.location import resolve_model_path
     from infra.stack import ServiceStartError
 
@@ -248,6 +327,10 @@ def cmd_up(
         resolve_model_path(model)
     except FileNotFoundError as e:
         raise typer.BadParameter(str(e), param_hint="--model") from None
+    settings = stack_settings()  # so is a bad SPECLOOP_STACK_* value, and a corrupt state file
+    if (resolve_run_dir(run_dir, settings) / STATE_FILE).is_file():
+        with state_file_errors():
+            Stack(run_dir, settings).recorded()
     extra_env = {}
     if suffix_seed > 0:  # every replica's suffix index and the trainer's gate start from it
         from serving.target import load_target
@@ -255,9 +338,10 @@ def cmd_up(
         path = ensure_suffix_seed(load_target(model), suffix_seed)
         extra_env[SEED_ENV] = str(path)
         typer.echo(f"suffix seed {path}")
-    topo = Topology(run_dir, replicas=replicas, model=model, extra_env=extra_env)
+    topo = Topology(run_dir, replicas=replicas, model=model, extra_env=extra_env, settings=settings)
     try:
-        info = topo.up()
+        with state_file_errors():
+            info = topo.up(say=typer.echo)
     except ServiceStartError as e:
         typer.echo(f"specloop up failed: {e}", err=True)
         raise typer.Exit(1) from e
@@ -271,9 +355,9 @@ def cmd_up(
 
 def cmd_down(run_dir: RunDirOption = None) -> None:
     """Stop the replicas, the trainer and the stack `specloop up` started."""
-    from infra.stack_cli import nothing_recorded
-
-    if nothing_recorded(run_dir):
+    settings = stack_settings()
+    if nothing_recorded(run_dir, settings):
         return
-    stopped = Topology(run_dir).down()
+    with state_file_errors():
+        stopped = Topology(run_dir, settings=settings).down()
     typer.echo("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))

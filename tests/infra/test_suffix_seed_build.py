@@ -156,10 +156,10 @@ def test_specloop_up_starts_its_replicas_and_trainer_with_the_seed(target, built
     started = []
 
     class Recorder:  # stands in for the processes: the wire under test ends at their environment
-        def __init__(self, run_dir, replicas, model, extra_env):
+        def __init__(self, run_dir, replicas, model, extra_env, settings=None):
             started.append(extra_env)
 
-        def up(self):
+        def up(self, say=None):
             raise ServiceStartError("not started in this test")
 
     monkeypatch.setattr(topology, "Topology", Recorder)
