@@ -91,23 +91,56 @@ def open_root(checkpoint_dir: str | Path, ident: dict[str, str]) -> Path:
     sharing it each have their own), saying so when checkpoints of the earlier layout sit there."""
     root = identity_root(checkpoint_dir, ident)
     if old := legacy(checkpoint_dir):
-        log.warning("%d checkpoint(s) of the earlier layout directly in %s are ignored, not deleted "
-                    "(nor purged by retention or a tenant's deletion request: remove them once "
-                    "unneeded); this trainer's are in %s", len(old), checkpoint_dir, root)
+        log.warning("%d checkpoint(s) of the earlier layout directly in %s are ignored (deleted only "
+                    "where retention or a tenant's deletion request reaches their traces: remove "
+                    "them once unneeded); this trainer's are in %s", len(old), checkpoint_dir, root)
     return root
 
 
 def legacy(checkpoint_dir: str | Path) -> list[Path]:
-    """Checkpoints of the earlier layout (directly in ``checkpoint_dir``): ignored, never deleted."""
+    """Checkpoints of the earlier layout (directly in ``checkpoint_dir``): never loaded, deleted only
+    where retention reaches them (``purge_legacy``)."""
     return all_checkpoints(checkpoint_dir)
+
+
+def purge_legacy(checkpoint_dir: str | Path | None, tenants: list[str] = (), max_age_s: float | None = None,
+                 now: float | None = None) -> list[Path]:
+    """Delete the earlier layout's checkpoints that hold data retention removes: those that may hold
+    a deleted tenant's traces (recording that tenant, or no identity: the earlier layout's trainers
+    of every tenant shared the directory) and those saved more than ``max_age_s`` ago (every trace
+    in them has expired). A trainer ignores them, but a deletion request or a retention window
+    that left them on disk would not be one. Returns the deleted paths (none without a directory)."""
+    if not checkpoint_dir:
+        return []
+    now = time.time() if now is None else now
+    gone = []
+    for path in legacy(checkpoint_dir):
+        meta = _meta(path)
+        tenant = (meta.get("identity") or {}).get("tenant")
+        saved_at = meta.get("saved_at")
+        expired = (max_age_s is not None and isinstance(saved_at, (int, float))
+                   and now - saved_at > max_age_s)
+        if expired or (tenants and (tenant is None or tenant in tenants)):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    if gone:
+        log.info("retention: deleted %d checkpoint(s) of the earlier layout in %s (%s)", len(gone),
+                 checkpoint_dir, ", ".join(tenants) or "expired")
+    return gone
+
+
+def _meta(path: Path) -> dict:
+    """A checkpoint's meta.json ({} if unreadable)."""
+    try:
+        meta = json.loads((Path(path) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def recorded_identity(path: str | Path) -> dict | None:
     """The identity checkpoint ``path`` recorded (None: none recorded, or its meta unreadable)."""
-    try:
-        return json.loads((Path(path) / "meta.json").read_text()).get("identity")
-    except (OSError, ValueError):
-        return None
+    return _meta(Path(path)).get("identity")
 
 
 def _ours(path: Path, ident: dict[str, str] | None) -> bool:

@@ -268,13 +268,18 @@ class TrainerLoop:
         """Drop traces past the replay's ``max_age_s`` and those of tenants whose deletion was
         requested; when anything went, rewrite the checkpoint and delete the older ones (which
         still hold it). Returns the traces dropped."""
-        return retention.apply_retention(self.replay, self.deletions, self.cfg.tenant, self._purge)
+        return retention.apply_retention(self.replay, self.deletions, self.cfg.tenant, self._purge,
+                                         self._purge_legacy)
 
     def delete_tenant(self, tenant: str) -> int:
         """Drop ``tenant``'s traces from the replay and from every checkpoint now."""
         dropped = self.replay.delete_tenant(tenant)
         self._purge()
+        self._purge_legacy([tenant])
         return dropped
+
+    def _purge_legacy(self, tenants: list[str]) -> None:
+        checkpoint.purge_legacy(self.cfg.checkpoint_dir, tenants, self.replay.max_age_s)
 
     def _purge(self) -> None:
         """Traces were dropped: a checkpoint without them, and none of the older ones."""

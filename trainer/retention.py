@@ -13,10 +13,14 @@ from trainer.replay import ReplayBuffer
 log = logging.getLogger(__name__)
 
 
-def apply_retention(replay: ReplayBuffer, deletions, tenant: str, purge: Callable[[], None]) -> int:
+def apply_retention(replay: ReplayBuffer, deletions, tenant: str, purge: Callable[[], None],
+                    purge_elsewhere: Callable[[list[str]], None] = lambda tenants: None) -> int:
     """Drop expired traces and those of ``deletions.pending_deletions(tenant)``; when anything
-    went, ``purge()``, and only then ``deletions.complete_deletion`` each tenant. Returns the
-    traces dropped. ``deletions``: None for none (feedback.control.plane.ControlPlane)."""
+    went or a deletion was asked, ``purge()`` (older checkpoints may hold a deleted tenant's traces
+    that have left the replay since), and ``purge_elsewhere(deleted tenants)`` at every pass (the
+    earlier layout's checkpoints: expired ones, and a deleted tenant's); only then
+    ``deletions.complete_deletion`` each tenant. Returns the traces dropped. ``deletions``: None for
+    none (feedback.control.plane.ControlPlane)."""
     dropped = replay.expire()
     done = []
     if deletions is not None:
@@ -28,7 +32,9 @@ def apply_retention(replay: ReplayBuffer, deletions, tenant: str, purge: Callabl
             log.warning("could not read deletion requests", exc_info=True)
     if dropped:
         log.info("retention: dropped %d traces (%s)", dropped, ", ".join(done) or "expired")
+    if dropped or done:
         purge()
+    purge_elsewhere(done)
     for t in done:  # only once the checkpoints no longer hold its traces
         deletions.complete_deletion(t)
     return dropped

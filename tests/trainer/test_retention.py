@@ -3,6 +3,7 @@ request empties its traces from the replay and the checkpoints (and is acknowled
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 
@@ -110,3 +111,43 @@ def test_control_plane_carries_deletion_requests(redis_server, redis_namespace):
     assert control.pending_deletions() == ["acme", "beta"]
     control.complete_deletion("acme")
     assert control.pending_deletions() == ["beta"]
+
+
+def _legacy_checkpoint(root, tenant: str, saved_ago_s: float = 0.0, identity: bool = False):
+    """A checkpoint of the earlier layout (directly in ``root``) holding ``tenant``'s traces, saved
+    ``saved_ago_s`` ago; with ``identity`` it records one, as the loop's own do."""
+    replay = ReplayBuffer(fingerprint=FP, tenant=tenant, min_heldout=0)
+    replay.extend([make_trace("a", seed=500 + i, tenant=tenant) for i in range(4)])
+    old = _loop(ListTraceSource([]), root / "unused", tenant=tenant)
+    ident = checkpoint.identity(tenant, "standalone", FP) if identity else None
+    path = checkpoint.save(root, old.distiller, replay, ident=ident)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["saved_at"] -= saved_ago_s
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def test_a_deletion_request_reaches_the_earlier_layouts_checkpoints(tmp_path):
+    """They are never loaded, and were never purged either: a tenant's traces stayed on disk after
+    its deletion was acknowledged, whether or not the replay still held any of them."""
+    unkeyed = _legacy_checkpoint(tmp_path, "acme")  # the earlier layout recorded no tenant
+    other = _legacy_checkpoint(tmp_path, "beta", identity=True)
+    deletions = _Deletions([])
+    loop = _loop(ListTraceSource([make_trace("a", seed=i, tenant="acme") for i in range(20)]), tmp_path,
+                 ReplayBuffer(fingerprint=FP, tenant="acme"), tenant="acme", deletions=deletions)
+    loop.run_round()
+    assert unkeyed.exists() and other.exists()  # kept until retention reaches them
+    deletions.tenants.append("acme")
+    loop.run_round()
+    assert deletions.completed == ["acme"]
+    assert not unkeyed.exists() and other.exists()  # another tenant's, recorded as such, stays
+    loop.delete_tenant("beta")  # the direct path too
+    assert not other.exists()
+
+
+def test_the_retention_window_reaches_the_earlier_layouts_checkpoints(tmp_path):
+    expired = _legacy_checkpoint(tmp_path, "acme", saved_ago_s=7200)
+    recent = _legacy_checkpoint(tmp_path, "acme", saved_ago_s=60)
+    loop = _loop(ListTraceSource([]), tmp_path, ReplayBuffer(max_age_s=3600, fingerprint=FP), tenant="acme")
+    assert loop.apply_retention() == 0  # nothing in the replay: the pass still looks at them
+    assert not expired.exists() and recent.exists()
