@@ -103,8 +103,13 @@ class ServingSettings(EngineChoice):
         "target-only decoding. Ignored on CPUs without either. False: fp32 activations."
     )
     default_max_tokens: int | None = Field(
-        None, ge=1, description="max_tokens when a request gives none. None: as OpenAI's chat does, "
-        "as many as the context leaves, up to max_tokens_limit (a model ends its answer with EOS)."
+        None, ge=1, description="max_tokens when a request gives none. None: on chat, as OpenAI's "
+        "does, as many as the context leaves, up to max_tokens_limit (a model ends its answer with "
+        "EOS); on /v1/completions 16, as OpenAI's legacy completions and vLLM default."
+    )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body in bytes; a larger one is a 413 "
+        "before it is read (a prompt that long could not fit a context anyway)."
     )
     default_temperature: float = Field(
         1.0, ge=0.0, le=2.0, description="temperature when a request gives none: OpenAI's 1.0 (the "

@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serving.engine.base import Overloaded, RequestError, Unavailable
+
 log = logging.getLogger(__name__)
 
 
@@ -91,6 +93,8 @@ def validation_message(
     by_loc: dict[str, list[str]] = {}
     for err in exc.errors():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if not loc and "field" in (err.get("ctx") or {}):  # a whole-body check names its field
+            loc = [str(err["ctx"]["field"])]
         kind = err.get("type", "")
         if kind == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "malformed JSON")
@@ -138,3 +142,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return _json(
             500, error_body(f"Internal server error: {type(exc).__name__}", "server_error")
         )
+
+
+def engine_error(exc: Exception) -> APIError:
+    """What the client is told of an exception from the engine (overload, unavailability, a bad
+    request found there), or a 500 that names only its type."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, Overloaded):
+        return overloaded(str(exc), exc.retry_after_s)
+    if isinstance(exc, Unavailable):
+        return unavailable(str(exc), exc.retry_after_s)
+    if isinstance(exc, RequestError):
+        if exc.invalid:
+            return bad_request(str(exc))
+        return APIError(str(exc), 500, "server_error")
+    return APIError(f"Internal server error: {type(exc).__name__}", 500, "server_error")

@@ -1,8 +1,9 @@
 """Turns validated OpenAI requests into engine requests and engine chunks into OpenAI responses.
 
 The router stays a list of routes; this module owns the checks that depend on the deployment
-(model name, max_tokens limit, context length), tokenisation, the SSE stream, and aborting the
-engine request when the client goes away.
+(model name, max_tokens limit, context length), tokenisation (on a worker thread: a long prompt
+takes a while, and the event loop serves every stream), the SSE stream, and aborting the engine
+request when the client goes away.
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving.api import protocol as p
-from serving.api.errors import APIError, bad_request, model_not_found, overloaded, unavailable
+from serving.api import responses as r
+from serving.api.disconnect import ClientDisconnected, unless_disconnected
+from serving.api.errors import APIError, bad_request, engine_error, model_not_found
 from serving.api.tenants import resolve_tenant
 from serving.config import ServingSettings
 from serving.engine.base import (
     Engine,
     GenerationChunk,
     GenerationRequest,
-    Overloaded,
     RequestError,
     SamplingParams,
     Unavailable,
 )
+from serving.output import max_token_chars
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class OpenAIServing:
         self.engine = engine
         self.settings = settings
         self.served_model_name = settings.served_model_name or engine.model_name
+        self._token_chars: tuple[object, int | None] = (None, None)  # (tokenizer, its bound)
 
     # ------------------------------------------------------------------ checks and encoding
 
@@ -62,13 +66,13 @@ class OpenAIServing:
             return self.served_model_name
         raise model_not_found(model)
 
-    def models(self) -> p.ModelList:
-        card = p.ModelCard(
+    def models(self) -> r.ModelList:
+        card = r.ModelCard(
             id=self.served_model_name,
             root=self.engine.model_name,
             max_model_len=self.engine.max_context,
         )
-        return p.ModelList(data=[card])
+        return r.ModelList(data=[card])
 
     def tenant_of(self, req, raw: Request) -> str:
         return resolve_tenant(self.settings.api_keys, raw.headers.get("authorization"), req.tenant)
@@ -79,9 +83,31 @@ class OpenAIServing:
             raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
         return tok
 
+    def _refuse_if_too_long(self, chars: int, param: str) -> None:
+        """400 context_length_exceeded for a text of ``chars`` characters that has more tokens
+        than the context holds whatever they are (``max_token_chars``), before tokenising it."""
+        ctx = getattr(self.engine, "max_context", None)  # SGLang's: 0 until it knows
+        if not ctx or chars < ctx:  # fewer characters than the context has tokens: may fit
+            return
+        tok = self.engine.tokenizer
+        if self._token_chars[0] is not tok:  # once per tokenizer (~0.1 s for 49k tokens)
+            self._token_chars = (tok, max_token_chars(tok))
+        per_token = self._token_chars[1]
+        least = -(-chars // per_token) if per_token else 0
+        if least >= ctx:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens, and the prompt has at least "
+                f"{least} tokens ({chars} characters), leaving none to generate. Shorten the prompt.",
+                param,
+                "context_length_exceeded",
+            )
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids (blocking: the endpoints call it on a worker thread)."""
         if isinstance(prompt, str):
-            ids = list(self._tokenizer().encode(prompt))
+            tok = self._tokenizer()
+            self._refuse_if_too_long(len(prompt), "prompt")
+            ids = list(tok.encode(prompt))
         else:
             vocab = self.engine.fingerprint.vocab_size
             bad = next((t for t in prompt if not 0 <= t < vocab), None)
@@ -95,9 +121,15 @@ class OpenAIServing:
         return ids
 
     def encode_chat(self, messages: list[p.ChatMessage]) -> list[int]:
+        """The chat template's token ids (blocking: the endpoints call it on a worker thread)."""
         tok = self._tokenizer()
         if not getattr(tok, "chat_template", None):
             raise bad_request("this model has no chat template: use /v1/completions", "messages")
+        # The template holds every message as given (or trimmed); an assistant's may be cut (some
+        # templates drop a past answer's reasoning), so only the others count.
+        self._refuse_if_too_long(
+            sum(len(m.text().strip()) for m in messages if m.role != "assistant"), "messages"
+        )
         conversation = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in messages
@@ -109,11 +141,13 @@ class OpenAIServing:
         return list(tok.encode(text, add_special_tokens=False))
 
     def max_tokens(
-        self, requested: int | None, prompt_len: int, prompt_param: str, name: str = "max_tokens"
+        self, requested: int | None, prompt_len: int, prompt_param: str, name: str = "max_tokens",
+        default: int | None = None,
     ) -> int:
         """Validate ``max_tokens`` against the server limit and the context left after the prompt.
-        Unset, it defaults to the server default, shortened to fit the context. ``name``: the
-        field the client sent (chat's ``max_completion_tokens``), for the error messages."""
+        Unset, it is the server's default_max_tokens, else ``default`` (None: the limit),
+        shortened to fit the context. ``name``: the field the client sent (chat's
+        ``max_completion_tokens``), for the error messages."""
         ctx, limit = self.engine.max_context, self.settings.max_tokens_limit
         if requested is not None and requested > limit:
             raise bad_request(f"{name}={requested} exceeds this server's limit of {limit}", name)
@@ -125,8 +159,7 @@ class OpenAIServing:
                 "context_length_exceeded",
             )
         if requested is None:
-            default = self.settings.default_max_tokens
-            return min(limit if default is None else default, ctx - prompt_len)
+            return min(self.settings.default_max_tokens or default or limit, limit, ctx - prompt_len)
         if prompt_len + requested > ctx:
             raise bad_request(
                 f"This model's maximum context length is {ctx} tokens, but the request asks for "
@@ -153,12 +186,14 @@ class OpenAIServing:
         if top_k < 0 or top_k >= vocab:
             top_k = 0  # no cut (a value past int64 would fail the engine step)
         sent = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        default = p.COMPLETION_DEFAULT_MAX_TOKENS if isinstance(req, p.CompletionRequest) else None
         params = SamplingParams(
             temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
             top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
             top_k=top_k,
-            max_tokens=self.max_tokens(req.max_tokens, len(prompt_ids), prompt_param, sent),
+            max_tokens=self.max_tokens(req.max_tokens, len(prompt_ids), prompt_param, sent, default),
             stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
         )
@@ -177,15 +212,16 @@ class OpenAIServing:
         model = self.check_model(req.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
         tenant = self.tenant_of(req, raw)
-        greq = self.engine_request(req, self.encode_prompt(req.prompt), "prompt", rid, tenant)
+        ids = await asyncio.to_thread(self.encode_prompt, req.prompt)
+        greq = self.engine_request(req, ids, "prompt", rid, tenant)
         # one id and one ``created`` for the response or every chunk of its stream
-        response = partial(p.CompletionResponse, id=rid, created=p.now_s(), model=model)
+        response = partial(r.CompletionResponse, id=rid, created=r.now_s(), model=model)
 
         def chunk(text: str, finish: str | None) -> dict:
-            choice = p.CompletionChoice(text=text, finish_reason=finish)
+            choice = r.CompletionChoice(text=text, finish_reason=finish)
             return response(choices=[choice]).model_dump()
 
-        def usage_chunk(usage: p.Usage) -> dict:
+        def usage_chunk(usage: r.Usage) -> dict:
             return response(choices=[], usage=usage).model_dump()
 
         if req.stream:
@@ -193,22 +229,23 @@ class OpenAIServing:
             events = self._stream(opened, greq, chunk, usage_chunk, None, _include_usage(req))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         text, last = await self._collect(greq, raw)
-        choice = p.CompletionChoice(text=text, finish_reason=last.finish_reason)
+        choice = r.CompletionChoice(text=text, finish_reason=last.finish_reason)
         return _json(response(choices=[choice], usage=_usage(last, greq)))
 
     async def chat(self, req: p.ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(req.model)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", p.now_s()
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", r.now_s()
         tenant = self.tenant_of(req, raw)
-        greq = self.engine_request(req, self.encode_chat(req.messages), "messages", rid, tenant)
-        stream_chunk = partial(p.ChatCompletionChunk, id=rid, created=created, model=model)
+        ids = await asyncio.to_thread(self.encode_chat, req.messages)
+        greq = self.engine_request(req, ids, "messages", rid, tenant)
+        stream_chunk = partial(r.ChatCompletionChunk, id=rid, created=created, model=model)
 
         def chunk(text: str | None, finish: str | None, role: str | None = None) -> dict:
-            delta = p.DeltaMessage(role=role, content=text)
-            choice = p.ChatChunkChoice(delta=delta, finish_reason=finish)
+            delta = r.DeltaMessage(role=role, content=text)
+            choice = r.ChatChunkChoice(delta=delta, finish_reason=finish)
             return stream_chunk(choices=[choice]).model_dump()
 
-        def usage_chunk(usage: p.Usage) -> dict:
+        def usage_chunk(usage: r.Usage) -> dict:
             return stream_chunk(choices=[], usage=usage).model_dump()
 
         if req.stream:
@@ -217,11 +254,11 @@ class OpenAIServing:
             events = self._stream(opened, greq, chunk, usage_chunk, first, _include_usage(req))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         text, last = await self._collect(greq, raw)
-        choice = p.ChatChoice(
-            message=p.AssistantMessage(content=text), finish_reason=last.finish_reason
+        choice = r.ChatChoice(
+            message=r.AssistantMessage(content=text), finish_reason=last.finish_reason
         )
         return _json(
-            p.ChatCompletionResponse(
+            r.ChatCompletionResponse(
                 id=rid, created=created, model=model, choices=[choice], usage=_usage(last, greq)
             )
         )
@@ -266,13 +303,13 @@ class OpenAIServing:
                 raise APIError("the engine returned no output", 500, "server_error")
             return "".join(parts), last
 
-        task = await _unless_disconnected(run(), raw)  # cancelled: generate's finally aborted it
+        task = await unless_disconnected(run(), raw)  # cancelled: generate's finally aborted it
         if task.cancelled():
             raise ClientDisconnected()
         try:
             return task.result()
         except RequestError as exc:
-            raise _api_error(exc) from exc
+            raise engine_error(exc) from exc
 
     async def _open(self, greq: GenerationRequest, raw: Request) -> tuple[AsyncIterator[GenerationChunk], list]:
         """Start a streamed request and wait for its first chunk, so that a refusal (429 when
@@ -280,7 +317,7 @@ class OpenAIServing:
         Returns the open generator and the chunk(s) already read. A client that leaves while the
         request waits for a row (a full engine) aborts it there, before it is prefilled."""
         chunks = self.generate(greq)
-        first = await _unless_disconnected(anext(chunks), raw)
+        first = await unless_disconnected(anext(chunks), raw)
         try:
             if first.cancelled():
                 raise ClientDisconnected()
@@ -291,7 +328,7 @@ class OpenAIServing:
             with anyio.CancelScope(shield=True):
                 await chunks.aclose()
             if isinstance(exc, Exception):
-                raise _api_error(exc) from exc
+                raise engine_error(exc) from exc
             raise
 
     async def _stream(
@@ -316,7 +353,7 @@ class OpenAIServing:
                     if c.text or c.finished:
                         yield sse(chunk(c.text, c.finish_reason if c.finished else None))
             except Exception as exc:  # the status line is sent: report in-band, end the stream
-                err = _api_error(exc)
+                err = engine_error(exc)
                 if err.status >= 500:
                     log.error("stream %s failed: %s", greq.request_id, exc, exc_info=exc)
                 yield sse(err.body())
@@ -324,48 +361,6 @@ class OpenAIServing:
                 if include_usage and last is not None:
                     yield sse(usage_chunk(_usage(last, greq)))
         yield sse("[DONE]")
-
-
-class ClientDisconnected(APIError):
-    """The client went away before a non-streamed response was ready (nobody reads the answer)."""
-
-    def __init__(self):
-        super().__init__("client disconnected", 499, "client_closed_request")
-
-
-async def _wait_for_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(work, raw: Request) -> asyncio.Task:
-    """``work`` run as a task until it is done or the client disconnects, whichever comes first;
-    in the second case the task is cancelled (and awaited) before this returns it."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(task, return_exceptions=True)
-    return task
-
-
-def _api_error(exc: Exception) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, Overloaded):
-        return overloaded(str(exc), exc.retry_after_s)
-    if isinstance(exc, Unavailable):
-        return unavailable(str(exc), exc.retry_after_s)
-    if isinstance(exc, RequestError):
-        if exc.invalid:
-            return bad_request(str(exc))
-        return APIError(str(exc), 500, "server_error")
-    return APIError(f"Internal server error: {type(exc).__name__}", 500, "server_error")
 
 
 async def _chain(read: list, rest: AsyncIterator) -> AsyncIterator:
@@ -379,13 +374,13 @@ def _include_usage(req) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
-def _usage(last: GenerationChunk, greq: GenerationRequest) -> p.Usage:
+def _usage(last: GenerationChunk, greq: GenerationRequest) -> r.Usage:
     prompt = last.prompt_tokens or len(greq.prompt_ids)
-    return p.Usage(
+    return r.Usage(
         prompt_tokens=prompt,
         completion_tokens=last.completion_tokens,
         total_tokens=prompt + last.completion_tokens,
-        spec=p.SpecUsage.of(last.stats),
+        spec=r.SpecUsage.of(last.stats),
     )
 
 

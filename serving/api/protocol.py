@@ -2,8 +2,9 @@
 
 Requests ignore unknown fields (clients send many optional ones) but reject the ones whose meaning
 we would silently change (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, non-zero penalties, a
-``logit_bias``, tools and tool calls in the history, a forced ``tool_choice``, a JSON
-``response_format``, audio, web search); their defaults, which many clients send on every request,
+``logit_bias``, tools, tool calls and tool messages in the history, a forced ``tool_choice``, a
+JSON ``response_format``, audio, web search, and vLLM's and SGLang's extensions the engines do not
+implement: ``_Request.UNSUPPORTED``); their defaults, which many clients send on every request,
 are accepted. Metadata that changes no output (``user``, ``store``, ``metadata``, ``service_tier``,
 ``prediction``) is accepted and ignored. Range checks that
 depend on the deployment (max_tokens limit, context length, model name) live in
@@ -11,22 +12,32 @@ openai_serving.py.
 
 An unset ``temperature`` is the server's ``default_temperature`` (OpenAI's 1.0; set
 SPECLOOP_DEFAULT_TEMPERATURE=0 for greedy by default: reproducible outputs, token-identical to
-target-only decoding), and an unset ``max_tokens`` as many tokens as the context leaves, up to the
-server's limit (``default_max_tokens``), as OpenAI's chat does.
+target-only decoding). An unset ``max_tokens`` is the server's ``default_max_tokens`` where set,
+else as many tokens as the context leaves (up to the server's limit) on chat, as OpenAI's chat
+does, and COMPLETION_DEFAULT_MAX_TOKENS on /v1/completions, as OpenAI's legacy completions and
+vLLM do.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Literal
+import json
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from serving.engine.base import SpecStats
+from pydantic_core import PydanticCustomError
 
 # Request bodies validate strictly, as OpenAI's API does: "max_tokens": "5" or 5.0, "stream": "true"
 # or 1 are a 400 naming the field, not silently converted (an int where a float goes is fine).
 STRICT_JSON = ConfigDict(extra="ignore", strict=True)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""/v1/completions' max_tokens when neither the request nor the server sets one (OpenAI's, vLLM's)."""
+MAX_STOP_STRINGS = 16
+"""Stop strings per request (OpenAI allows 4; vLLM any number)."""
+MAX_STOP_CHARS = 1024
+"""Characters per stop string. Matching costs each step its new text whatever the stop strings'
+lengths (serving/output.py); the bounds keep a request's matcher state small."""
+_OFF = object()  # UNSUPPORTED's no-op for fields that are a no-op only when unset, null or empty
 
 
 class StreamOptions(BaseModel):
@@ -52,13 +63,39 @@ def _unicode(text: str) -> str:
 class _Request(BaseModel):
     model_config = STRICT_JSON
 
+    UNSUPPORTED: ClassVar[dict[str, object]] = {
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": _OFF,
+        # vLLM's and SGLang's extensions
+        "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "no_stop_trim": False,
+        "include_stop_str_in_output": False, "skip_special_tokens": True,
+        "spaces_between_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
+        "return_tokens_as_token_ids": False, "return_hidden_states": False, "priority": 0,
+        **dict.fromkeys(("truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
+                         "bad_words", "logits_processors", "guided_json", "guided_regex",
+                         "guided_choice", "guided_grammar", "structural_tag", "regex", "ebnf",
+                         "json_schema", "lora_path"), _OFF),
+    }
+    """Controls the engines do not implement, each with its no-op value (what many clients send on
+    every request): another value is a 400 naming the field, as ignored it would change the
+    output unasked (``priority``: the scheduling; vLLM refuses it without a priority scheduler)."""
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data):
         """OpenAI's schema makes nearly every field nullable and some clients send them all:
-        ``"n": null`` or ``"stream": null`` means the default, not a type error."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+        ``"n": null`` or ``"stream": null`` means the default, not a type error. Then refuses
+        an UNSUPPORTED control sent at another value than its no-op one."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        for name in filter(cls.UNSUPPORTED.__contains__, data):
+            noop, value = cls.UNSUPPORTED[name], data[name]
+            if value in ([], {}, "") if noop is _OFF else (
+                    value == noop and isinstance(value, bool) == isinstance(noop, bool)):
+                continue
+            what = name if noop is _OFF else f"{name} other than {json.dumps(noop)}"
+            raise PydanticCustomError("unsupported_field", "{what} is not supported",
+                                      {"field": name, "what": what})
         return data
 
     model: str | None = Field(None, description="None = the served model")
@@ -69,7 +106,15 @@ class _Request(BaseModel):
     )
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, description="extension; 0 or -1 = no top-k cut")
-    stop: list[str] = Field(default_factory=list, description="a string or a list of strings")
+    stop: list[str] = Field(
+        default_factory=list,
+        description=f"a string or a list of at most {MAX_STOP_STRINGS} strings of at most "
+        f"{MAX_STOP_CHARS} characters",
+    )
+    stop_token_ids: list[int] = Field(
+        default_factory=list, description="extension (vLLM's, SGLang's): token ids that end the "
+        "request as EOS does (counted in usage, not in the text)"
+    )
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -80,20 +125,7 @@ class _Request(BaseModel):
     tenant: str | None = Field(None, min_length=1, max_length=128)
     domain: str | None = Field(None, max_length=128)
     ignore_eos: bool = False
-    # Sampling controls the engines do not implement: accepted at their no-op values only.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] = Field(default_factory=dict)
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float, info):
-        return _reject_if(v, v != 0.0, f"{info.field_name} other than 0")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict):
-        return _reject_if(v, bool(v), "logit_bias")
+    response_format: dict | None = None
 
     @field_validator("n")
     @classmethod
@@ -109,8 +141,21 @@ class _Request(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
-        return [s for s in stop if s]  # an empty stop string would end every request at once
+    def _bounded_stops(cls, stop: list[str]) -> list[str]:
+        stop = [s for s in stop if s]  # an empty stop string would end every request at once
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported (got {len(stop)})")
+        longest = max(map(len, stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings of at most {MAX_STOP_CHARS} characters are supported "
+                             f"(got one of {longest})")
+        return stop
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: dict | None):
+        kind = (v or {}).get("type", "text")
+        return _reject_if(v, kind != "text", f"response_format {kind!r} (structured output)")
 
     @field_validator("stream_options")
     @classmethod
@@ -128,11 +173,16 @@ def _reject_if(value, bad: bool, what: str):
 
 
 class CompletionRequest(_Request):
+    UNSUPPORTED: ClassVar[dict[str, object]] = {
+        **_Request.UNSUPPORTED, "echo": False, "best_of": 1, "logprobs": _OFF, "suffix": _OFF,
+        "add_special_tokens": True,
+    }
+
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    max_tokens: int | None = Field(
+        None, ge=1, description=f"None = the server's default_max_tokens, else "
+        f"{COMPLETION_DEFAULT_MAX_TOKENS} (OpenAI's and vLLM's default)"
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -147,26 +197,6 @@ class CompletionRequest(_Request):
         if len(prompt) == 0:
             raise ValueError("prompt must not be empty")
         return _unicode(prompt) if isinstance(prompt, str) else prompt
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        return _reject_if(v, v, "echo")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _reject_if(v, v is not None, "logprobs")
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v):
-        return _reject_if(v, v not in (None, 1), "best_of > 1")
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        return _reject_if(v, bool(v), "suffix (insertion)")
 
 
 class TextPart(BaseModel):
@@ -189,6 +219,12 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict] = Field(default_factory=list)
     tool_call_id: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_messages(cls, role: str) -> str:
+        # function calling is not supported: the template would render a result to no call
+        return _reject_if(role, role == "tool", "a tool message (function calling)")
 
     @field_validator("content")
     @classmethod
@@ -215,15 +251,18 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
+    UNSUPPORTED: ClassVar[dict[str, object]] = {
+        **_Request.UNSUPPORTED, "logprobs": False, "top_logprobs": 0, "echo": False,
+        "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": False,
+        **dict.fromkeys(("chat_template", "chat_template_kwargs", "documents"), _OFF),
+    }
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens")
-    logprobs: bool = False
-    top_logprobs: int | None = None
     tools: list[dict] = Field(default_factory=list)
     functions: list[dict] = Field(default_factory=list)
     tool_choice: str | dict = "none"
     function_call: str | dict = "none"
-    response_format: dict | None = None
     modalities: list[str] = Field(default_factory=lambda: ["text"])
     audio: dict | None = None
     web_search_options: dict | None = None
@@ -249,28 +288,12 @@ class ChatCompletionRequest(_Request):
     def _not_offered(cls, v, info):
         return _reject_if(v, v is not None, info.field_name)
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: dict | None):
-        kind = (v or {}).get("type", "text")
-        return _reject_if(v, kind != "text", f"response_format {kind!r} (structured output)")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v: int | None):
-        return _reject_if(v, bool(v), "top_logprobs")
-
     @field_validator("messages")
     @classmethod
     def _non_empty(cls, messages):
         if not messages:
             raise ValueError("messages must contain at least one message")
         return messages
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        return _reject_if(v, v, "logprobs")
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -285,121 +308,3 @@ class ChatCompletionRequest(_Request):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
-
-
-# --------------------------------------------------------------------------- responses
-
-
-class SpecUsage(BaseModel):
-    """The request's speculative-decoding statistics (extension of ``usage``)."""
-
-    verify_steps: int
-    drafted_tokens: int = Field(description="drafted tokens the target verified: every node of a "
-                                "token tree (SGLang: its proposed drafts). Prometheus' "
-                                "specloop_spec_draft_nodes_total counts the same; its "
-                                "specloop_spec_drafted_tokens_total counts each step's path only")
-    accepted_tokens: int
-    mean_accept_len: float = Field(description="tokens emitted per target forward")
-    acceptance_rate: float = Field(description="accepted / drafted (lower than a chain's on tree "
-                                   "steps: a tree verifies branches that cannot all be accepted)")
-
-    @classmethod
-    def of(cls, s: SpecStats) -> SpecUsage:
-        return cls(
-            verify_steps=s.verify_steps,
-            drafted_tokens=s.drafted_tokens,
-            accepted_tokens=s.accepted_tokens,
-            mean_accept_len=round(s.mean_accept_len, 4),
-            acceptance_rate=round(s.acceptance_rate, 4),
-        )
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    spec: SpecUsage
-
-
-FinishReason = Literal["stop", "length"]
-"""OpenAI's; an engine's "abort" is a 503 instead (OpenAIServing.generate)."""
-
-
-def now_s() -> int:
-    """The ``created`` stamp: taken once per request (every chunk of a stream carries it)."""
-    return int(time.time())
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: FinishReason | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: FinishReason | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One SSE event of a streamed chat completion. The optional last one (include_usage) has
-    ``choices == []`` and the usage; every other one has ``usage: null``."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now_s)
-    owned_by: str = "specloop"
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

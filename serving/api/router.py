@@ -8,7 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from feedback.background.supervise import LOOPS
 from serving.api.openai_serving import OpenAIServing
-from serving.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from serving.api.protocol import ChatCompletionRequest, CompletionRequest
+from serving.api.responses import ModelCard, ModelList
 from serving.api.tenants import resolve_tenant
 
 router = APIRouter()

@@ -21,7 +21,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from feedback.bus.sink import InProcessTraceSink
-from serving.api import protocol
+from serving.api import protocol, responses
 from serving.api.app import create_app
 from serving.builder import build_engine
 from serving.config import ServingSettings
@@ -658,7 +658,7 @@ def test_a_stream_has_one_created_time(live):
     now, ticks = time.time(), itertools.count()
     clock = pytest.MonkeyPatch()
     # the API's clock jumps a second per reading: chunks stamped one by one would differ
-    clock.setattr(protocol, "time", SimpleNamespace(time=lambda: now + next(ticks)))
+    clock.setattr(responses, "time", SimpleNamespace(time=lambda: now + next(ticks)))
     try:
         resp = live.http.post("/v1/chat/completions", json=body)
     finally:
