@@ -55,11 +55,14 @@ def day0_artifact_meta(path: str | Path | None) -> DrafterMeta | None:
 
 
 def check_target(meta: DrafterMeta, path: str | Path, option: str, fingerprint: TargetFingerprint) -> None:
-    """Once the target has loaded: the artifact was built for it (what ``load_drafter`` checks
-    when the drafter is built, later)."""
-    if not meta.target.matches(fingerprint):
-        refuse(option, f"{path}: drafter {meta.version} was built for target {meta.target.key()}, "
-                       f"not for this run's {fingerprint.key()}")
+    """Once the target has loaded: what ``load_drafter`` checks from config.json when the drafter
+    is built, later (its format, built for this target)."""
+    from feedback.registry.artifact import DrafterArtifactError, check_meta
+
+    try:
+        check_meta(path, meta, fingerprint)
+    except DrafterArtifactError as exc:
+        refuse(option, str(exc))
 
 
 def _one_line(exc: BaseException) -> str:

@@ -203,6 +203,22 @@ def read_meta(directory: str | Path) -> DrafterMeta:
         raise DrafterArtifactError(f"{path}: invalid artifact config: {e}") from e
 
 
+def check_meta(directory: str | Path, meta: DrafterMeta, expected_fingerprint: TargetFingerprint) -> None:
+    """What config.json alone can refuse (DrafterArtifactError): another artifact format, or a
+    drafter built for another target. ``load_drafter`` runs it first; a command can run it before
+    minutes of set-up (infra/artifact_options.py)."""
+    if meta.format_version != ARTIFACT_FORMAT_VERSION:
+        raise DrafterArtifactError(
+            f"{directory}: artifact format {meta.format_version}, expected {ARTIFACT_FORMAT_VERSION}"
+        )
+    if not meta.target.matches(expected_fingerprint):
+        raise DrafterArtifactError(
+            f"{directory}: drafter {meta.version} was built for target {meta.target.key()} "
+            f"({meta.target.model_dump()}) but this server runs {expected_fingerprint.key()} "
+            f"({expected_fingerprint.model_dump()}); refusing to load it"
+        )
+
+
 def load_drafter(
     directory: str | Path,
     expected_fingerprint: TargetFingerprint,
@@ -218,16 +234,7 @@ def load_drafter(
     DrafterArtifactError on any problem."""
     directory = Path(directory)
     meta = read_meta(directory)
-    if meta.format_version != ARTIFACT_FORMAT_VERSION:
-        raise DrafterArtifactError(
-            f"{directory}: artifact format {meta.format_version}, expected {ARTIFACT_FORMAT_VERSION}"
-        )
-    if not meta.target.matches(expected_fingerprint):
-        raise DrafterArtifactError(
-            f"{directory}: drafter {meta.version} was built for target {meta.target.key()} "
-            f"({meta.target.model_dump()}) but this server runs {expected_fingerprint.key()} "
-            f"({expected_fingerprint.model_dump()}); refusing to load it"
-        )
+    check_meta(directory, meta, expected_fingerprint)
     if WEIGHTS_FILE not in meta.files:
         raise DrafterArtifactError(f"{directory}: config lists no checksum for {WEIGHTS_FILE}")
     for name, digest in meta.files.items():
