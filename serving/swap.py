@@ -332,7 +332,21 @@ class Swapper:
         if verdict is None:
             return
         w.done = True
-        self._inbox.put(("rollback" if verdict.rollback else "kept", (w.version, verdict)))
+        if verdict.rollback:  # not behind a download the worker may be waiting on
+            threading.Thread(target=self._roll_back_on, args=(w.version, verdict),
+                             name="drafter-rollback", daemon=True).start()
+        else:
+            self._inbox.put(("kept", (w.version, verdict)))
+
+    def _roll_back_on(self, version: str, v) -> None:
+        """The watch's rollback, on a thread of its own: the worker may be busy downloading the
+        next version, and a drafter that lowers acceptance should not serve until it is done."""
+        try:
+            self.rollback(reason=v.describe(), live=v.live, floor=v.floor, from_version=version)
+        except NothingToRollBack:
+            pass
+        except Exception:  # the engine keeps what it has; the next watch may decide
+            log.exception("rollback of drafter %s failed", version)
 
     def _run(self) -> None:
         cfg = self.config
@@ -350,13 +364,6 @@ class Swapper:
                     break
                 if kind == "announce":
                     self._on_announcement(payload)
-                elif kind == "rollback":
-                    version, v = payload
-                    try:
-                        self.rollback(reason=v.describe(), live=v.live, floor=v.floor,
-                                      from_version=version)
-                    except NothingToRollBack:
-                        pass
                 elif kind == "kept":
                     version, v = payload
                     self._event("kept", version=version, live=v.live, baseline=v.baseline,

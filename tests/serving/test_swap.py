@@ -410,6 +410,43 @@ def test_a_rollback_does_not_wait_for_a_download_in_progress(target, tmp_path, s
     swapper.stop()
 
 
+def test_the_watchs_rollback_does_not_wait_for_the_worker_s_download(target, tmp_path, sqlite_registry):
+    """The watch judged the live version bad while the Swapper's worker was downloading the next
+    champion (a poll): the rollback happens at once, not once the download is done."""
+    import threading
+
+    from serving.live_acceptance import VersionStats
+
+    first = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
+    second = _register(sqlite_registry, target, _artifact(target, tmp_path / "b", version="b"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry, watch_steps=4, poll=0.05)
+    swapper.live.recent = lambda version: [3.0] * 32  # the predecessor's accept lengths
+    swapper.swap_to(first)
+    sqlite_registry.set_champion(TENANT, second)
+    release, downloading = threading.Event(), threading.Event()
+    load = swapper.loader.load
+
+    def slow(path, current=None):
+        downloading.set()
+        assert release.wait(30)
+        return load(path, current)
+
+    swapper.loader.load = slow
+    swapper.start()
+    try:
+        assert downloading.wait(30)  # the worker is in the poll's download of `second`
+        for _ in range(64):  # engine thread: the live version drafts far worse than its predecessor
+            swapper.live.listener(first, VersionStats(last_drafted=1.0))
+        deadline = time.monotonic() + 10
+        while swapper.rollbacks == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert swapper.rollbacks == 1 and engine.drafter.version == "day0"
+        assert downloading.is_set() and not release.is_set()  # the download was still held
+    finally:
+        release.set()
+        swapper.stop()
+
+
 def test_a_version_that_cannot_be_built_is_refused_not_an_error(target, tmp_path, sqlite_registry):
     """torch's RuntimeError (or a MemoryError) while building a version escaped as a 500 from the
     admin route, and from an announcement or a poll it failed the Swapper's loop (/health down)
