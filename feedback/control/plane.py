@@ -229,6 +229,12 @@ class ControlPlane:
         names = self._call(lambda r: sorted(r.hkeys(self._key("deletions"))), [])
         return [n for n in names if tenant is None or n == tenant]
 
+    def deletion_requested_at(self, tenant: str) -> float | None:
+        """When ``tenant``'s pending deletion was requested (epoch seconds); None when none is
+        pending (never asked, or its trainer is done) or Redis is away."""
+        at = self._call(lambda r: r.hget(self._key("deletions"), tenant), None)
+        return float(at) if at is not None else None
+
     def complete_deletion(self, tenant: str) -> bool:
         return self._call(lambda r: r.hdel(self._key("deletions"), tenant) >= 0, False)
 

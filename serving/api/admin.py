@@ -11,7 +11,8 @@ the Swapper (``app.state.swapper``; 409 without one).
 
 Retention: ``DELETE /admin/tenants/{tenant}`` deletes a tenant's data (suffix index here; replay
 and checkpoints in the trainer, asked through the control plane; 503 with Retry-After when the control
-plane could not take the request: retry, dropping the index again is harmless)."""
+plane could not take the request: retry, dropping the index again is harmless; 404 for a tenant the server cannot name
+unless ``?force=true``); ``GET /admin/tenants/{tenant}`` says whether its deletion is still pending."""
 
 from __future__ import annotations
 
@@ -87,15 +88,65 @@ async def drafter_rollback(raw: Request, body: RollbackBody | None = None) -> di
     return await _call(_swapper(raw).rollback, reason="admin", from_version=expected)
 
 
+def _control(raw: Request):
+    return getattr(getattr(raw.app.state, "swapper", None), "control", None)
+
+
+def _indexed(raw: Request) -> set[str]:
+    return set(getattr(raw.app.state.openai_serving.engine.drafter, "indexed_tenants", list)())
+
+
+def _known_tenants(raw: Request) -> set[str]:
+    """Tenants this server can name: its API keys', the one it follows, those with an index here
+    and those a DELETE here dropped."""
+    settings = raw.app.state.openai_serving.settings
+    return set(settings.api_keys.values()) | {settings.tenant} | _indexed(raw) | _deleted_here(raw)
+
+
+def _deleted_here(raw: Request) -> set[str]:
+    """Tenants whose index a DELETE dropped here: a retry of it (after a 503) still names them."""
+    if not hasattr(raw.app.state, "tenants_deleted"):
+        raw.app.state.tenants_deleted = set()
+    return raw.app.state.tenants_deleted
+
+
+@admin_router.get("/tenants/{tenant}")
+async def tenant_info(tenant: str, raw: Request) -> dict:
+    """Whether this server knows ``tenant`` and whether a deletion of its data is still pending
+    (the trainer that follows it removes the request once replay and checkpoints are rewritten)."""
+    control = _control(raw)
+    info = {"tenant": tenant, "known": tenant in _known_tenants(raw),
+            "suffix_index": tenant in _indexed(raw)}
+    if control is None:
+        return info | {"deletion_pending": None, "deletion_requested_at": None}
+    at, up = await asyncio.to_thread(lambda: (control.deletion_requested_at(tenant), control.ping()))
+    if not up:
+        raise unavailable("the control plane (Redis) is unavailable: a deletion's state is not known",
+                          1.0, code="control_plane_unavailable")
+    return info | {"deletion_pending": at is not None, "deletion_requested_at": at}
+
+
 @admin_router.delete("/tenants/{tenant}")
-async def delete_tenant(tenant: str, raw: Request) -> dict:
-    """Delete a tenant's data: its suffix index here at once, and (through the control plane) its
-    traces in the trainer's replay and checkpoints, which the tenant's trainer drops at its next
-    round. Trace messages already on the Kafka topic age out with the topic's retention."""
+async def delete_tenant(tenant: str, raw: Request, force: bool = False) -> dict:
+    """Delete a tenant's data: its suffix index here, and (through the control plane) its traces
+    in the trainer's replay and checkpoints, which the tenant's trainer drops at its next round
+    (``GET /admin/tenants/{tenant}`` says when it is done). Trace messages already on the Kafka
+    topic age out with the topic's retention.
+
+    A tenant this server cannot name (not an API key's, not the one it follows, no index here) is a
+    404: a typo would file a request no trainer ever completes. ``?force=true`` files it anyway
+    (a tenant served before a restart whose index was not rebuilt, or one evicted from the
+    indexes)."""
     drafter = raw.app.state.openai_serving.engine.drafter
-    forget = getattr(drafter, "forget_tenant", None)
+    control = _control(raw)
+    pending = control is not None and await asyncio.to_thread(control.deletion_requested_at, tenant)
+    if not force and tenant not in _known_tenants(raw) and not pending:
+        raise APIError(f"unknown tenant {tenant!r}: no API key maps to it, this server does not "
+                       f"follow it and has no index of it; add ?force=true to file the deletion "
+                       f"anyway", 404, code="unknown_tenant")
+    forget = getattr(drafter, "forget_tenant", None)  # at once: its continuations are drafted no more
     index_dropped = bool(forget(tenant)) if forget is not None else False
-    control = getattr(getattr(raw.app.state, "swapper", None), "control", None)
+    _deleted_here(raw).add(tenant)
     requested = False  # no control plane configured: nothing to ask (the 200 says so)
     if control is not None:
         requested = bool(await asyncio.to_thread(control.request_deletion, tenant))

@@ -210,6 +210,9 @@ class HybridDrafter:
             self._cut_streak += 1
             self._sit_out = sit_out_after(self._cut_streak, _MOST_SIT_OUT)
 
+    def indexed_tenants(self) -> list[str]:
+        return self.suffix.indexed_tenants()
+
     def forget_tenant(self, tenant: str) -> bool:
         """A data deletion request: the learned part keeps nothing per tenant; the suffix index does."""
         return self.suffix.forget_tenant(tenant)

@@ -68,6 +68,11 @@ class SuffixDrafter:
         with self._lock:
             self.proposer.observe(tenant, token_ids, prompt_ids)
 
+    def indexed_tenants(self) -> list[str]:
+        """Tenants with an index here (at most ``max_tenants``: the least recently used go)."""
+        with self._lock:
+            return list(self.proposer.indexes)
+
     def forget_tenant(self, tenant: str) -> bool:
         """A data deletion request: drop ``tenant``'s index, and do not index the outputs of its
         requests still running (they keep prompt lookup). True if there was an index."""

@@ -25,6 +25,9 @@ class _Control:
         self.requested.append(tenant)
         return True
 
+    def deletion_requested_at(self, tenant):
+        return None
+
 
 def test_admin_deletes_a_tenants_index_and_asks_the_trainer():
     settings = ServingSettings(served_model_name="tiny", drafter="suffix", admin_token=TOKEN)
@@ -97,8 +100,9 @@ def test_a_deletion_the_control_plane_refuses_is_503_and_one_it_takes_is_200():
             return self.up
 
     control = Flaky()
-    app, _ = _app_with(control)
-    assert _delete(app, "acme").status_code == 503
+    app, drafter = _app_with(control)
+    drafter.observe("acme", [5, 6, 7, 8])
+    assert _delete(app, "acme").status_code == 503  # the index is gone; the retry still names acme
     control.up = True
     r = _delete(app, "acme")
     assert r.status_code == 200
@@ -112,3 +116,45 @@ def test_without_a_control_plane_the_deletion_is_local_and_200():
     r = _delete(app, "acme")
     assert r.status_code == 200
     assert r.json() == {"tenant": "acme", "suffix_index_dropped": True, "trainer_deletion_requested": False}
+
+
+def test_a_tenant_the_server_cannot_name_is_a_404_unless_forced():
+    """A typo filed a deletion request no trainer ever completes, and the 200 said it was asked."""
+    settings = ServingSettings(served_model_name="tiny", drafter="suffix", admin_token=TOKEN,
+                               api_keys={"sk-acme-1": "acme"})
+    engine = build_engine(settings, target=tiny_target(vocab_size=101), registry=CollectorRegistry())
+    control = _Control()
+    app = create_app(engine, settings, CollectorRegistry(),
+                     swapper=SimpleNamespace(control=control, start=lambda: None, stop=lambda: None))
+    r = _delete(app, "acmee")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_tenant"
+    assert "force=true" in r.json()["error"]["message"] and control.requested == []
+    assert _delete(app, "acme").status_code == 200  # an API key's tenant, no index yet
+    assert _delete(app, "acmee?force=true").status_code == 200
+    assert control.requested == ["acme", "acmee"]
+
+
+def test_an_operator_sees_when_the_trainer_has_done_the_deletion(redis_server, redis_namespace):
+    from feedback.control.plane import ControlPlane, ControlSettings
+
+    control = ControlPlane(ControlSettings(url=redis_server.url, namespace=redis_namespace))
+    app, drafter = _app_with(control)
+    drafter.observe("acme", [5, 6, 7, 8])
+
+    async def get(tenant):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get(f"/admin/tenants/{tenant}", headers={"Authorization": f"Bearer {TOKEN}"})
+
+    try:
+        before = asyncio.run(get("acme")).json()
+        assert before["known"] and before["suffix_index"] and before["deletion_pending"] is False
+        assert _delete(app, "acme").status_code == 200
+        pending = asyncio.run(get("acme")).json()
+        assert pending["deletion_pending"] is True and pending["deletion_requested_at"] > 0
+        assert not pending["suffix_index"]
+        assert control.pending_deletions("acme") == ["acme"]  # what the tenant's trainer reads
+        control.complete_deletion("acme")  # the trainer, once replay and checkpoints are rewritten
+        assert asyncio.run(get("acme")).json()["deletion_pending"] is False
+        assert asyncio.run(get("nobody")).json()["known"] is False
+    finally:
+        control.close()
