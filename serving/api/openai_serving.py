@@ -102,6 +102,20 @@ class OpenAIServing:
                 "context_length_exceeded",
             )
 
+    def _vocab_size(self) -> int | None:
+        fingerprint = getattr(self.engine, "fingerprint", None)  # SGLang's: None until it knows
+        return fingerprint.vocab_size if fingerprint is not None else None
+
+    def _in_vocab(self, ids: list[int], param: str) -> list[int]:
+        """``ids``, or a 400 naming ``param`` and the first id outside the vocabulary (not known
+        yet, as SGLang's until it loads: only a negative one)."""
+        vocab = self._vocab_size()
+        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            where = "" if vocab is None else f" [0, {vocab})"
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary{where}", param)
+        return list(ids)
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """The prompt's token ids (blocking: the endpoints call it on a worker thread)."""
         if isinstance(prompt, str):
@@ -109,13 +123,7 @@ class OpenAIServing:
             self._refuse_if_too_long(len(prompt), "prompt")
             ids = list(tok.encode(prompt))
         else:
-            vocab = self.engine.fingerprint.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise bad_request(
-                    f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
-                )
-            ids = list(prompt)
+            ids = self._in_vocab(prompt, "prompt")
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
         return ids
@@ -130,10 +138,7 @@ class OpenAIServing:
         self._refuse_if_too_long(
             sum(len(m.text().strip()) for m in messages if m.role != "assistant"), "messages"
         )
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages
-        ]
+        conversation = [m.for_template() for m in messages]
         try:
             text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja raises TemplateError for e.g. non-alternating roles
@@ -181,8 +186,7 @@ class OpenAIServing:
         """``tenant``: who the request is (``resolve_tenant``); None = the body's, as given."""
         temperature = self.settings.default_temperature if req.temperature is None else req.temperature
         top_k = req.top_k or 0
-        fingerprint = getattr(self.engine, "fingerprint", None)  # SGLang's: None until it knows
-        vocab = fingerprint.vocab_size if fingerprint is not None else 2**31
+        vocab = self._vocab_size() or 2**31
         if top_k < 0 or top_k >= vocab:
             top_k = 0  # no cut (a value past int64 would fail the engine step)
         sent = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
@@ -193,9 +197,10 @@ class OpenAIServing:
             top_k=top_k,
             max_tokens=self.max_tokens(req.max_tokens, len(prompt_ids), prompt_param, sent, default),
             stop=req.stop,
-            stop_token_ids=req.stop_token_ids,
+            stop_token_ids=self._in_vocab(req.stop_token_ids, "stop_token_ids"),
             seed=req.seed,
             ignore_eos=req.ignore_eos,
+            skip_special_tokens=req.skip_special_tokens,
         )
         return GenerationRequest(
             request_id=request_id,

@@ -3,12 +3,12 @@
 Requests ignore unknown fields (clients send many optional ones) but reject the ones whose meaning
 we would silently change (``n > 1``, ``logprobs``, ``echo``, ``best_of > 1``, non-zero penalties, a
 ``logit_bias``, tools, tool calls and tool messages in the history, a forced ``tool_choice``, a
-JSON ``response_format``, audio, web search, and vLLM's and SGLang's extensions the engines do not
-implement: ``_Request.UNSUPPORTED``); their defaults, which many clients send on every request,
-are accepted. Metadata that changes no output (``user``, ``store``, ``metadata``, ``service_tier``,
-``prediction``) is accepted and ignored. Range checks that
-depend on the deployment (max_tokens limit, context length, model name) live in
-openai_serving.py.
+JSON ``response_format``, audio, web search, image or other non-text content parts, and vLLM's
+and SGLang's extensions the engines do not implement: ``_Request.UNSUPPORTED``); their defaults,
+which many clients send on every request, are accepted. A null, at any depth, is the default.
+Metadata that changes no output (``user``, ``store``, ``metadata``, ``service_tier``,
+``prediction``) is accepted and ignored. Range checks that depend on the deployment (max_tokens
+limit, context length, model name, vocabulary) live in openai_serving.py.
 
 An unset ``temperature`` is the server's ``default_temperature`` (OpenAI's 1.0; set
 SPECLOOP_DEFAULT_TEMPERATURE=0 for greedy by default: reproducible outputs, token-identical to
@@ -40,9 +40,25 @@ lengths (serving/output.py); the bounds keep a request's matcher state small."""
 _OFF = object()  # UNSUPPORTED's no-op for fields that are a no-op only when unset, null or empty
 
 
-class StreamOptions(BaseModel):
+def _without_nulls(data):
+    """OpenAI's schema makes nearly every field nullable, nested ones too, and some clients send
+    them all: ``"n": null`` or ``"stream_options": {"include_usage": null}`` means the default,
+    not a type error."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _Body(BaseModel):
+    """A JSON object of a request body: strict types, unknown fields ignored, null = the default."""
+
     model_config = STRICT_JSON
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        return _without_nulls(data)
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
@@ -60,14 +76,12 @@ def _unicode(text: str) -> str:
     return text
 
 
-class _Request(BaseModel):
-    model_config = STRICT_JSON
-
+class _Request(_Body):
     UNSUPPORTED: ClassVar[dict[str, object]] = {
         "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": _OFF,
         # vLLM's and SGLang's extensions
         "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "no_stop_trim": False,
-        "include_stop_str_in_output": False, "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
         "return_tokens_as_token_ids": False, "return_hidden_states": False, "priority": 0,
         **dict.fromkeys(("truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids",
@@ -82,12 +96,11 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data):
-        """OpenAI's schema makes nearly every field nullable and some clients send them all:
-        ``"n": null`` or ``"stream": null`` means the default, not a type error. Then refuses
-        an UNSUPPORTED control sent at another value than its no-op one."""
+        """``_Body``'s, then refuses an UNSUPPORTED control sent at another value than its
+        no-op one."""
+        data = _without_nulls(data)
         if not isinstance(data, dict):
             return data
-        data = {k: v for k, v in data.items() if v is not None}
         for name in filter(cls.UNSUPPORTED.__contains__, data):
             noop, value = cls.UNSUPPORTED[name], data[name]
             if value in ([], {}, "") if noop is _OFF else (
@@ -125,6 +138,7 @@ class _Request(BaseModel):
     tenant: str | None = Field(None, min_length=1, max_length=128)
     domain: str | None = Field(None, max_length=128)
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description="False: special tokens stay in the text")
     response_format: dict | None = None
 
     @field_validator("n")
@@ -154,7 +168,7 @@ class _Request(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _text_format_only(cls, v: dict | None):
-        kind = (v or {}).get("type", "text")
+        kind = (v or {}).get("type") or "text"
         return _reject_if(v, kind != "text", f"response_format {kind!r} (structured output)")
 
     @field_validator("stream_options")
@@ -199,9 +213,7 @@ class CompletionRequest(_Request):
         return _unicode(prompt) if isinstance(prompt, str) else prompt
 
 
-class TextPart(BaseModel):
-    model_config = STRICT_JSON
-
+class TextPart(_Body):
     type: Literal["text"]
     text: str
 
@@ -211,12 +223,10 @@ class TextPart(BaseModel):
         return _unicode(text)
 
 
-class ChatMessage(BaseModel):
-    model_config = STRICT_JSON
-
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, description="passed to the chat template (most ignore it)")
     tool_calls: list[dict] = Field(default_factory=list)
     tool_call_id: str | None = None
 
@@ -226,17 +236,29 @@ class ChatMessage(BaseModel):
         # function calling is not supported: the template would render a result to no call
         return _reject_if(role, role == "tool", "a tool message (function calling)")
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
-    def _content_is_unicode(cls, content):
-        return _unicode(content) if isinstance(content, str) else content
+    def _text_parts_only(cls, content):
+        """Image, audio and file parts are a 400 naming their type: dropped, the model would
+        answer about a picture it never saw."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                _reject_if(part, kind not in ("text", None),
+                           f"a content part of type {kind!r} (only text)")
+        return content
+
+    @field_validator("content", "name")
+    @classmethod
+    def _is_unicode(cls, text):
+        return _unicode(text) if isinstance(text, str) else text
 
     @field_validator("tool_calls", mode="before")
     @classmethod
     def _no_tool_calls(cls, v):
         # Dropped, the model would see an empty assistant turn where the client's history has a
         # call; the chat template renders none of it.
-        return [] if v is None else _reject_if(v, bool(v), "an assistant message with tool_calls (function calling)")
+        return _reject_if(v, bool(v), "an assistant message with tool_calls (function calling)")
 
     @model_validator(mode="after")
     def _content_unless_assistant(self):
@@ -245,9 +267,15 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM joins them)."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as the chat template gets it (``developer`` is the ``system`` role)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        return message if self.name is None else {**message, "name": self.name}
 
 
 class ChatCompletionRequest(_Request):

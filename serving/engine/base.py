@@ -27,6 +27,8 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    """False: special tokens the model emits stay in the output text (vLLM's field)."""
 
 
 @dataclass

@@ -58,7 +58,7 @@ class Row:
         self.stop_ids = stop_token_set(p.stop_token_ids, eos_ids, p.ignore_eos)
         self.seed = p.seed if p.seed is not None else _seed_source.getrandbits(63)
         self.generator = torch.Generator().manual_seed(self.seed & ((1 << 63) - 1))
-        self.text = OutputText(tokenizer, req.prompt_ids, p.stop)
+        self.text = OutputText(tokenizer, req.prompt_ids, p.stop, skip_special_tokens=p.skip_special_tokens)
         self.stats = SpecStats()
         self.draft_ok = True
         """False when the drafter refused this request: it then decodes without drafts."""

@@ -133,7 +133,8 @@ class SGLangEngine:
         if self._engine is None:
             raise Unavailable("the SGLang engine is not running")
         p = request.params
-        text = OutputText(self.tokenizer, request.prompt_ids, p.stop)
+        text = OutputText(self.tokenizer, request.prompt_ids, p.stop,
+                          skip_special_tokens=p.skip_special_tokens)
         stop_ids = stop_token_set(p.stop_token_ids, self.eos_ids, p.ignore_eos)
         self.admission.admit(request.request_id)  # Overloaded beyond the bound; _close releases
         try:

@@ -229,7 +229,6 @@ UNSUPPORTED = [  # (route, field, a value that would change the output, its no-o
     (CHAT, "min_p", 0.1, 0),
     (COMPLETIONS, "include_stop_str_in_output", True, False),
     (CHAT, "no_stop_trim", True, False),
-    (CHAT, "skip_special_tokens", False, True),
     (COMPLETIONS, "spaces_between_special_tokens", False, True),
     (COMPLETIONS, "guided_json", {"type": "object"}, None),
     (CHAT, "guided_choice", ["yes", "no"], []),
