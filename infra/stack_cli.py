@@ -37,7 +37,8 @@ def cmd_up(
     run_dir: RunDirOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Start the services on free loopback ports (those already running are kept)."""
+    """Start the services on free loopback ports. One already running is kept, unless it was started
+    with another configuration (e.g. a broker of another --storage): then it is restarted."""
     names = tuple(s.strip() for s in services.split(",") if s.strip())
     unknown = [n for n in names if n not in SERVICES]
     if unknown:
@@ -48,7 +49,7 @@ def cmd_up(
     stack = Stack(run_dir, stack_settings(storage))
     try:
         with state_file_errors():
-            info = stack.up(names)
+            info = stack.up(names, say=lambda line: typer.echo(line, err=json_out))  # --json: one object on stdout
     except ServiceStartError as e:
         typer.echo(f"stack up failed: {e}", err=True)
         raise typer.Exit(1) from e

@@ -24,16 +24,15 @@ variables are not passed on. Differences, all forced by the machine:
   (infra/restart.py): a trainer or replica that dies is started again.
 
 Everything is recorded in ``<run_dir>/stack.json``, each process with what defines it (its command
-and the environment it was given): a second ``specloop up`` keeps a healthy process whose
-configuration is unchanged and restarts one whose configuration changed (another ``--model``, suffix
-seed, shell or ``.env`` value), as ``docker compose up`` recreates a changed container.
+and the environment it was given; infra/process_config.py): a second ``specloop up`` keeps a healthy
+process whose configuration is unchanged and restarts one whose configuration changed (another
+``--model``, suffix seed, shell or ``.env`` value; the stack's services alike, e.g. another
+``SPECLOOP_STACK_STORAGE``), as ``docker compose up`` recreates a changed container.
 ``specloop down`` stops the processes (whole process groups, Ray's included) and then the stack.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hmac
 import os
 import re
 import secrets
@@ -48,10 +47,10 @@ import typer
 import yaml
 from pydantic import BaseModel
 
+from infra.process_config import config_key, configuration, secret_file
 from infra.processes import _http_ok
 from infra.stack import (
     STATE_FILE,
-    ServiceInfo,
     Stack,
     StackInfo,
     StackSettings,
@@ -173,41 +172,6 @@ def specloop_command(compose_cmd: list[str]) -> list[str]:
             for i, part in enumerate(compose_cmd)]
 
 
-PER_START = ("SPECLOOP_PORT",)
-"""What ``up`` assigns anew at each start (a free port): not part of a process's configuration."""
-COMMAND = "command"
-"""The command's entry in a configuration (the rest are variable names)."""
-
-
-def configuration(key: bytes, cmd: list[str], env: Mapping[str, str]) -> dict[str, str]:
-    """What defines a process ``up`` starts: its command and each variable ``up`` gives it (compose's
-    environment, the stack's addresses, ``extra_env``, ...; not the shell's own environment it
-    inherits, nor ``PER_START``), each as a digest keyed by the run directory's ``config-key``:
-    which part changed can be told, and no value, secrets included, can be read or guessed from
-    the state file."""
-    parts = {COMMAND: "\0".join(cmd), **{k: v for k, v in env.items() if k not in PER_START}}
-    return {name: hmac.new(key, f"{name}={value}".encode(), "sha256").hexdigest()[:24]
-            for name, value in parts.items()}
-
-
-def changed(recorded: dict[str, str] | None, now: dict[str, str]) -> str | None:
-    """Why a process recorded with configuration ``recorded`` must be started again for ``now``;
-    None when the two are the same. Names what changed, never a value."""
-    if recorded is None:
-        return "recorded by an older specloop, without its configuration"
-    names = sorted(n for n in recorded.keys() | now.keys() if recorded.get(n) != now.get(n))
-    return f"configuration changed ({', '.join(names)})" if names else None
-
-
-def _secret_file(path: Path, make) -> str:
-    """``path``'s content, written once with ``make()`` (mode 0600 from its creation on)."""
-    with contextlib.suppress(FileExistsError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(make())
-    return path.read_text().strip()
-
-
 class TopologyInfo(BaseModel):
     stack: StackInfo
     replicas: list[str]
@@ -238,11 +202,11 @@ class Topology:
         """SPECLOOP_ADMIN_TOKEN when set (shell or .env), else one generated once per run directory."""
         if self.compose_env.get("SPECLOOP_ADMIN_TOKEN"):
             return self.compose_env["SPECLOOP_ADMIN_TOKEN"]
-        return _secret_file(self.run_dir / "admin-token", lambda: secrets.token_urlsafe(32))
+        return secret_file(self.run_dir / "admin-token", lambda: secrets.token_urlsafe(32))
 
     def up(self, say: Callable[[str], None] = lambda line: None) -> TopologyInfo:
         """Start the stack, then ``start_processes``; ``say`` is told of each process restarted."""
-        return self.start_processes(self.stack.up(), say)
+        return self.start_processes(self.stack.up(say=say), say)
 
     def start_processes(self, stack: StackInfo, say: Callable[[str], None] = lambda line: None) -> TopologyInfo:
         """Start the replicas and the trainer against ``stack``. As ``docker compose up`` recreates a
@@ -252,7 +216,7 @@ class Topology:
         # Like a container, a service gets the SPECLOOP_* variables compose gives it and no others
         # (the ones the file interpolates arrive through compose_service).
         base_env = {k: v for k, v in os.environ.items() if not k.startswith("SPECLOOP_")}
-        key = _secret_file(self.run_dir / "config-key", lambda: secrets.token_hex(32)).encode()
+        key = config_key(self.run_dir)
         cmd, env = compose_service("serving", self.compose_file, env=self.compose_env)
         cmd = specloop_command(cmd)
         urls = []
@@ -261,7 +225,7 @@ class Topology:
             given = {**local_env(env, stack, self.model, self.drafter), "SPECLOOP_REPLICA_ID": name,
                      "SPECLOOP_ADMIN_TOKEN": self.admin_token(), **self.extra_env}
             config = configuration(key, cmd, given)
-            kept = self._keep(name, config, say)
+            kept = self.stack.keep(name, config, say)
             if kept is not None:
                 urls.append(kept.url)
                 continue
@@ -278,7 +242,7 @@ class Topology:
         given = {**local_env(env, stack, self.model, self.drafter),
                  "SPECLOOP_TRAINER_CHECKPOINT_DIR": str(self.run_dir / "trainer-ckpt"), **self.extra_env}
         config = configuration(key, cmd, given)
-        if self._keep("trainer", config, say) is None:
+        if self.stack.keep("trainer", config, say) is None:
             started = time.monotonic()
             self.stack.start_process("trainer", cmd, 0, "", {**base_env, **given}, config=config,
                                      ready=lambda: time.monotonic() - started > 3.0)  # still alive after 3 s
@@ -290,20 +254,6 @@ class Topology:
         """Replicas an earlier ``up`` started beyond this one's ``replicas``."""
         numbered = (re.fullmatch(r"serving-(\d+)", name) for name in self.stack.recorded())
         return [m.group(0) for m in numbered if m is not None and int(m.group(1)) >= self.replicas]
-
-    def _keep(self, name: str, config: dict[str, str], say: Callable[[str], None]) -> ServiceInfo | None:
-        """The running ``name`` when it is healthy and its configuration is ``config``; else None,
-        having stopped it if its configuration differs (a live process with the same one, still
-        unhealthy, is left to ``start_process``, which refuses to start a second)."""
-        existing = self.stack.service(name)
-        if existing is None:
-            return None
-        why = changed(existing.config, config)
-        if why is None:
-            return existing if self.stack.healthy(name) else None
-        say(f"{name}: {why}, restarting it")
-        self.stack.stop(name)
-        return None
 
     def down(self) -> list[str]:
         return self.stack.down()
