@@ -109,6 +109,8 @@ def use_suffix_seed(target, requests: int, **kwargs) -> Path | None:
 
 
 def cmd_suffix_seed(
+    model: str | None = typer.Option(None, help="Target: a Hugging Face directory or the default's name "
+                                     "(default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct)."),
     requests: int = typer.Option(DEFAULT_REQUESTS, min=1, help="Code and as many chat requests written from the installed "
                                  "packages for the target to answer."),
     seed: int = typer.Option(0, help="Which package requests (trainer/package_prompts.py)."),
@@ -116,9 +118,14 @@ def cmd_suffix_seed(
     out: Path | None = typer.Option(None, help="Where to write it (default: the cache demo and bench use)."),
 ) -> None:
     """Write a suffix seed: the target's own answers, which every tenant's suffix index starts with.
-    Serve with it: SPECLOOP_SUFFIX_SEED_FILE=PATH specloop serve ..."""
+    Serve the same target with it: SPECLOOP_SUFFIX_SEED_FILE=PATH specloop serve ..."""
+    from infra.root import serving_settings
     from serving.target import load_target
 
-    target = load_target()
+    model = serving_settings({"model": model} if model else {}).model  # what `specloop serve` would serve
+    try:
+        target = load_target(model)
+    except FileNotFoundError as e:  # a typo: one line naming the option, not a traceback
+        raise typer.BadParameter(str(e), param_hint="--model") from None
     path = ensure_suffix_seed(target, requests, seed=seed, max_new_tokens=max_new_tokens, out=out)
     typer.echo(str(path))
