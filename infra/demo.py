@@ -218,6 +218,23 @@ async def run_demo(target, stack_info, stream, cfg, run_dir: Path, baseline_n: i
     return summary
 
 
+RUN_FILES = ("summary.json", "events.json", "points.json", "demo.png")
+"""What a run writes at its end (``run_demo``); summary.json marks a finished run."""
+
+
+def check_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """Refuse (a usage error) a ``--run-dir`` that holds an earlier run's results, which this run
+    would overwrite; with ``overwrite``, remove them first, so that the directory never mixes
+    two runs' files. Other files there are left alone."""
+    if not (run_dir / RUN_FILES[0]).is_file():
+        return
+    if not overwrite:
+        raise typer.BadParameter(f"{run_dir} holds an earlier run ({RUN_FILES[0]}): give a new directory, "
+                                 "or --overwrite to replace its results", param_hint="'--run-dir'")
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+
+
 def demo(
     chat: int = typer.Option(40, min=1, help="MT-Bench chat requests before the domain shift."),
     code: int = typer.Option(40, min=1, help="HumanEval code requests after it."),
@@ -229,7 +246,10 @@ def demo(
                                  "the stream, each served right beside the loop's; the speedups compare the loop with it on "
                                  "the same requests."),
     run_dir: Path = typer.Option(None, help="Where the plot, summary and stack data go "
-                                 "(default: ./specloop-demo/<timestamp>)."),
+                                 "(default: ./specloop-demo/<timestamp>); one holding an earlier run's "
+                                 "summary is refused unless --overwrite."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the results of an earlier run "
+                                   "in --run-dir (they are removed before this one starts)."),
     threads: int = typer.Option(1, min=1, help="torch threads per thread of work: serving and the trainer each run on this many cores (1 on a 2-core box: the CPU stand-in for the serving GPU and the trainer GPU); the target-only baseline runs with the same."),
     learned: str = typer.Option("target-layers", help="Learned drafter the trainer adapts: target-layers "
                                 "(standalone LM copying the target's first layers) | selfspec (the target's own "
@@ -244,6 +264,8 @@ def demo(
     if learned not in ("target-layers", "selfspec"):
         raise typer.BadParameter(f"{learned!r}: choose target-layers or selfspec", param_hint="--learned")
     day0 = day0_artifact_meta(day0_artifact)  # before the model loads and the stack starts
+    if run_dir is not None:
+        check_run_dir(run_dir, overwrite)
     import torch
     from rich.console import Console
 
