@@ -123,12 +123,15 @@ def use_generator(factory) -> None:
 
 def make_student(model: str, kind: str, max_len: int, exit_layer: int = SELFSPEC_EXIT_LAYER,
                  draft_vocab_size: int | None = SELFSPEC_DRAFT_VOCAB_SIZE, adapter_layers: int = SELFSPEC_ADAPTER_LAYERS,
-                 *, init=None, served_day0: str | None = None):
+                 *, init=None, served_day0: str | None = None, target=None, fingerprint=None):
     """Build the day-0 student from the target directory. Runs inside the Ray worker, so no model
     weights travel through the object store (on a cluster the path must exist on the worker).
-    ``init``: start from this selfspec adapter instead (``load_drafter``'s, already checked against
-    the target: ``run_offline`` reads the artifact once, before minutes of generation).
-    ``served_day0``: a standalone student starts as this served day-0 draft (its directory)."""
+    ``init``: start from this selfspec adapter instead: ``load_drafter``'s, already checked against
+    the target (``run_offline`` reads the artifact once, before minutes of generation), or an
+    artifact directory, read here against ``fingerprint`` (the online trainer: in the worker).
+    ``served_day0``: a standalone student starts as this served day-0 draft (its directory).
+    ``target``: the target's Hugging Face model, already loaded from ``model`` in float32
+    (``run_offline``'s, which answered the prompts); None: loaded here."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from feedback.drafters.eagle_head import eagle_from_target
@@ -136,12 +139,20 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = SELFSPEC
     from feedback.drafters.standalone_lm import standalone_from_target
     from feedback.drafters.vocab import day0_draft_vocab, special_token_ids
     from trainer.eagle_student import EagleStudent
-    from trainer.students import SelfSpecStudent, StandaloneStudent, selfspec_student_from_adapter
+    from trainer.students import (
+        SelfSpecStudent,
+        StandaloneStudent,
+        selfspec_student_from_adapter,
+        selfspec_student_from_artifact,
+    )
 
-    target = AutoModelForCausalLM.from_pretrained(model)
+    if target is None:
+        target = AutoModelForCausalLM.from_pretrained(model)
     if init is not None:
         if kind != "selfspec":
             raise ValueError(f"init: only a selfspec student starts from an artifact, not {kind}")
+        if isinstance(init, (str, Path)):
+            return selfspec_student_from_artifact(init, target.float(), fingerprint, max_len)
         return selfspec_student_from_adapter(init, target.float(), max_len)
     if kind == "eagle":
         return EagleStudent(eagle_from_target(target), max_len=max_len)
@@ -159,6 +170,21 @@ def make_student(model: str, kind: str, max_len: int, exit_layer: int = SELFSPEC
 
         return StandaloneStudent(load_served_standalone(served_day0, target).float(), max_len)
     return StandaloneStudent(standalone_from_target(target).float(), max_len)
+
+
+def _init_meta(init: Path, settings):
+    """``--init``'s config.json, checked before any weights load (the target's, the artifact's):
+    a selfspec artifact, for a selfspec trainer."""
+    from feedback.registry.artifact import DrafterArtifactError, read_meta
+
+    if settings.drafter != "selfspec":
+        raise typer.BadParameter(f"--init starts a selfspec drafter, not {settings.drafter}; "
+                                 "set SPECLOOP_TRAINER_DRAFTER=selfspec")
+    with _input(DrafterArtifactError, OSError, about="--init"):  # no readable config.json
+        meta = read_meta(init)
+    if meta.kind != settings.drafter:
+        raise DrafterArtifactError(f"{init}: a {meta.kind} drafter artifact; --init needs a {settings.drafter} one")
+    return meta
 
 
 def served_day0_draft(settings) -> str | None:
@@ -187,8 +213,9 @@ def train(
                                  "code and as many chat requests written from the installed packages "
                                  "(trainer/package_prompts.py); alone or with --corpus/--offline."),
     init: Path | None = typer.Option(None, exists=True, file_okay=False,
-                                     help="--offline/--corpus/--requests: start from this drafter artifact "
-                                     "(same kind and target) instead of the day-0 drafter."),
+                                     help="Start from this selfspec drafter artifact (same target; "
+                                     "SPECLOOP_TRAINER_DRAFTER=selfspec) instead of the day-0 drafter, "
+                                     "offline or online."),
     corpus_cache: Path = typer.Option(CORPUS_CACHE, help="--corpus/--requests/--offline: where "
                                       "teacher-forced and generated traces are kept between runs."),
     out: Path = typer.Option(Path("specloop-static-drafter"), help="--offline/--corpus/--requests: artifact "
@@ -227,6 +254,7 @@ def _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, mo
     from transformers import AutoConfig
 
     from feedback.drafters.standalone_lm import StandaloneConfig
+    from feedback.registry.artifact import DrafterArtifactError
     from feedback.registry.artifact_keys import DAY0_VERSION
     from feedback.target.location import model_fingerprint
     from trainer.actor import start_actor
@@ -234,6 +262,7 @@ def _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, mo
     from trainer.export import artifact_exporter
 
     settings = _settings()
+    init_meta = _init_meta(init, settings) if init is not None else None
     with _input(ValueError):
         resolve_device(settings.device)  # a cuda setting without a GPU, before the model and Ray start
     with _input(OSError, ValueError):  # a missing model, or one this drafter does not fit
@@ -247,12 +276,19 @@ def _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, mo
             export_cfg = SelfSpecConfig.for_target(config, settings.exit_layer, settings.adapter_layers,
                                                    draft_vocab_size=settings.draft_vocab_size)
     served_day0 = served_day0_draft(settings)
+    # Serving runs its day-0 draft as version "day0": the first candidate must beat it, not nothing.
+    champion = DAY0_VERSION if served_day0 is not None else None
+    if init is not None:
+        from feedback.registry.artifact import check_meta
+
+        with _input(DrafterArtifactError, about="--init"):  # another target's: before Ray starts
+            check_meta(init, init_meta, fp)
+        if settings.day0_drafter_dir is not None and Path(settings.day0_drafter_dir).resolve() == init.resolve():
+            champion = init_meta.version  # serving starts with it too: candidates must beat it
     factory = functools.partial(make_student, model, settings.drafter, settings.max_len,
                                 settings.exit_layer, settings.draft_vocab_size, settings.adapter_layers,
-                                served_day0=served_day0)
-    # Serving runs its day-0 draft as version "day0": the first candidate must beat it, not nothing.
-    actor = start_actor(settings, factory, fp, exporter=artifact_exporter(export_cfg),
-                        initial_champion=DAY0_VERSION if served_day0 is not None else None)
+                                served_day0=served_day0, init=init, fingerprint=fp)
+    actor = start_actor(settings, factory, fp, exporter=artifact_exporter(export_cfg), initial_champion=champion)
     import ray
 
     try:
@@ -276,12 +312,7 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from feedback.registry.artifact import (
-        DrafterArtifactError,
-        load_drafter,
-        read_meta,
-        save_drafter,
-    )
+    from feedback.registry.artifact import DrafterArtifactError, load_drafter, save_drafter
     from feedback.target.location import model_fingerprint
     from trainer.device import resolve_device
     from trainer.export import student_draft_vocab
@@ -296,15 +327,8 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
     )
 
     settings = _settings()
-    if init is not None and settings.drafter != "selfspec":  # before minutes of generation
-        raise typer.BadParameter(f"--init starts a selfspec drafter, not {settings.drafter}; "
-                                 "set SPECLOOP_TRAINER_DRAFTER=selfspec")
-    # What can be checked without the target's weights is, before minutes of generation and training.
-    if init is not None:
-        with _input(DrafterArtifactError, OSError, about="--init"):  # no readable config.json
-            kind = read_meta(init).kind
-        if kind != settings.drafter:
-            raise DrafterArtifactError(f"{init}: a {kind} drafter artifact; --init needs a {settings.drafter} one")
+    if init is not None:  # before minutes of generation and training
+        _init_meta(init, settings)
     with _input(ValueError):
         device = resolve_device(settings.device)
     t0 = time.perf_counter()
@@ -340,8 +364,8 @@ def run_offline(model: str | None, prompts: Path | None, out: Path, model_id: st
             records += cached_corpus_traces(target, fp, chunks, corpus_cache, tenant=settings.tenant,
                                             progress=lambda n: bar.advance(task, n))
     gen_s = time.perf_counter() - t0
-    student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,
-                           settings.draft_vocab_size, settings.adapter_layers, init=adapter)
+    student = make_student(model, settings.drafter, settings.max_len, settings.exit_layer,  # the target loaded once
+                           settings.draft_vocab_size, settings.adapter_layers, init=adapter, target=target)
     student.to(device)
     fit = train_offline(student, records, fp, max_steps=steps, k=settings.k, distill=settings.distill_config())
     config = getattr(student, "config", None) or (student.model.config if settings.drafter == "eagle" else None)
