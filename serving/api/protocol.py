@@ -60,6 +60,13 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: usage in every chunk. Not sent; refused rather than silently dropped."""
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_usage_per_chunk(cls, v: bool):
+        return _reject_if(v, v, "stream_options.continuous_usage_stats (usage in every chunk)")
 
 
 def _unicode(text: str) -> str:

@@ -121,6 +121,10 @@ def test_nulls_inside_stream_options_mean_the_default(api, path):
         assert events and all(e.get("usage") is None for e in events), options
     with_usage = _events(client.post(path, json={**body, "stream_options": {"include_usage": True}}))
     assert with_usage[-1]["usage"]["completion_tokens"] == 3
+    for off in ({"continuous_usage_stats": False}, {"continuous_usage_stats": None}):
+        _events(client.post(path, json={**body, "stream_options": off}))
+    per_chunk = client.post(path, json={**body, "stream_options": {"continuous_usage_stats": True}})
+    _refused(per_chunk, "stream_options", "continuous_usage_stats")
 
 
 def test_a_null_inside_other_nested_objects_is_the_default(api):
