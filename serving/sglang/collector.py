@@ -4,7 +4,9 @@ metrics, live acceptance) -- the same events TorchEngine emits."""
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -43,6 +45,30 @@ def to_verify_batch(message: StepMessage, source: DrafterKind,
         target_topk_logprobs=rows.target_topk_logprobs,
         drafter_version=drafter_version,
     )
+
+
+class InstallLog:
+    """Which draft version was installed when: a verify step waits for export (a device copy, a
+    queue, a socket) and may reach the engine after a swap, so it is labelled with the version
+    live when its hook ran, not when it arrived. A step hooked while an update was in flight
+    counts for the version before it (the new one's rollback watch reads only its own steps)."""
+
+    def __init__(self, version: str, keep: int = 16):
+        self._log: collections.deque[tuple[float, str]] = collections.deque([(-math.inf, version)],
+                                                                            maxlen=keep)
+        self._lock = threading.Lock()
+
+    def add(self, done_at: float, version: str) -> None:
+        """``version``'s update completed at ``done_at`` (``time.monotonic()``)."""
+        with self._lock:
+            self._log.append((done_at, version))
+
+    def version_at(self, hooked_at: float) -> str:
+        """The version live at ``hooked_at``; the latest one for 0 (a step without the time)."""
+        with self._lock:
+            if hooked_at <= 0.0:
+                return self._log[-1][1]
+            return next((v for t, v in reversed(self._log) if t <= hooked_at), self._log[0][1])
 
 
 class TraceCollector:

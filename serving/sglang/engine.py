@@ -49,7 +49,7 @@ from serving.engine.base import (
 from serving.engine.request_checks import check_request
 from serving.observers import notify
 from serving.output import OutputText, apply_stops, eos_token_ids, stop_token_set
-from serving.sglang.collector import TraceCollector, to_verify_batch
+from serving.sglang.collector import InstallLog, TraceCollector, to_verify_batch
 from serving.sglang.config import SGLangConfig
 from serving.sglang.draft_weights import update_draft_weights, verify_draft_only_update
 from serving.sglang.drafts import SGLangDraft
@@ -80,6 +80,7 @@ class SGLangEngine:
         self.observers = list(observers)
         self._drafter = SGLangDraft(kind=config.drafter_kind, version=config.drafter_version,
                                     path=Path(config.draft_path))
+        self._installed = InstallLog(self._drafter.version)
         self._source = DrafterKind.EAGLE if config.algorithm == "EAGLE3" else DrafterKind.STANDALONE
         self._engine = None
         self._collector: TraceCollector | None = None
@@ -223,6 +224,7 @@ class SGLangEngine:
         async with self._swap_lock:
             await update_draft_weights(self._engine, tensors)
             self._drafter = drafter
+            self._installed.add(time.monotonic(), drafter.version)
         notify(self.observers, "on_drafter_change", drafter.kind, drafter.version)
 
     def load_metadata(self) -> None:
@@ -297,7 +299,7 @@ class SGLangEngine:
 
     def _on_step(self, message) -> None:
         """Collector thread: one verify step of SGLang's batch."""
-        batch = to_verify_batch(message, self._source, self._drafter.version)
+        batch = to_verify_batch(message, self._source, self._installed.version_at(message.hooked_at))
         notify(self.observers, "on_step", batch)
         with self._covered_lock:  # after the observers saw it: a finish may follow right away
             for rid, accepted in zip(batch.request_ids, batch.num_accepted.tolist()):

@@ -42,6 +42,9 @@ class StepMessage:
     request_ids: list[str]
     prompt_lens: list[int]
     rows: StepRows
+    hooked_at: float = 0.0
+    """``time.monotonic()`` in the scheduler when the step's hook ran (the clock is system-wide on
+    Linux): which draft weights drafted it, since a swap may land while it waits for export."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,10 @@ class StepExporter:
         if self._queue.full():
             self.shed += 1
             return
+        hooked_at = time.monotonic()
         host, ready = copy_to_host(packed)
         try:
-            self._queue.put_nowait((host, ready, layout, request_ids, prompt_lens))
+            self._queue.put_nowait((host, ready, layout, request_ids, prompt_lens, hooked_at))
         except queue.Full:
             self.shed += 1
 
@@ -109,11 +113,11 @@ class StepExporter:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            host, ready, layout, request_ids, prompt_lens = item
+            host, ready, layout, request_ids, prompt_lens, hooked_at = item
             if ready is not None:
                 ready.synchronize()
             rows = unpack_step(host.numpy(), layout)
-            self._send(StepMessage(request_ids, prompt_lens, rows))
+            self._send(StepMessage(request_ids, prompt_lens, rows, hooked_at))
 
     def _send(self, message: StepMessage) -> None:
         try:

@@ -565,3 +565,33 @@ def test_swap_drafter_installs_the_draft_and_announces_it(fake_sglang, draft_dir
     assert torch.equal(fake.weights["draft"]["fc.weight"], tensors["fc.weight"])
     assert rec.events == [("drafter", "standalone", "v2"), ("drafter", "standalone", "day0")]
     assert engine.drafter.version == "day0"
+
+
+def test_a_step_is_labelled_with_the_draft_live_when_its_hook_ran(fake_sglang, draft_dir):
+    """A step drafted before a swap may reach the engine after it (device copy, export queue,
+    socket): it counts for the version that drafted it, not for the new one the rollback watch
+    is judging."""
+    import time
+
+    from serving.sglang.drafts import SGLangDraft
+
+    path, tensors = draft_dir
+    seen = []
+    observer = types.SimpleNamespace(on_step=lambda batch: seen.append(batch.drafter_version))
+    engine = SGLangEngine(SGLangConfig(model_path="/m", draft_path=str(path)), observers=[observer])
+    fake = FakeSGLang(tensors)
+
+    async def main():
+        engine._loop = asyncio.get_running_loop()
+        engine._engine = fake
+        hooked_before = time.monotonic()
+        await asyncio.to_thread(engine.swap_drafter,
+                                SGLangDraft("standalone", "v2", tensors=[("fc.weight", torch.zeros(2, 2))]))
+        hooked_after = time.monotonic()
+        for hooked_at in (hooked_before, hooked_after, 0.0):  # 0: a plugin that sends no time
+            message = step_message("r1", 3, 3, [11, 50], 1, [11, 12])
+            message.hooked_at = hooked_at
+            engine._on_step(message)
+
+    asyncio.run(main())
+    assert seen == ["day0", "v2", "v2"]

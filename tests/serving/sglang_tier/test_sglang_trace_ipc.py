@@ -40,8 +40,10 @@ def test_steps_arrive_as_verify_batches():
     exporter = StepExporter(ExportConfig.from_env(env))
     try:
         packed, layout, rids, prompt_lens = packed_chain_step()
+        before = time.monotonic()
         exporter.submit(packed, layout, rids, prompt_lens)
         assert wait_for(lambda: received)
+        assert before <= received[0].hooked_at <= time.monotonic()  # when the hook ran
     finally:
         exporter.close()
         collector.close()
