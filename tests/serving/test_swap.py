@@ -373,15 +373,10 @@ def test_artifacts_are_loaded_on_a_background_thread_that_computes_alone(target,
     assert not seen["thread"].is_alive() or _joins(seen["thread"])
 
 
-def test_a_rollback_does_not_wait_for_a_download_in_progress(target, tmp_path, sqlite_registry):
-    """An operator's rollback (or the watch's) while the registry is slow to hand over the next
-    version returns at once; the download, once done, still installs what was asked."""
+def _hold_downloads(swapper):
+    """Each artifact load waits for ``release`` (set ``downloading`` first): a slow registry."""
     import threading
 
-    first = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
-    second = _register(sqlite_registry, target, _artifact(target, tmp_path / "b", version="b"))
-    engine, swapper, _ = _stack(target, registry=sqlite_registry)
-    swapper.swap_to(first)
     release, downloading = threading.Event(), threading.Event()
     load = swapper.loader.load
 
@@ -391,6 +386,19 @@ def test_a_rollback_does_not_wait_for_a_download_in_progress(target, tmp_path, s
         return load(path, current)
 
     swapper.loader.load = slow
+    return release, downloading
+
+
+def test_a_rollback_does_not_wait_for_a_download_in_progress(target, tmp_path, sqlite_registry):
+    """An operator's rollback (or the watch's) while the registry is slow to hand over the next
+    version returns at once; the download, once done, still installs what was asked."""
+    import threading
+
+    first = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
+    second = _register(sqlite_registry, target, _artifact(target, tmp_path / "b", version="b"))
+    engine, swapper, _ = _stack(target, registry=sqlite_registry)
+    swapper.swap_to(first)
+    release, downloading = _hold_downloads(swapper)
     result = {}
     swapping = threading.Thread(target=lambda: result.update(swapper.swap_to(second)))
     swapping.start()
@@ -413,8 +421,6 @@ def test_a_rollback_does_not_wait_for_a_download_in_progress(target, tmp_path, s
 def test_the_watchs_rollback_does_not_wait_for_the_worker_s_download(target, tmp_path, sqlite_registry):
     """The watch judged the live version bad while the Swapper's worker was downloading the next
     champion (a poll): the rollback happens at once, not once the download is done."""
-    import threading
-
     from serving.live_acceptance import VersionStats
 
     first = _register(sqlite_registry, target, _artifact(target, tmp_path / "a", version="a"))
@@ -423,15 +429,7 @@ def test_the_watchs_rollback_does_not_wait_for_the_worker_s_download(target, tmp
     swapper.live.recent = lambda version: [3.0] * 32  # the predecessor's accept lengths
     swapper.swap_to(first)
     sqlite_registry.set_champion(TENANT, second)
-    release, downloading = threading.Event(), threading.Event()
-    load = swapper.loader.load
-
-    def slow(path, current=None):
-        downloading.set()
-        assert release.wait(30)
-        return load(path, current)
-
-    swapper.loader.load = slow
+    release, downloading = _hold_downloads(swapper)
     swapper.start()
     try:
         assert downloading.wait(30)  # the worker is in the poll's download of `second`
