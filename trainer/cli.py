@@ -75,39 +75,6 @@ def _input(*types: type[BaseException], about: object = None):
         raise InputError(text if about is None or str(about) in text else f"{about}: {text}") from exc
 
 
-def _check_out(out: Path) -> None:
-    """Before any work: ``--out`` is deleted and replaced by the new artifact at the end
-    (``save_drafter(overwrite=True)``), so it must be a new path, an empty directory, or a drafter
-    artifact already; anything else (a folder of other files, a file, ``.``) is refused."""
-    from feedback.registry.artifact import CONFIG_FILE, DrafterArtifactError, read_meta
-
-    def refuse(why: str):
-        raise typer.BadParameter(f"{out}: {why}", param_hint="'--out'")
-
-    if out.name in ("", ".", ".."):
-        refuse("name the artifact directory itself (e.g. --out ./my-drafter): it is deleted and rewritten")
-    if out.is_symlink():
-        refuse("a symbolic link; give the artifact directory itself")
-    if out.is_dir():
-        try:
-            empty = not any(out.iterdir())
-        except OSError as exc:
-            refuse(f"cannot be read ({exc.strerror or exc})")
-        if not empty:
-            try:
-                read_meta(out)
-            except DrafterArtifactError:
-                refuse(f"a directory that is not a drafter artifact (no valid {CONFIG_FILE}); it would be "
-                       "deleted and replaced by the new artifact: give a new or empty directory")
-    elif out.exists():
-        refuse("exists and is not a directory (the artifact is a directory): give a new path")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        refuse(f"cannot be created: {parent} is not a directory")
-    if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-        refuse(f"cannot be written: {parent} is not writable")
-
-
 _generator = None
 """``use_generator``'s factory; None: the trainer's own (``trainer.offline.hf_generator``)."""
 
@@ -187,19 +154,30 @@ def _init_meta(init: Path, settings):
     return meta
 
 
-def served_day0_draft(settings) -> str | None:
+def _serves_init(settings, init: Path | None) -> bool:
+    """Serving starts with ``--init`` itself (SPECLOOP_DRAFTER_DIR is that directory)."""
+    day0 = settings.day0_drafter_dir
+    return init is not None and day0 is not None and Path(day0).resolve() == Path(init).resolve()
+
+
+def served_day0_draft(settings, init: Path | None = None) -> str | None:
     """The day-0 draft serving starts with, where the trainer can start from it: a standalone
     student (the kind SGLang's STANDALONE serves). An EAGLE head or a selfspec adapter starts from
-    the target as before (the day-0 dir then holds another kind's weights)."""
-    if settings.day0_drafter_dir is None or settings.drafter != "standalone":
-        if settings.day0_drafter_dir is not None:
-            log.info("day-0 drafter %s: a %s student starts from the target, not from it",
-                     settings.day0_drafter_dir, settings.drafter)
+    the target as before (the day-0 dir then holds another kind's weights), or from ``init``
+    (``--init``, a selfspec artifact), which may be that very directory."""
+    day0 = settings.day0_drafter_dir
+    if day0 is None or settings.drafter != "standalone":
+        if _serves_init(settings, init):
+            log.info("day-0 drafter %s: the %s student starts from it (--init)", day0, settings.drafter)
+        elif day0 is not None:
+            log.info("day-0 drafter %s: a %s student starts from %s, not from it", day0, settings.drafter,
+                     "the target" if init is None else f"--init {init}")
         return None
-    return settings.day0_drafter_dir
+    return day0
 
 
 def train(
+    ctx: typer.Context,
     model: str | None = typer.Option(None, help="Target the drafter is trained for: a Hugging Face directory or "
                                      "the default's name (default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct)."),
     rounds: int = typer.Option(0, min=0, help="Stop after this many rounds (0 = run until interrupted)."),
@@ -230,9 +208,12 @@ def train(
     """Consume traces, distil the drafter, gate, register and announce promotions; with
     ``--offline`` train a static drafter once from prompts and save (and register) it."""
     from feedback.registry.artifact import DrafterArtifactError
+    from trainer.train_options import check_out, refuse_offline_options
 
     if offline is not None or corpus > 0 or requests > 0:
-        _check_out(out)
+        check_out(out)
+    else:
+        refuse_offline_options(ctx)  # online: an offline-only option would be ignored
     try:
         _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, model_id, max_new_tokens, steps)
     except (InputError, DrafterArtifactError) as exc:  # a mistake in the input; anything else is a bug
@@ -275,16 +256,16 @@ def _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, mo
 
             export_cfg = SelfSpecConfig.for_target(config, settings.exit_layer, settings.adapter_layers,
                                                    draft_vocab_size=settings.draft_vocab_size)
-    served_day0 = served_day0_draft(settings)
-    # Serving runs its day-0 draft as version "day0": the first candidate must beat it, not nothing.
-    champion = DAY0_VERSION if served_day0 is not None else None
     if init is not None:
         from feedback.registry.artifact import check_meta
 
         with _input(DrafterArtifactError, about="--init"):  # another target's: before Ray starts
             check_meta(init, init_meta, fp)
-        if settings.day0_drafter_dir is not None and Path(settings.day0_drafter_dir).resolve() == init.resolve():
-            champion = init_meta.version  # serving starts with it too: candidates must beat it
+    served_day0 = served_day0_draft(settings, init)
+    # Serving runs its day-0 draft as version "day0": the first candidate must beat it, not nothing.
+    champion = DAY0_VERSION if served_day0 is not None else None
+    if _serves_init(settings, init):
+        champion = init_meta.version  # serving starts with it too: candidates must beat it
     factory = functools.partial(make_student, model, settings.drafter, settings.max_len,
                                 settings.exit_layer, settings.draft_vocab_size, settings.adapter_layers,
                                 served_day0=served_day0, init=init, fingerprint=fp)

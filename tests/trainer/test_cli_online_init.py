@@ -102,3 +102,30 @@ def test_init_of_another_target_is_one_line_before_ray_starts(target_dir, tmp_pa
     assert result.exit_code == 1 and actor == {}, result.output
     line = result.stderr.strip()
     assert line.startswith("Error: ") and "--init" in line and "another-model" in line, line
+
+
+@pytest.mark.usefixtures("selfspec_env")
+@pytest.mark.parametrize("case", ["serving-runs-init", "serving-runs-another", "no-init"])
+def test_the_day0_log_line_says_where_the_student_starts(case, target_dir, pretrained, actor, tmp_path, monkeypatch,
+                                                         caplog):
+    """With SPECLOOP_DRAFTER_DIR the same directory as --init, the log said the selfspec student
+    "starts from the target, not from it": it starts from that very artifact."""
+    import logging
+
+    _, d = target_dir
+    init, _ = pretrained
+    other = tmp_path / "served-elsewhere"
+    other.mkdir()
+    monkeypatch.setenv("SPECLOOP_DRAFTER_DIR", str(init if case == "serving-runs-init" else other))
+    caplog.set_level(logging.INFO, logger="trainer.cli")
+
+    result = train("--model", str(d), *(["--init", str(init)] if case != "no-init" else []))
+
+    assert isinstance(result.exception, Started), result.output + (result.stderr or "")
+    lines = [r.getMessage() for r in caplog.records if r.name == "trainer.cli" and "day-0 drafter" in r.message]
+    assert len(lines) == 1, caplog.text
+    expected = {"serving-runs-init": f"day-0 drafter {init}: the selfspec student starts from it (--init)",
+                "serving-runs-another": f"day-0 drafter {other}: a selfspec student starts from --init {init}, "
+                                        "not from it",
+                "no-init": f"day-0 drafter {other}: a selfspec student starts from the target, not from it"}
+    assert lines[0] == expected[case]

@@ -223,9 +223,10 @@ def test_an_init_artifact_is_read_once_and_the_student_starts_from_it(target_dir
 # model, settings, device -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", [["--corpus", "1"], []], ids=["offline", "online"])
+@pytest.mark.parametrize("mode", [["--corpus", "1", "--out"], []], ids=["offline", "online"])
 def test_a_missing_model_is_one_line(mode, tmp_path):
-    line = one_line_error(invoke(*mode, "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "x")))
+    out = [str(tmp_path / "x")] if mode else []  # --out is offline's only
+    line = one_line_error(invoke(*mode, *out, "--model", str(tmp_path / "no-model")))
     assert "no-model" in line and "no such directory" in line, line
 
 
@@ -235,7 +236,7 @@ def test_a_bad_setting_is_one_line(tmp_path, monkeypatch):
     assert "device" in line and "'gpu'" in line, line
 
 
-@pytest.mark.parametrize("mode", [["--corpus", "1"], []], ids=["offline", "online"])
+@pytest.mark.parametrize("mode", [["--corpus", "1", "--out"], []], ids=["offline", "online"])
 def test_cuda_without_a_gpu_is_one_line_before_the_model_loads(mode, tmp_path, monkeypatch):
     import torch
 
@@ -244,7 +245,7 @@ def test_cuda_without_a_gpu_is_one_line_before_the_model_loads(mode, tmp_path, m
     monkeypatch.setenv("SPECLOOP_TRAINER_DEVICE", "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(feedback.target.location, "model_fingerprint", fail("the model loaded"))
-    line = one_line_error(invoke(*mode, "--out", str(tmp_path / "x")))
+    line = one_line_error(invoke(*mode, *([str(tmp_path / "x")] if mode else [])))
     assert "SPECLOOP_TRAINER_DEVICE=cuda" in line and "no CUDA GPU" in line, line
 
 
