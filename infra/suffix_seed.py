@@ -119,10 +119,16 @@ def cmd_suffix_seed(
 ) -> None:
     """Write a suffix seed: the target's own answers, which every tenant's suffix index starts with.
     Serve the same target with it: SPECLOOP_SUFFIX_SEED_FILE=PATH specloop serve ..."""
+    from pydantic import ValidationError
+
+    from feedback.pydantic_errors import first_error
     from infra.root import serving_settings
     from serving.target import load_target
 
-    model = serving_settings({"model": model} if model else {}).model  # what `specloop serve` would serve
+    try:  # what `specloop serve` would serve
+        model = serving_settings({"model": model} if model else {}).model
+    except ValidationError as exc:  # a bad SPECLOOP_* value: one line, as `specloop serve` says it
+        raise typer.BadParameter(first_error(exc)) from exc
     try:
         target = load_target(model)
     except FileNotFoundError as e:  # a typo: one line naming the option, not a traceback

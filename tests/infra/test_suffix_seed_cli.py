@@ -64,3 +64,24 @@ def test_a_model_that_does_not_exist_is_a_usage_error_naming_the_option(tmp_path
     text = " ".join((result.output + (result.stderr or "")).replace("│", " ").split())
     assert result.exit_code == 2 and "--model" in text and "no such directory" in text, text
     assert not (tmp_path / "seed.json").exists()
+
+
+@pytest.mark.usefixtures("answers_cache")
+def test_a_bad_setting_is_a_usage_error_as_serve_says_it(tmp_path, monkeypatch):
+    """A bad SPECLOOP_* value ended in pydantic's traceback; `specloop serve` says it in one line
+    (feedback/pydantic_errors.py), and now so does suffix-seed, before any model loads."""
+    import serving.target
+
+    def refuse(*a, **k):
+        raise AssertionError("the target loaded before the settings were checked")
+
+    monkeypatch.setattr(serving.target, "load_target", refuse)
+    monkeypatch.setenv("SPECLOOP_K", "abc")
+
+    result = suffix_seed("--out", str(tmp_path / "seed.json"))
+
+    text = " ".join((result.output + (result.stderr or "")).replace("│", " ").split())
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), text
+    assert "Invalid value: ServingSettings.k: Input should be a valid integer" in text and "(got 'abc')" in text, text
+    assert "Traceback" not in text and "ValidationError" not in text, text
+    assert not (tmp_path / "seed.json").exists()
