@@ -10,9 +10,10 @@ drafter an operator saw is not applied to one a poll installed meanwhile). Swap 
 the Swapper (``app.state.swapper``; 409 without one).
 
 Retention: ``DELETE /admin/tenants/{tenant}`` deletes a tenant's data (suffix index here; replay
-and checkpoints in the trainer, asked through the control plane; 503 with Retry-After when the control
-plane could not take the request: retry, dropping the index again is harmless; 404 for a tenant the server cannot name
-unless ``?force=true``); ``GET /admin/tenants/{tenant}`` says whether its deletion is still pending."""
+and checkpoints in the trainer, asked through the control plane; 503 with Retry-After when the
+control plane could not take the request: retry, dropping the index again is harmless; 404 for a
+tenant the server cannot name, unless ``?force=true``); ``GET /admin/tenants/{tenant}`` says
+whether its deletion is still pending."""
 
 from __future__ import annotations
 
@@ -96,18 +97,18 @@ def _indexed(raw: Request) -> set[str]:
     return set(getattr(raw.app.state.openai_serving.engine.drafter, "indexed_tenants", list)())
 
 
-def _known_tenants(raw: Request) -> set[str]:
-    """Tenants this server can name: its API keys', the one it follows, those with an index here
-    and those a DELETE here dropped."""
-    settings = raw.app.state.openai_serving.settings
-    return set(settings.api_keys.values()) | {settings.tenant} | _indexed(raw) | _deleted_here(raw)
-
-
 def _deleted_here(raw: Request) -> set[str]:
     """Tenants whose index a DELETE dropped here: a retry of it (after a 503) still names them."""
     if not hasattr(raw.app.state, "tenants_deleted"):
         raw.app.state.tenants_deleted = set()
     return raw.app.state.tenants_deleted
+
+
+def _known_tenants(raw: Request) -> set[str]:
+    """Tenants this server can name: its API keys', the one it follows, those with an index here
+    and those a DELETE here dropped."""
+    settings = raw.app.state.openai_serving.settings
+    return set(settings.api_keys.values()) | {settings.tenant} | _indexed(raw) | _deleted_here(raw)
 
 
 @admin_router.get("/tenants/{tenant}")
