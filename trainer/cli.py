@@ -180,7 +180,7 @@ def train(
     ctx: typer.Context,
     model: str | None = typer.Option(None, help="Target the drafter is trained for: a Hugging Face directory or "
                                      "the default's name (default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct)."),
-    rounds: int = typer.Option(0, min=0, help="Stop after this many rounds (0 = run until interrupted)."),
+    rounds: int = typer.Option(0, min=0, help="Online: stop after this many rounds (0 = run until interrupted)."),
     offline: Path | None = typer.Option(None, exists=True, dir_okay=False,
                                         help="Train once, offline, on the target's own responses to "
                                         "these prompts (JSONL: messages or prompt, optional domain); no Kafka/Ray."),
@@ -208,12 +208,12 @@ def train(
     """Consume traces, distil the drafter, gate, register and announce promotions; with
     ``--offline`` train a static drafter once from prompts and save (and register) it."""
     from feedback.registry.artifact import DrafterArtifactError
-    from trainer.train_options import check_out, refuse_offline_options
+    from trainer.train_options import check_out, refuse_mode_options
 
-    if offline is not None or corpus > 0 or requests > 0:
+    once = offline is not None or corpus > 0 or requests > 0
+    refuse_mode_options(ctx, offline=once)  # the other mode's options would be ignored
+    if once:
         check_out(out)
-    else:
-        refuse_offline_options(ctx)  # online: an offline-only option would be ignored
     try:
         _train(model, rounds, offline, corpus, requests, init, corpus_cache, out, model_id, max_new_tokens, steps)
     except (InputError, DrafterArtifactError) as exc:  # a mistake in the input; anything else is a bug

@@ -1,5 +1,6 @@
-"""``specloop train``'s offline-mode options, checked before any work (trainer/cli.py): ``--out``
-must be safe to replace, and online training refuses the options only an offline run uses."""
+"""``specloop train``'s options, checked before any work (trainer/cli.py): ``--out`` must be safe to
+replace, online training refuses the options only an offline run uses, and an offline run the one
+only online training uses."""
 
 from __future__ import annotations
 
@@ -10,23 +11,30 @@ import typer
 
 OFFLINE_ONLY = ("out", "steps", "max_new_tokens", "model_id", "corpus_cache")
 """``train``'s parameters that only ``run_offline`` reads: online training ignored them silently."""
+ONLINE_ONLY = ("rounds",)
+"""...and the one only the online trainer reads: an offline run ignored it silently."""
 
 EXPLICIT = ("COMMANDLINE", "ENVIRONMENT")
 """The ParameterSource members of a value the user gave, by name: typer 0.29 carries its own copy of
 click (``typer._click``), whose enum is not ``click.core.ParameterSource``."""
 
 
-def refuse_offline_options(ctx: typer.Context) -> None:
-    """Online (no --offline/--corpus/--requests): any of OFFLINE_ONLY given on the command line
-    (or from an environment variable) is a usage error naming it, before the model loads or Ray
+def refuse_mode_options(ctx: typer.Context, offline: bool) -> None:
+    """Any option of the other mode (OFFLINE_ONLY online, ONLINE_ONLY offline) given on the command
+    line (or from an environment variable) is a usage error naming it, before the model loads or Ray
     starts. "Given" is click's parameter source, not a comparison with the default: ``--steps 400``
     is refused too."""
-    given = [p.opts[0] for p in ctx.command.params if p.name in OFFLINE_ONLY
+    names = ONLINE_ONLY if offline else OFFLINE_ONLY
+    given = [p.opts[0] for p in ctx.command.params if p.name in names
              and getattr(ctx.get_parameter_source(p.name), "name", None) in EXPLICIT]
-    if given:
-        raise typer.BadParameter(f"{', '.join(given)}: only for --offline/--corpus/--requests (train once, "
-                                 "offline); online training does not use "
-                                 + ("them" if len(given) > 1 else "it"))
+    if not given:
+        return
+    them = "them" if len(given) > 1 else "it"
+    if offline:
+        raise typer.BadParameter(f"{', '.join(given)}: only for online training; an --offline/--corpus/"
+                                 f"--requests run trains once and does not use {them}")
+    raise typer.BadParameter(f"{', '.join(given)}: only for --offline/--corpus/--requests (train once, "
+                             f"offline); online training does not use {them}")
 
 
 def check_out(out: Path) -> None:

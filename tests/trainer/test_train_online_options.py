@@ -66,6 +66,17 @@ def test_every_offline_only_option_given_is_named_in_one_line(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.usefixtures("nothing_starts")
+def test_rounds_in_an_offline_run_is_a_usage_error(tmp_path):
+    """The reverse: --rounds bounds the online trainer; an offline run ignored it."""
+    result = train("--corpus", "1", "--rounds", "3", "--out", str(tmp_path / "d"))
+
+    out = text(result)
+    assert result.exit_code == 2, out
+    assert "--rounds: only for online training" in out, out
+    assert not (tmp_path / "d").exists()
+
+
 def test_online_without_them_and_offline_with_them_go_on(monkeypatch, tmp_path):
     import trainer.cli
 
