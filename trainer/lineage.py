@@ -1,10 +1,19 @@
 """A candidate's lineage: the MLflow params the trainer logs with each candidate drafter.
 
-Beside the static params (topic, group, ...) and the distillation settings, a version records the
-exact trace range it was trained on: partition -> (first, last) offset of every trace consumed
-since the previous registration (sources without offsets record none), and when those traces'
-requests finished (``trace_times``: serving measures a version's freshness from them when it
-swaps the version in). Both survive a restart through the checkpoint (``restore``).
+Beside the static params (topic, group, ...) and the distillation settings, a version records:
+
+- ``trace_offsets``: partition -> (first, last) offset of the traces consumed since the previous
+  registration (sources without offsets record none): the traffic that is new to this version, not
+  all it was trained on. Training samples the whole replay buffer, recency-weighted, so a version
+  also learned from traces of earlier ranges still in the replay; ``replay_traces`` and
+  ``replay_oldest_trace_at`` (``replay_params``) say how many and how far back. When the new traces'
+  requests finished (``trace_times``) is what serving measures a version's freshness from when it
+  swaps the version in. Offsets and times survive a restart through the checkpoint (``restore``).
+- ``parent_version``: the champion it had to beat (``none``: no champion, only the suffix index),
+  and ``weights_from_version``: the last version promoted in this student's line, the weights its
+  training went on from (``none``: none promoted, it descends from the student's first weights).
+  They differ after a rollback: the champion goes back with serving, but the student trains on
+  from the rolled-back weights.
 """
 
 from __future__ import annotations
@@ -25,6 +34,16 @@ def loss_params(cfg) -> dict:
     """The distillation loss settings of ``cfg`` (a DistillConfig)."""
     return {"loss": cfg.loss, "discard_weight": cfg.discard_weight, "reject_weight": cfg.reject_weight,
             "ce_weight": cfg.ce_weight, "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+
+
+def replay_params(replay) -> dict:
+    """``replay_traces``: the training traces in ``replay`` (a ReplayBuffer), which training samples
+    from; ``replay_oldest_trace_at``: when the oldest of their requests finished (epoch s)."""
+    records = replay.train_records
+    out: dict = {"replay_traces": len(records)}
+    if records:
+        out["replay_oldest_trace_at"] = min(float(r.finished_at) for r in records)
+    return out
 
 
 class Lineage:

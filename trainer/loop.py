@@ -7,24 +7,20 @@ MLflow, becomes the ``champion`` alias, and is announced on the control plane.
 
 The loop's settings and figures are trainer/loop_config.py; its helpers: control-plane drifts and
 rollbacks (trainer/announcements.py), shifts of its own traffic (trainer/traffic_shift.py),
-retention and deletion (trainer/retention.py), lineage params (trainer/lineage.py), checkpoints
-(trainer/checkpoint.py).
+retention and deletion (trainer/retention.py), lineage params (trainer/lineage.py), what a
+promotion registers (trainer/promotion.py), checkpoints (trainer/checkpoint.py).
 """
 
 from __future__ import annotations
 
 import logging
-import tempfile
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from feedback.background.supervise import LOOPS
-from feedback.registry.artifact_keys import (
-    EXTRA_CHAMPION_HELDOUT_ACCEPTANCE,
-    EXTRA_HELDOUT_ACCEPTANCE,
-)
 from feedback.target.fingerprint import TargetFingerprint
 from trainer import checkpoint, retention
 from trainer.announcements import Announcements
@@ -33,6 +29,7 @@ from trainer.distill import DistillConfig, Distiller
 from trainer.gate import GateConfig, GateDecision, build_suffix_index, judge
 from trainer.lineage import Lineage
 from trainer.loop_config import LoopConfig, LoopStats
+from trainer.promotion import register_candidate
 from trainer.replay import ReplayBuffer
 from trainer.traffic_shift import TrafficShift, focus_shifts
 
@@ -91,6 +88,8 @@ class TrainerLoop:
         decision with its reason. None: not logged."""
         self.champion = None
         self.champion_version: str | None = None
+        self.weights_from_version: str | None = initial_champion
+        """The last version promoted in the student's line (rollbacks leave it): what it trains on from."""
         self._champion_since = time.monotonic()
         """When the champion went live here (its age decides a refresh: GateConfig.refresh_after_s)."""
         self._champions: dict[str, object] = {}
@@ -160,11 +159,9 @@ class TrainerLoop:
             self._note_pause(True)
             return self.stats
         self._note_pause(False)
+        first_step = self.distiller.global_step
         res = self.distiller.fit(self.replay, self.cfg.steps_per_round, k=self.gate_cfg.k, should_stop=self.saturated)
-        self.stats.train_steps += res.steps
-        self.stats.losses.extend(res.losses)
-        self.stats.curve.extend(res.curve[1:])
-        self.stats.rounds += 1
+        self.stats.note_round(res, first_step)
         self._trained_tokens = self.replay.tokens_seen
         self._log_round(res)
         if self.stats.rounds % self.cfg.rounds_per_gate == 0 or self._gate_early:
@@ -192,8 +189,8 @@ class TrainerLoop:
         st = self.stats
         m = {"records_polled": st.records_polled, "train_steps": st.train_steps,
              "replay_traces": len(self.replay), "promotions": st.promotions}
-        if st.heldout_acceptance is not None:
-            m["heldout_expected_acceptance"] = st.heldout_acceptance
+        if math.isfinite(res.best_acceptance):  # the kept weights' (fit restores its best), not the last evaluated
+            m["heldout_expected_acceptance"] = res.best_acceptance
         if res.losses:
             m["train_loss"] = sum(res.losses) / len(res.losses)
         dead = getattr(self.source, "dead_lettered", None)  # Kafka: undecodable messages so far
@@ -331,43 +328,24 @@ class TrainerLoop:
             self.ops.metrics(d.as_metrics(), self.stats.rounds)
             self.ops.event("gate", self.stats.rounds, promote=d.promote, reason=d.reason)
         if d.promote:
-            parent = self.champion_version
+            parent, weights_from = self.champion_version, self.weights_from_version
             version = self.promote(d)
             if self.ops is not None:
-                self.ops.event("promotion", self.stats.rounds, version=version, parent=parent)
+                self.ops.event("promotion", self.stats.rounds, version=version, parent=parent, weights_from=weights_from)
                 self.ops.tag("champion_version", self.champion_version)
         return d
 
     def promote(self, d: GateDecision) -> str | None:
-        version = None
-        if self.registry is not None and self.exporter is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                extra = {} if d.candidate is None else {EXTRA_HELDOUT_ACCEPTANCE: d.candidate.expected_acceptance}
-                if d.candidate is not None and d.champion is not None:  # the same held-out traces
-                    extra[EXTRA_CHAMPION_HELDOUT_ACCEPTANCE] = d.champion.expected_acceptance
-                times = self.lineage.trace_times()  # serving's freshness of this version starts here
-                extra.update(times)
-                self.exporter(self.student, Path(tmp), self.fingerprint, extra)
-                params = self.lineage.params(
-                    self.distiller.cfg, parent_version=self.champion_version or "none",
-                    target_fingerprint=self.fingerprint.key(), tenant=self.cfg.tenant,
-                    drafter_kind=self.student.kind, train_steps=self.distiller.global_step,
-                    train_precision=self.distiller.train_precision,
-                    trace_tokens_seen=self.replay.tokens_seen)
-                curves = {"train_loss": list(enumerate(self.stats.losses)),
-                          "heldout_expected_acceptance": [(c["tokens_seen"], c["expected_acceptance"])
-                                                          for c in self.stats.curve]}
-                rid = self.registry.log_candidate(self.fingerprint, tmp, params=params,
-                                                  metrics={**d.as_metrics(), **times}, curves=curves)
-                version = self.registry.register(self.cfg.tenant, rid).version
-            self.lineage.mark()  # registered: the next version's trace range starts after this one's
+        """The student becomes the champion, registered in MLflow where there is a registry
+        (trainer/promotion.py), and is announced. Returns the registered version (None: local)."""
+        version = register_candidate(self, d) if self.registry is not None and self.exporter is not None else None
         self.champion = self.student.snapshot()
         self._champion_since = time.monotonic()
-        self.champion_version = version or f"local-{self.stats.promotions + 1}"
+        self.champion_version = self.weights_from_version = version or f"local-{self.stats.promotions + 1}"
         self._champions[self.champion_version] = self.champion
         while len(self._champions) > _CHAMPIONS_KEPT:
             self._champions.pop(next(iter(self._champions)))
-        self.stats.promotions += 1
+        self.stats.promoted()
         if self.announcer is not None:
             self.announcer.announce(self.cfg.tenant, self.champion_version)
         return version
@@ -377,7 +355,8 @@ class TrainerLoop:
         """``keep``: checkpoints kept (default the configured depth; 1 after a purge)."""
         if not self.cfg.checkpoint_dir:
             return
-        extra = {"champion_version": self.champion_version, "lineage_window": self.lineage.window(),
+        extra = {"champion_version": self.champion_version, "weights_from_version": self.weights_from_version,
+                 "lineage_window": self.lineage.window(),
                  "lineage_finished_at": self.lineage.finished_at,
                  "stats": {"rounds": self.stats.rounds, "train_steps": self.stats.train_steps,
                            "promotions": self.stats.promotions}}
@@ -393,6 +372,7 @@ class TrainerLoop:
         if path is None:
             return
         self.champion_version = meta.get("champion_version")
+        self.weights_from_version = meta.get("weights_from_version", self.champion_version)
         self.lineage.restore(meta.get("lineage_window"), meta.get("lineage_finished_at"))
         for k, v in meta.get("stats", {}).items():
             setattr(self.stats, k, v)

@@ -22,7 +22,7 @@ class _Registry:
         self.params: list[dict] = []
         self.metrics: list[dict] = []
 
-    def log_candidate(self, fingerprint, path, params, metrics, curves):
+    def log_candidate(self, fingerprint, path, params, metrics, curves, tags=None):
         self.params.append(params)
         self.metrics.append(metrics)
         return f"run-{len(self.params)}"

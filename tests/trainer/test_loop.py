@@ -139,6 +139,8 @@ def test_loop_promotes_registers_and_announces(tmp_path):
     params = reg.client.get_run(champ.run_id).data.params
     assert params["topic"] == "inproc" and params["parent_version"] == "none" and params["loss"] == "fkl"
     assert params["train_precision"] == ("bf16" if loop.distiller.bf16 else "fp32")
+    assert params["weights_from_version"] == "none" and params["replay_traces"] == str(len(loop.replay))
+    assert reg.client.get_run(champ.run_id).info.run_name == "candidate-acme-r1"  # named by the trainer
     # same model again: not better than itself -> no second promotion
     loop.gate()
     assert loop.stats.promotions == 1

@@ -21,7 +21,7 @@ class _FlakyRegistry:
     def __init__(self, failures: int):
         self.failures, self.registered = failures, []
 
-    def log_candidate(self, fingerprint, path, params, metrics, curves):
+    def log_candidate(self, fingerprint, path, params, metrics, curves, tags=None):
         if self.failures:
             self.failures -= 1
             raise ConnectionError("MLflow tracking server unreachable")
