@@ -46,15 +46,23 @@ def build_serving(tree: SpecloopSettings, *, target=None, drafter=None, registry
                   swapper: bool = True, replica_id: str = "local", on_drift=None,
                   ops_flush_s: float | None = None) -> ServingParts:
     """One serving replica in this process (not started): the engine of ``tree.serving`` (with an
-    injected ``target``/``drafter``/``sink`` where given), its MLflow ops observer, and, with
-    ``swapper``, the Swapper that follows the tree's registry and control plane."""
-    from serving.builder import build_engine, build_ops_observer, build_swapper
+    injected ``target``/``drafter``/``sink`` where given), its drift observer (``on_drift`` hears
+    each drift), its MLflow ops observer, and, with ``swapper``, the Swapper that follows the tree's
+    registry and control plane."""
+    from serving.builder import (
+        build_drift_observer,
+        build_engine,
+        build_ops_observer,
+        build_swapper,
+    )
 
     s = tree.serving
     engine = build_engine(s, target=target, registry=registry, sink=sink, drafter=drafter)
+    drift = build_drift_observer(s, replica_id, registry=registry, also_on_drift=on_drift)
+    engine.observers.append(drift)
     run_options = {"flush_s": ops_flush_s} if ops_flush_s is not None else {}
     fingerprint = engine.target.fingerprint if target is None else target.fingerprint
-    ops = build_ops_observer(s, fingerprint, replica_id, also_on_drift=on_drift, **run_options)
+    ops = build_ops_observer(s, fingerprint, replica_id, drift, **run_options)
     if ops is not None:
         engine.observers.append(ops)
     swaps = build_swapper(s, engine, target=target, registry=registry, replica_id=replica_id) if swapper else None

@@ -63,30 +63,41 @@ def build_observers(
     return observers
 
 
-def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str, *, also_on_drift=None,
-                       **run_options):
+def build_drift_observer(settings: ServingSettings, replica_id: str, *, registry: CollectorRegistry | None = None,
+                         domains=None, also_on_drift=None):
+    """The replica's acceptance-drift observer (serving/ops_observer.py ``DriftObserver``), whatever
+    else is configured: it counts drifts on ``specloop_acceptance_drift_total`` in ``registry``
+    (default: the process's), announces them on Redis for the trainer when ``redis_url`` is set,
+    and passes them to ``also_on_drift``. Register it on the engine (``engine.observers``); the ops
+    observer, where there is one, listens to it (``build_ops_observer(drift=...)``). ``domains``:
+    the DomainCap to share (default: one of ``max_tracked_domains``)."""
+    from feedback.ops.domains import DomainCap
+    from serving.ops_observer import DriftObserver, DriftPublisher
+
+    listeners = []
+    if settings.redis_url:
+        listeners.append(DriftPublisher(build_control_plane(settings), settings.tenant, replica_id))
+    if also_on_drift is not None:
+        listeners.append(also_on_drift)
+    return DriftObserver(registry=registry, listeners=listeners,
+                         domains=domains if domains is not None else DomainCap(settings.max_tracked_domains))
+
+
+def build_ops_observer(settings: ServingSettings, fingerprint, replica_id: str, drift, **run_options):
     """This replica's MLflow ops run and the observer feeding it (None without MLflow or with
-    ``ops_log`` off). Drifts are also announced on Redis when ``redis_url`` is set, for the
-    trainer, and passed to ``also_on_drift``. MLflow unreachable at start is never fatal: the run
-    is then a ``PendingRun``, which opens itself once MLflow answers (metrics before that are
-    dropped), and drifts are detected and announced all along (before, the replica recorded nothing
-    until restarted).
+    ``ops_log`` off). MLflow unreachable at start is never fatal: the run is then a ``PendingRun``,
+    which opens itself once MLflow answers (metrics before that are dropped).
+    ``drift``: the replica's DriftObserver (``build_drift_observer``, registered on the engine by
+    the caller): the ops run records its drifts and tracks the same domains.
     ``run_options``: OpsRun options (e.g. ``flush_s``) and ``open_run_or_later``'s retry ones."""
     if not (settings.mlflow_tracking_uri and settings.ops_log):
         return None
     from feedback.ops.ops_log import open_run_or_later
-    from serving.ops_observer import DriftPublisher, LiveOpsObserver
+    from serving.ops_observer import LiveOpsObserver
 
-    callbacks = [c for c in (DriftPublisher(build_control_plane(settings), settings.tenant, replica_id)
-                             if settings.redis_url else None, also_on_drift) if c is not None]
     run = open_run_or_later(settings.mlflow_tracking_uri, fingerprint, "serving", settings.tenant,
                             replica_id, **run_options)
-
-    def on_drift(ev) -> None:
-        for callback in callbacks:
-            callback(ev)
-
-    return LiveOpsObserver(run, every_s=settings.ops_every_s, on_drift=on_drift if callbacks else None)
+    return LiveOpsObserver(run, every_s=settings.ops_every_s, drift=drift)
 
 
 def build_control_plane(settings: ServingSettings):

@@ -179,6 +179,10 @@ class ServingSettings(EngineChoice):
         "tokens per verify per domain, k, speculation-off fraction, estimated speedup, drifts, drafter "
         "changes) to an MLflow ops run, batched off the decode thread (serving/ops_observer.py).")
     ops_every_s: float = Field(10.0, gt=0, description="Seconds between ops-run metric points.")
+    max_tracked_domains: int = Field(
+        32, ge=0, description="Distinct request `domain`s (client-chosen strings) tracked one by one "
+        "in the ops run's per-domain metrics, drift detection and the drift counter's labels: the "
+        "first this many seen; later ones are counted together as `other` (feedback/ops/domains.py).")
     api_keys: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict, repr=False,
         description="API key -> tenant (JSON in SPECLOOP_API_KEYS). When set, every /v1 request "

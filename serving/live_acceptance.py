@@ -25,6 +25,15 @@ a better learned half drafts more rows at a learned draft's accept length (~1.2-
 the suffix index's ~2 on code), which lowers the mean over all drafting rows even as it adds
 tokens. A demo so rolled back its first promotion ("live accept length 1.400 below floor 1.819"),
 after which the restored drafter read the same tokens per verify as the rolled-back one.
+
+The per-version gauges (``specloop_drafter_live_accept_len{version}``, ``_live_acceptance_rate``)
+are kept for the versions still relevant: the installed one and the one before it (what a rollback
+watch compares), as the engine announces them (``on_drafter_change``). A version that leaves them
+(a third swap, or a rollback away from it) has its label sets removed, as
+``specloop_drafter_info`` does: kept, a rolled-back version read its last value forever (alerts
+fired on it), and a refresh promotion every 20 s grew the series without bound. Its in-memory
+counts stay until ``take_unflushed`` has delivered them; the last ``RETIRED_KEPT`` retired versions
+keep their stats, so a swap back finds them.
 """
 
 from __future__ import annotations
@@ -124,10 +133,20 @@ class VersionStats:
                             last_drafted=self.last_drafted)
 
 
+RETIRED_KEPT = 4
+"""Retired versions whose stats stay in memory once their counts were delivered (the newest)."""
+
+
 class LiveAcceptance(BaseObserver):
     """Per-version live acceptance from the engine's verify steps (cheap: O(batch) per step).
 
-    ``listener(version, stats)`` is called after each step, on the engine's thread."""
+    ``listener(version, stats)`` is called after each step, on the engine's thread.
+
+    Relevant versions (gauges kept): the installed one and the one before it, from the engine's
+    ``on_drafter_change``. A change to a new version makes the installed one the one before and
+    retires the one that was; a change back to the one before (a rollback) retires the version
+    left. Until the engine announced a version (an observer added after the engine started), the
+    versions the steps carry stand for the announcements."""
 
     def __init__(self, alpha: float = 0.1, registry: CollectorRegistry | None = None):
         self.alpha = alpha
@@ -135,6 +154,58 @@ class LiveAcceptance(BaseObserver):
         self._stats: dict[str, VersionStats] = {}
         self._lock = threading.Lock()
         self.listener = None
+        self._current: str | None = None
+        self._previous: str | None = None
+        self._announced = False
+        self._retired: list[str] = []
+        """Versions whose gauges were removed, oldest first (their stats may still be here)."""
+
+    @property
+    def gauged(self) -> tuple[str, ...]:
+        """The versions whose gauges are kept: the installed one, then the one before it."""
+        with self._lock:
+            return tuple(v for v in (self._current, self._previous) if v is not None)
+
+    def on_drafter_change(self, kind: str, version: str) -> None:
+        with self._lock:
+            self._announced = True
+            self._change(version)
+
+    def _change(self, version: str) -> None:
+        """``version`` is installed now (caller holds the lock)."""
+        current, previous = self._current, self._previous
+        if version == current:
+            return
+        if version == previous:  # back to the one before: a rollback; the version left is done
+            self._retire(current)
+            self._previous = None
+        else:
+            self._retire(previous)
+            self._previous = current
+        self._current = version
+        if version in self._retired:
+            self._retired.remove(version)
+        self._prune()
+
+    def _retire(self, version: str | None) -> None:
+        if version is None:
+            return
+        for gauge in (self._c.live_accept_len, self._c.live_acceptance_rate):
+            try:
+                gauge.remove(version)
+            except KeyError:  # never stepped
+                pass
+        if version in self._retired:
+            self._retired.remove(version)
+        self._retired.append(version)
+
+    def _prune(self) -> None:
+        """Forget retired versions beyond the newest RETIRED_KEPT whose counts were delivered."""
+        for version in self._retired[:-RETIRED_KEPT]:
+            s = self._stats.get(version)
+            if s is None or s.unflushed == (0, 0, 0):
+                self._stats.pop(version, None)
+                self._retired.remove(version)
 
     def on_step(self, batch: VerifyBatch) -> None:
         rows = len(batch.request_ids)
@@ -148,6 +219,11 @@ class LiveAcceptance(BaseObserver):
         judged = 1.0 + int(batch.num_accepted[rows_judged].sum()) / n_judged if n_judged else None
         version = batch.drafter_version
         with self._lock:
+            if version not in (self._current, self._previous):
+                if not self._announced:  # the steps stand for the announcements
+                    self._change(version)
+                elif version not in self._retired:  # a late step of a version forgotten: counted, not gauged
+                    self._retired.append(version)
             s = self._stats.setdefault(version, VersionStats())
             s.ema = value if s.ema is None else s.ema + self.alpha * (value - s.ema)
             s.last = value
@@ -160,9 +236,9 @@ class LiveAcceptance(BaseObserver):
             s.rows += rows
             d, a, r = s.unflushed
             s.unflushed = (d + drafted, a + accepted, r + rows)
-            ema, rate = s.ema, s.acceptance_rate
-        self._c.live_accept_len.labels(version=version).set(ema)
-        self._c.live_acceptance_rate.labels(version=version).set(rate)
+            if version in (self._current, self._previous):  # under the lock: not after a retirement
+                self._c.live_accept_len.labels(version=version).set(s.ema)
+                self._c.live_acceptance_rate.labels(version=version).set(s.acceptance_rate)
         if self.listener is not None:
             self.listener(version, s)
 
@@ -178,13 +254,15 @@ class LiveAcceptance(BaseObserver):
             return list(s.recent) if s else []
 
     def take_unflushed(self) -> dict[str, tuple[VersionStats, tuple[int, int, int]]]:
-        """Snapshot of every version with new steps since the last call, with the deltas."""
+        """Snapshot of every version with new steps since the last call, with the deltas (a retired
+        version's last ones too, once)."""
         out = {}
         with self._lock:
             for version, s in self._stats.items():
                 if s.unflushed != (0, 0, 0):
                     out[version] = (s.snapshot(), s.unflushed)
                     s.unflushed = (0, 0, 0)
+            self._prune()
         return out
 
 

@@ -1,7 +1,8 @@
-"""LiveOpsObserver: what serving did, per domain and over time, into the replica's MLflow ops run.
+"""What serving did, per domain and over time: the replica's MLflow ops run, and acceptance drift.
 
-Fed by the engine on its step thread (counts only: O(rows) per step); every ``every_s`` seconds it
-queues one batch of metrics on the OpsRun (feedback/ops/ops_log.py), whose own thread sends them:
+``LiveOpsObserver`` is fed by the engine on its step thread (counts only: O(rows) per step); every
+``every_s`` seconds it queues one batch of metrics on the OpsRun (feedback/ops/ops_log.py), whose
+own thread sends them:
 
     acceptance.<domain>          accepted / drafted tokens since the last flush
     tokens_per_verify.<domain>   tokens emitted per row-step (1.0 = plain decoding)
@@ -12,39 +13,133 @@ queues one batch of metrics on the OpsRun (feedback/ops/ops_log.py), whose own t
     est_speedup                  tokens per verify x plain step ms / step ms, where plain step ms is
                                  the running average of timed steps that drafted nothing (probes
                                  and k = 0 steps); absent until one was seen
-    drift.<domain>               1 at a drift (feedback/ops/drift.py), also an ``event.drift``
+    drift.<domain>               1 at a drift (from the DriftObserver), also an ``event.drift``
 plus events for drafter changes (swaps, rollbacks: ``event.drafter_change`` with kind/version).
 Requests with ``train: false`` are counted like any other (no content reaches MLflow).
+
+``DriftObserver`` detects acceptance drifts per domain (feedback/ops/drift.py) whether or not there
+is an ops run: it counts each on ``specloop_acceptance_drift_total{domain}`` (in the registry of the
+engine's other metrics) and tells its listeners: the Redis announcement for the trainer
+(``DriftPublisher``), the ops run (``LiveOpsObserver.record_drift``), the demo's table. Before, drift
+was part of the ops observer, so a replica without MLflow (Redis only) never detected a drift nor
+told the trainer of one. serving/builder.py builds it for every replica.
+
+Domains are the client's strings: both observers track at most ``DomainCap.max_domains`` of them
+(one shared cap, feedback/ops/domains.py) and count the rest as ``other``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import weakref
 from collections import defaultdict
 
-from prometheus_client import Counter
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from feedback.ops.drift import DriftDetector
+from feedback.ops.domains import DEFAULT, DomainCap
+from feedback.ops.drift import DriftDetector, DriftEvent
 from serving.observers import BaseObserver
 
-DRIFTS = Counter("specloop_acceptance_drift", "Acceptance drifts detected, by domain.", ["domain"])
+log = logging.getLogger(__name__)
+
+_drift_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
+_drift_lock = threading.Lock()
+
+
+def drift_counter(registry: CollectorRegistry | None = None) -> Counter:
+    """``specloop_acceptance_drift_total{domain}`` of ``registry`` (default: the process's), created
+    once per registry as serving/metrics.py's collectors are."""
+    registry = registry if registry is not None else REGISTRY
+    with _drift_lock:
+        found = _drift_counters.get(registry)
+        if found is None:
+            found = _drift_counters[registry] = Counter(
+                "specloop_acceptance_drift", "Acceptance drifts detected, by domain.", ["domain"],
+                registry=registry)
+        return found
+
+
+class DriftObserver(BaseObserver):
+    """Acceptance drift per (capped) domain, from every drafting row-step. ``listeners``: called
+    with each DriftEvent on the engine's thread (they must be quick; one that raises is logged and
+    the others still run). ``drifts``: the latest events (at most ``KEPT``), oldest first."""
+
+    KEPT = 256
+
+    def __init__(self, detector: DriftDetector | None = None, *, registry: CollectorRegistry | None = None,
+                 domains: DomainCap | None = None, listeners=()):
+        self.detector = detector if detector is not None else DriftDetector()
+        self.domains = domains if domains is not None else DomainCap()
+        self.counter = drift_counter(registry)
+        self.listeners: list = list(listeners)
+        self.drifts: list[DriftEvent] = []
+        self._domain: dict[str, str] = {}
+
+    def on_request_start(self, request, prefill_features=None) -> None:
+        self._domain[request.request_id] = self.domains(request.domain)
+
+    def on_request_finish(self, request, output_ids, finish_reason, stats) -> None:
+        self._domain.pop(request.request_id, None)
+
+    def on_step(self, batch) -> None:
+        drafted, accepted = batch.num_drafted.tolist(), batch.num_accepted.tolist()
+        for rid, n, a in zip(batch.request_ids, drafted, accepted):
+            if n <= 0:
+                continue  # no acceptance signal (the detector skips it too)
+            ev = self.detector.observe(self._domain.get(rid, DEFAULT), int(n), int(a))
+            if ev is not None:
+                self._fire(ev)
+
+    def _fire(self, ev: DriftEvent) -> None:
+        self.drifts.append(ev)
+        del self.drifts[:-self.KEPT]
+        self.counter.labels(domain=ev.domain).inc()
+        for listener in list(self.listeners):
+            try:
+                listener(ev)
+            except Exception:  # one listener (Redis, MLflow) must not keep the others from hearing
+                log.exception("drift listener %r failed", listener)
 
 
 class LiveOpsObserver(BaseObserver):
-    def __init__(self, run, every_s: float = 5.0, drift: DriftDetector | None = None, on_drift=None):
+    """``drift``: the replica's DriftObserver, registered on the engine beside this observer (what
+    serving/builder.py builds): this observer listens to it (its drifts go into the run) and tracks
+    its domains. A DriftDetector or None (an observer used alone): this observer detects drifts
+    itself, feeding a DriftObserver of its own around it (``drift_observer``) that counts on
+    ``registry`` and caps domains with ``domains``. ``on_drift``: one more listener of the drift
+    observer (e.g. the demo's table)."""
+
+    def __init__(self, run, every_s: float = 5.0, drift: DriftObserver | DriftDetector | None = None,
+                 on_drift=None, *, registry: CollectorRegistry | None = None,
+                 domains: DomainCap | None = None):
         self.run = run
         self.every_s = every_s
-        self.drift = drift or DriftDetector()
+        self._feeds_drift = not isinstance(drift, DriftObserver)
+        self.drift_observer = drift if not self._feeds_drift else DriftObserver(
+            drift, registry=registry, domains=domains)
+        self.drift_observer.listeners.append(self.record_drift)
         self.on_drift = on_drift
-        """Called with each DriftEvent (e.g. a Prometheus counter, the demo's table)."""
-        self.drifts: list = []
+        """Called with each DriftEvent (e.g. the Redis publisher, the demo's table)."""
+        if on_drift is not None:
+            self.drift_observer.listeners.append(on_drift)
+        self.domains = self.drift_observer.domains
+        """The cap on domains tracked (the drift observer's: one cap for both)."""
         self._domain: dict[str, str] = {}
         self._reset()
         self._last = time.monotonic()
         self._plain_ms: float | None = None
         self.step = 0
         self.flushes = 0
+
+    @property
+    def drift(self) -> DriftDetector:
+        return self.drift_observer.detector
+
+    @property
+    def drifts(self) -> list[DriftEvent]:
+        return self.drift_observer.drifts
 
     def _reset(self) -> None:
         self._drafted = defaultdict(int)
@@ -58,10 +153,20 @@ class LiveOpsObserver(BaseObserver):
         self._step_ms = 0.0
 
     def on_request_start(self, request, prefill_features=None) -> None:
-        self._domain[request.request_id] = request.domain or "default"
+        self._domain[request.request_id] = self.domains(request.domain)
+        if self._feeds_drift:
+            self.drift_observer.on_request_start(request, prefill_features)
 
     def on_request_finish(self, request, output_ids, finish_reason, stats) -> None:
         self._domain.pop(request.request_id, None)
+        if self._feeds_drift:
+            self.drift_observer.on_request_finish(request, output_ids, finish_reason, stats)
+
+    def record_drift(self, ev: DriftEvent) -> None:
+        """A drift into the ops run (a DriftObserver listener)."""
+        self.run.metrics({f"drift.{ev.domain}": 1.0}, self.step)
+        self.run.event("drift", self.step, domain=ev.domain, before=round(ev.before, 4),
+                       now=round(ev.now, 4))
 
     def on_drafter_change(self, kind: str, version: str) -> None:
         self.run.event("drafter_change", self.step, kind=kind, version=version)
@@ -72,8 +177,10 @@ class LiveOpsObserver(BaseObserver):
         timed = batch.draft_ms is not None and batch.verify_ms is not None
         step_ms = float(batch.draft_ms + batch.verify_ms) if timed else 0.0
         drafted_any = False
+        if self._feeds_drift:
+            self.drift_observer.on_step(batch)
         for i, rid in enumerate(batch.request_ids):
-            dom = self._domain.get(rid, "default")
+            dom = self._domain.get(rid, DEFAULT)
             n, a = int(batch.num_drafted[i]), int(batch.num_accepted[i])
             self._drafted[dom] += n
             self._accepted[dom] += a
@@ -82,15 +189,6 @@ class LiveOpsObserver(BaseObserver):
             self._rows += 1
             self._off += n == 0
             drafted_any |= n > 0
-            ev = self.drift.observe(dom, n, a)
-            if ev is not None:
-                self.drifts.append(ev)
-                DRIFTS.labels(domain=dom).inc()
-                self.run.metrics({f"drift.{dom}": 1.0}, self.step)
-                self.run.event("drift", self.step, domain=dom, before=round(ev.before, 4),
-                               now=round(ev.now, 4))
-                if self.on_drift is not None:
-                    self.on_drift(ev)
         if timed and not drafted_any:
             self._plain_ms = step_ms if self._plain_ms is None else 0.9 * self._plain_ms + 0.1 * step_ms
         self._steps += 1
@@ -124,7 +222,7 @@ class LiveOpsObserver(BaseObserver):
 
 
 class DriftPublisher:
-    """``on_drift`` callback that announces each drift on the Redis control plane, where trainers
+    """DriftObserver listener that announces each drift on the Redis control plane, where trainers
     of the tenant read it (trainer/loop.py ``apply_drifts``). Each publish runs on a short daemon
     thread: drifts are rare, and a Redis call never runs on the decode thread."""
 

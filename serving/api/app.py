@@ -87,6 +87,11 @@ def create_app(
     after the engine stopped."""
     settings = settings or ServingSettings()
     replica = settings.replica_name()
+    from serving.builder import build_drift_observer
+
+    # acceptance drift, counted on /metrics and announced to the trainer (with Redis), MLflow or not
+    drift = build_drift_observer(settings, replica, registry=registry)
+    engine.observers.append(drift)
     if swapper is None and (settings.redis_url or settings.mlflow_tracking_uri):
         from serving.builder import build_swapper
 
@@ -122,7 +127,8 @@ def create_app(
     from serving.builder import build_ops_observer
 
     fingerprint = getattr(engine, "fingerprint", None)
-    ops = build_ops_observer(settings, fingerprint, replica) if settings.mlflow_tracking_uri and fingerprint else None
+    ops = build_ops_observer(settings, fingerprint, replica, drift) \
+        if settings.mlflow_tracking_uri and fingerprint else None
     if ops is not None:  # the operators' view in MLflow, from the first request (issue 15)
         engine.observers.append(ops)
 
@@ -160,6 +166,7 @@ def create_app(
     app.state.load_reporter = reporter
     app.state.trace_follower = follower
     app.state.ops_observer = ops
+    app.state.drift_observer = drift
     app.state.metrics_registry = registry if registry is not None else REGISTRY
     app.state.admin_token = (
         settings.admin_token.get_secret_value() if settings.admin_token else None

@@ -164,3 +164,174 @@ def test_a_hybrid_whose_learned_half_drafts_more_is_judged_on_its_learned_rows()
             assert v_all is not None and v_all.rollback
         v = judge.verdict(baseline, live.recent("new"), steps=512)
         assert v is not None and v.rollback is rolled_back, v.describe()
+
+
+# ---- which versions keep their gauges -----------------------------------------------------------
+
+
+def _gauged(registry) -> dict[str, set[str]]:
+    """Versions with a sample, per live gauge."""
+    out: dict[str, set[str]] = {"specloop_drafter_live_accept_len": set(),
+                                "specloop_drafter_live_acceptance_rate": set()}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name in out:
+                out[sample.name].add(sample.labels["version"])
+    return out
+
+
+def _only(registry, versions: set[str]) -> bool:
+    return all(found == versions for found in _gauged(registry).values())
+
+
+def test_gauges_are_kept_for_the_installed_version_and_the_one_before_only():
+    """Refresh promotions every 20 s left a gauge per version for good, and a rolled-back version
+    read its last value forever (alerts fired on it): a version that leaves the installed one and
+    the one before it loses its label sets. Its last counts still reach the control plane, once."""
+    from prometheus_client import CollectorRegistry
+
+    from feedback.bus.trace import DrafterKind
+    from serving.live_acceptance import LiveAcceptance
+
+    learned = DrafterKind.SELFSPEC
+    reg = CollectorRegistry()
+    live = LiveAcceptance(registry=reg)
+    live.on_drafter_change("standalone", "day0")
+    _live_step(live, [2], [1], [learned], "day0")
+    assert live.take_unflushed().keys() == {"day0"}
+    live.on_drafter_change("standalone", "1")
+    _live_step(live, [2], [2], [learned], "1")
+    assert _only(reg, {"day0", "1"}) and live.gauged == ("1", "day0")  # the watch compares these two
+    live.on_drafter_change("standalone", "2")  # a refresh: day0 is two versions back
+    _live_step(live, [2], [0], [learned], "2")
+    assert _only(reg, {"1", "2"})
+    assert live.get("1").steps == 1 and live.recent("1") == [3.0]  # the Swapper's baseline is intact
+
+    live.on_drafter_change("standalone", "1")  # a rollback of 2: 2 is done with
+    assert _only(reg, {"1"}) and live.gauged == ("1",)
+    _live_step(live, [2], [0], [learned], "2")  # a straggler of the version rolled back: counted, not gauged
+    _live_step(live, [2], [2], [learned], "1")
+    assert _only(reg, {"1"})
+    flushed = live.take_unflushed()
+    assert flushed["2"][1] == (4, 0, 2)  # its last counts, delivered
+    assert flushed["1"][1] == (4, 4, 2)
+    assert live.take_unflushed() == {}  # once
+    assert reg.get_sample_value("specloop_drafter_live_accept_len", {"version": "1"}) == live.get("1").ema
+
+
+def test_many_promotions_keep_two_gauges_and_a_few_versions_in_memory():
+    from prometheus_client import CollectorRegistry
+
+    from feedback.bus.trace import DrafterKind
+    from serving.live_acceptance import RETIRED_KEPT, LiveAcceptance
+
+    reg = CollectorRegistry()
+    live = LiveAcceptance(registry=reg)
+    for v in range(50):
+        live.on_drafter_change("selfspec", str(v))
+        for _ in range(3):
+            _live_step(live, [3], [1], [DrafterKind.SELFSPEC], str(v))
+        if v % 10 == 4:  # the Swapper's flush, now and then
+            live.take_unflushed()
+    assert _only(reg, {"48", "49"})
+    assert live.take_unflushed().keys() == {"45", "46", "47", "48", "49"}  # nothing undelivered was forgotten
+    live.on_drafter_change("selfspec", "50")
+    remembered = [v for v in range(51) if live.get(str(v)).steps]
+    assert remembered == list(range(49 - RETIRED_KEPT, 50))  # the newest retired, the one before
+
+
+def test_before_any_announcement_the_steps_tell_the_versions():
+    """An observer added after the engine announced its drafter: the versions the steps carry
+    stand for the announcements (the first gauge is not lost, two versions keep theirs)."""
+    from prometheus_client import CollectorRegistry
+
+    from feedback.bus.trace import DrafterKind
+    from serving.live_acceptance import LiveAcceptance
+
+    reg = CollectorRegistry()
+    live = LiveAcceptance(registry=reg)
+    for v in ("a", "b", "c"):
+        _live_step(live, [2], [1], [DrafterKind.SELFSPEC], v)
+    assert _only(reg, {"b", "c"})
+
+
+def test_a_rolled_back_version_leaves_metrics_and_its_last_acceptance_reaches_mlflow(tmp_path):
+    """A real Swapper on a tiny target: version 1 swapped in, served, rolled back to day 0. /metrics
+    then shows no live gauge for 1 (it showed its last value for the life of the process), and the
+    steps 1 served before the rollback still reach its MLflow run when the Swapper flushes."""
+    import asyncio
+    import time
+
+    import torch
+    from mlflow.tracking import MlflowClient
+    from prometheus_client import CollectorRegistry
+
+    from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
+    from feedback.registry.artifact import save_drafter
+    from feedback.registry.drafter_registry import DrafterRegistry, live_metric_key, model_name
+    from serving.artifact_loader import ArtifactDrafterLoader
+    from serving.drafters.factory import build_drafter
+    from serving.engine.base import GenerationRequest, SamplingParams
+    from serving.engine.config import EngineConfig
+    from serving.engine.torch_engine import TorchEngine
+    from serving.live_acceptance import LiveAcceptance
+    from serving.swap import SwapConfig, Swapper
+    from serving.target import tiny_target
+
+    vocab, layers = 128, 2
+    target = tiny_target(vocab_size=vocab, hidden_size=64, num_layers=layers, seed=0)
+    with torch.no_grad():  # untied random lm_head: a tied tiny model only repeats its last token
+        target.model.lm_head.weight = torch.nn.Parameter(
+            torch.randn(vocab, 64, generator=torch.Generator().manual_seed(1)) * 0.5)
+    target.model.config.tie_word_embeddings = False
+    drafters = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
+    model = standalone_from_target(target.model, num_layers=layers, init="target-layers", seed=11)
+    save_drafter(model, StandaloneConfig.for_target(target.model.config, num_layers=layers, vocab_size=vocab),
+                 target.fingerprint, tmp_path / "a", version="a")
+    v1 = drafters.register("acme", drafters.log_candidate(target.fingerprint, tmp_path / "a")).version
+
+    metrics = CollectorRegistry()
+    live = LiveAcceptance(registry=metrics)
+    day0 = build_drafter("standalone", target, num_layers=1, init="target-layers")
+    engine = TorchEngine(target, day0, config=EngineConfig(max_batch_size=4, k=4), observers=[live])
+    swapper = Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=drafters,
+                      config=SwapConfig(tenant="acme", watch_steps=10_000, poll_interval_s=0.0,
+                                        replica_id="r1"),
+                      metrics_registry=metrics)
+
+    async def serve(seed: int) -> None:
+        async def one(i):
+            req = GenerationRequest(request_id=f"{seed}-{i}-{time.monotonic_ns()}",
+                                    prompt_ids=[(7 * i + j + seed) % vocab for j in range(6)],
+                                    params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+            return [t async for c in engine.generate(req) for t in c.token_ids]
+
+        await asyncio.gather(*[one(i) for i in range(2)])
+
+    async def installed(version: str) -> None:
+        """Until the engine installed ``version`` (between two steps; the deadline only bounds a hang)."""
+        deadline = time.monotonic() + 60
+        while engine.drafter.version != version and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert engine.drafter.version == version
+
+    async def main() -> None:
+        await serve(0)
+        day0_version = swapper.version
+        swapper.swap_to(v1, reason="announcement")
+        await installed(v1)
+        await serve(10)
+        assert _only(metrics, {day0_version, v1})  # the watch's two versions
+        swapper.rollback(reason="operator")
+        await installed(day0_version)
+        assert _only(metrics, {day0_version})
+        await serve(20)
+        assert _only(metrics, {day0_version})
+        swapper.stop()  # flushes live acceptance: version 1's last steps are delivered
+        await engine.stop()
+
+    asyncio.run(main())
+    client = MlflowClient(tracking_uri=drafters.tracking_uri)
+    run_id = client.get_model_version(model_name("acme"), v1).run_id
+    history = client.get_metric_history(run_id, live_metric_key("r1"))
+    assert len(history) == 1 and history[0].value >= 1.0

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from mlflow.tracking import MlflowClient
+from prometheus_client import CollectorRegistry
 
 from feedback.ops.ops_log import open_run
 from serving.drafters.suffix import SuffixDrafter
@@ -167,16 +171,37 @@ def test_specloop_serve_opens_its_replicas_ops_run(tmp_path):
     assert {"tokens_per_verify", "k_mean", "event.drafter_change"} <= set(run.data.metrics)
 
 
+def _fast_detector():
+    from feedback.ops.drift import DriftDetector
+
+    return DriftDetector(fast_steps=4, slow_steps=64, min_steps=8, persist_steps=3, cooldown_steps=0)
+
+
+def _drive_to_a_drift(observer, domain: str = "code") -> None:
+    """Synthetic verify steps (as tests/infra/test_operators_view_browser.py drives them): one
+    request of ``domain`` whose acceptance collapses after 60 steps."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    observer.on_request_start(GenerationRequest(request_id="d", prompt_ids=[1], params=SamplingParams(),
+                                                domain=domain))
+    for accepted in [3] * 60 + [0] * 20:
+        observer.on_step(SimpleNamespace(request_ids=["d"], num_drafted=np.array([4]),
+                                         num_accepted=np.array([accepted]), emitted=[[7] * (accepted + 1)],
+                                         draft_ms=1.0, verify_ms=60.0))
+    observer.on_request_finish(SimpleNamespace(request_id="d"), [], "stop", None)
+
+
 def test_mlflow_away_at_start_still_announces_drifts(caplog):
     """With MLflow unreachable when the replica starts, the ops observer was not built, so no
     drift reached the trainer for the process's life; then it recorded nothing for its life. Now
-    it detects and announces drifts all along, and its run opens once MLflow answers
-    (tests/feedback/ops/test_ops_log.py), so it is built even with nobody to tell of drifts."""
+    drifts are detected by an observer of their own, and the ops run, built all the same, opens
+    once MLflow answers (tests/feedback/ops/test_ops_log.py) and records the drifts it hears."""
     import socket
 
-    from feedback.ops.drift import DriftEvent
     from feedback.ops.ops_log import PendingRun
-    from serving.builder import build_ops_observer
+    from serving.builder import build_drift_observer, build_ops_observer
     from serving.config import ServingSettings
 
     with socket.socket() as s:  # a port nobody listens on
@@ -185,13 +210,113 @@ def test_mlflow_away_at_start_still_announces_drifts(caplog):
     heard = []
     settings = ServingSettings(drafter="suffix", mlflow_tracking_uri=f"http://127.0.0.1:{port}")
     fingerprint = tiny_target(vocab_size=64).fingerprint
-    obs = build_ops_observer(settings, fingerprint, "r1", also_on_drift=heard.append)
+    drift = build_drift_observer(settings, "r1", registry=CollectorRegistry(), also_on_drift=heard.append)
+    obs = build_ops_observer(settings, fingerprint, "r1", drift)
     assert obs is not None and isinstance(obs.run, PendingRun) and obs.run.run_id is None
-    event = DriftEvent("code", before=0.6, now=0.2)
-    obs.on_drift(event)
+    assert obs.drift_observer is drift and drift.listeners == [heard.append, obs.record_drift]
+    drift.detector = _fast_detector()
+    _drive_to_a_drift(drift)  # the engine feeds the drift observer (it is registered on its own)
     obs.flush()
-    assert heard == [event] and "no MLflow ops run" in caplog.text
-    alone = build_ops_observer(settings, fingerprint, "r2")  # nobody to tell: built all the same
-    assert alone is not None and alone.on_drift is None and isinstance(alone.run, PendingRun)
+    assert [e.domain for e in heard] == ["code"] and heard == obs.drifts
+    assert "no MLflow ops run" in caplog.text
     obs.run.close()
-    alone.run.close()
+
+
+def test_client_domains_beyond_the_cap_are_counted_as_other(tmp_path):
+    """A request's domain is the client's string: 1,000 of them made 2,003 metric keys in the ops
+    run and 1,000 drift detector states, never dropped. The first ``max_tracked_domains`` are
+    tracked, the rest are ``other``, in the ops run and the drift detector alike (one cap)."""
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from feedback.bus.sink import InProcessTraceSink
+    from serving.api.app import create_app
+    from serving.builder import build_engine
+    from serving.config import ServingSettings
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    target = tiny_target()
+    settings = ServingSettings(drafter="suffix", k=3, default_max_tokens=8, mlflow_tracking_uri=uri,
+                               tenant="acme", replica_id="replica-1", ops_every_s=0.05, max_tracked_domains=2)
+    registry = CollectorRegistry()
+    engine = build_engine(settings, target=target, registry=registry, sink=InProcessTraceSink())
+    app = create_app(engine, settings, registry)
+    ops, drift = app.state.ops_observer, app.state.drift_observer
+    assert ops is not None and ops.drift_observer is drift and ops.domains is drift.domains
+    with TestClient(app) as client:
+        for i in range(6):
+            r = client.post("/v1/completions", json={
+                "model": settings.served_model_name, "max_tokens": 8, "domain": f"user-text-{i}",
+                "prompt": "one two three one two three one two three"})
+            assert r.status_code == 200, r.text
+    assert drift.domains.tracked == {"user-text-0", "user-text-1"}
+    assert set(drift.detector.domains) <= {"user-text-0", "user-text-1", "other"}
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(f"specloop/{target.fingerprint.key()}")
+    (run,) = [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("role") == "serving"]
+    per_domain = {k.split(".", 1)[1] for k in run.data.metrics if k.startswith("tokens_per_verify.")}
+    assert per_domain == {"user-text-0", "user-text-1", "other"}
+
+
+def test_a_drift_is_counted_once_in_the_apps_registry_and_logged_in_the_ops_run(tmp_path):
+    """The app's drift observer is the one the ops run listens to: one count per drift, in the
+    registry /metrics serves (it was the process's global registry), one drift in MLflow."""
+    from prometheus_client import REGISTRY, CollectorRegistry
+
+    from serving.api.app import create_app
+    from serving.builder import build_engine
+    from serving.config import ServingSettings
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    target = tiny_target()
+    settings = ServingSettings(drafter="suffix", k=3, mlflow_tracking_uri=uri, tenant="acme",
+                               replica_id="replica-1")
+    registry = CollectorRegistry()
+    engine = build_engine(settings, target=target, registry=registry)
+    app = create_app(engine, settings, registry)
+    drift = app.state.drift_observer
+    assert drift in engine.observers and app.state.ops_observer in engine.observers
+    global_before = REGISTRY.get_sample_value("specloop_acceptance_drift_total", {"domain": "code"})
+    drift.detector = _fast_detector()
+    _drive_to_a_drift(drift)
+    app.state.ops_observer.run.close()
+    assert registry.get_sample_value("specloop_acceptance_drift_total", {"domain": "code"}) == 1
+    assert REGISTRY.get_sample_value("specloop_acceptance_drift_total", {"domain": "code"}) == global_before
+    run = MlflowClient(tracking_uri=uri).get_run(app.state.ops_observer.run.run_id)
+    assert run.data.metrics["event.drift"] == 1 and run.data.metrics["drift.code"] == 1
+
+
+@pytest.mark.integration
+def test_a_replica_with_redis_and_no_mlflow_detects_and_announces_drifts(redis_server, redis_namespace):
+    """Drift was detected only beside an MLflow ops run: a Redis-only deployment never told its
+    trainer of one, nor counted one. Now every replica has a drift observer of its own."""
+    from prometheus_client import CollectorRegistry
+
+    from feedback.control.plane import ControlPlane, ControlSettings, DriftAnnouncement
+    from serving.api.app import create_app
+    from serving.builder import build_engine
+    from serving.config import ServingSettings
+
+    settings = ServingSettings(drafter="suffix", k=3, redis_url=redis_server.url, redis_namespace=redis_namespace,
+                               tenant="acme", replica_id="replica-1")
+    registry = CollectorRegistry()
+    engine = build_engine(settings, target=tiny_target(), registry=registry)
+    app = create_app(engine, settings, registry)  # starts nothing
+    drift = app.state.drift_observer
+    assert app.state.ops_observer is None and drift in engine.observers
+    heard: list = []
+    subscription = ControlPlane(ControlSettings(url=redis_server.url, namespace=redis_namespace)).subscribe(
+        heard.append)
+    try:
+        assert subscription.wait_subscribed(5.0)
+        drift.detector = _fast_detector()
+        _drive_to_a_drift(drift)
+        deadline = time.monotonic() + 10  # bounds a hang; nothing timed is asserted
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        subscription.close()
+    (msg,) = heard
+    assert isinstance(msg, DriftAnnouncement) and (msg.tenant, msg.domain, msg.replica_id) == (
+        "acme", "code", "replica-1")
+    assert registry.get_sample_value("specloop_acceptance_drift_total", {"domain": "code"}) == 1
