@@ -30,6 +30,14 @@ def registry_version(version: str) -> str:
     return str(int(text))
 
 
+def is_registry_version(version: str) -> bool:
+    """Whether ``version`` names a registry version as the registry writes it ("7", not "day0")."""
+    try:
+        return registry_version(version) == str(version)
+    except UnknownVersion:
+        return False
+
+
 class RegistryFetch:
     """``registry``: feedback.registry.drafter_registry.DrafterRegistry or None (then every fetch
     raises RegistryUnavailable); ``nice``: how much nicer than the process the loader thread runs."""

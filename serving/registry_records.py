@@ -6,6 +6,11 @@ to the engine never waits on MLflow (slow, or down). Events are not written at t
 they wait for the Swapper's periodic flush. One write to a sqlite-backed MLflow costs 6-8 ms of
 CPU; made at the handover, on two cores that both decode, it was most of the decoding a swap cost
 (`bench swap`: median stall 18-21 ms with it, 1-4 ms without; ARCHITECTURE.md).
+
+The alias move of a rollback is the one write that is tried again: a replica started later reads
+the alias, and one left on a rolled-back version would swap that version back in. A failed move
+is retried at every flush until it is done or a newer move replaces it, and a move does nothing
+where the alias is no longer on the version rolled back (a promotion moved it since).
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class RegistryRecords:
         self._events: list[tuple[str, str, tuple]] = []  # (method, version, args), not written yet
         self._last_at = 0.0
         self._lock = threading.Lock()
+        self._alias: tuple[int, str, str | None] | None = None
+        """The alias move not done yet: (its number, off this version, to this one or None)."""
+        self._alias_moves = 0
+        self._alias_in_flight = 0
 
     def note_event(self, version: str, text: str) -> None:
         """An event tag for ``version``, stamped now, written at the next ``write_events``. Tags
@@ -48,8 +57,17 @@ class RegistryRecords:
         with self._lock:
             self._events.append(("log_version_metrics", version, (dict(metrics),)))
 
+    def move_champion(self, off: str, to: str | None) -> None:
+        """Move the champion alias off ``off`` (a version rolled back) to ``to``, or clear it when
+        ``to`` is None (the tenant is back on a drafter the registry does not hold, e.g. day 0)."""
+        with self._lock:
+            self._alias_moves += 1
+            self._alias = (self._alias_moves, off, to)
+        self._submit_alias(retry=False)
+
     def write_events(self) -> None:
-        """Queue the noted events and metrics for writing."""
+        """Queue the noted events and metrics for writing, and an alias move still to be done."""
+        self._submit_alias(retry=True)
         with self._lock:
             events, self._events = self._events, []
         for method, version, args in events:
@@ -76,6 +94,31 @@ class RegistryRecords:
     def stop(self) -> None:
         self._writer.stop()
 
+    def _submit_alias(self, retry: bool) -> None:
+        with self._lock:
+            move = self._alias
+            if self.registry is None or move is None or (retry and self._alias_in_flight):
+                return
+            self._alias_in_flight += 1
+        self._last = self._writer.submit(self._move_now, *move)
+
+    def _move_now(self, number: int, off: str, to: str | None) -> None:
+        error = None
+        try:
+            champion = self.registry.champion(self.tenant)
+            if champion is not None and champion.version == off:  # else: moved since, or done
+                if to is None:
+                    self.registry.clear_champion(self.tenant)
+                else:
+                    self.registry.set_champion(self.tenant, to)
+        except Exception as e:  # noqa: BLE001 - reported; tried again at the next flush
+            error = e
+        with self._lock:
+            self._alias_in_flight -= 1
+            if error is None and self._alias is not None and self._alias[0] == number:
+                self._alias = None
+        self._on_result("set_champion" if to is not None else "clear_champion", error)
+
     def _write_now(self, method: str, version: str, *args) -> None:
         try:
             getattr(self.registry, method)(self.tenant, version, *args)
@@ -83,6 +126,14 @@ class RegistryRecords:
             self._on_result(method, e)
         else:
             self._on_result(method, None)
+
+
+def trace_times(extra: dict) -> dict[str, float]:
+    """When the requests of the traces a version was the first trained on finished, from its
+    artifact's meta ``extra`` (trainer/lineage.py): the drafter's ``trace_times``, which
+    ``trace_freshness`` reads ({} for an artifact that records none)."""
+    keys = (EXTRA_TRACE_FINISHED_MEDIAN_AT, EXTRA_TRACE_FINISHED_NEWEST_AT)
+    return {k: float(extra[k]) for k in keys if isinstance(extra.get(k), (int, float))}
 
 
 def trace_freshness(drafter, now: float | None = None) -> dict[str, float]:
@@ -100,3 +151,31 @@ def trace_freshness(drafter, now: float | None = None) -> dict[str, float]:
     if EXTRA_TRACE_FINISHED_NEWEST_AT in times:
         out["newest_trace_age_s"] = now - times[EXTRA_TRACE_FINISHED_NEWEST_AT]
     return out
+
+
+class SwapFreshness:
+    """Which swaps a version's freshness is logged at: the first of the version in this process,
+    where it follows a promotion (``PROMOTED``: an announcement, or the alias moving while this
+    process watched it). A later swap of the same version (an operator's, a rollback's), or the
+    swap of a replica started after the promotion (the alias's version at its first look), would
+    measure how long the version had been live, not how fresh it was when it went live."""
+
+    PROMOTED = ("announcement", "champion alias")
+
+    def __init__(self):
+        self._swapped_in: set[str] = set()
+        self._alias_seen = False
+        self._before_start: str | None = None
+
+    def alias_read(self, version: str | None) -> None:
+        """The champion alias read ``version`` (None: no champion) at a poll."""
+        if not self._alias_seen:
+            self._alias_seen, self._before_start = True, version
+
+    def swapped_in(self, version: str, reason: str, drafter, now: float | None = None) -> dict[str, float]:
+        """``trace_freshness(drafter)`` where this swap of ``version`` is the one to log it at, else {}."""
+        first = version not in self._swapped_in
+        self._swapped_in.add(version)
+        if first and reason in self.PROMOTED and version != self._before_start:
+            return trace_freshness(drafter, now)
+        return {}

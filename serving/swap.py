@@ -8,14 +8,17 @@ Engine protocol and the StepObserver stream: ``LiveAcceptance`` (an observer the
 given) tracks each version's live acceptance.
 
 Live acceptance = mean tokens emitted per verify step and row (accepted drafts + 1), per drafter
-version (serving/live_acceptance.py); its EMA is the ``/metrics`` gauge and the MLflow
-``live_acceptance`` metric. After a swap the new version is watched: from ``watch_steps`` verify
-steps with learned drafts on, ``RollbackJudge`` compares their mean accept length at those rows
-with ``floor_ratio`` x that of the previous version's last such steps (suffix-index rows are not
-read: a swap keeps the index), and decides once the difference is beyond
-``rollback_z`` standard errors (or at ``max_watch_steps``). On a rollback the Swapper swaps the
-previous drafter back, moves the alias back, announces the rollback on Redis, counts it and tags
-the version in MLflow.
+version (serving/live_acceptance.py); its EMA is the ``/metrics`` gauge and, per replica, the
+MLflow ``live_accept_len.<replica id>`` metric. After a swap the new version is watched
+(serving/swap_watch.py): from ``watch_steps`` verify steps with learned drafts on,
+``RollbackJudge`` compares their mean accept length at those rows with ``floor_ratio`` x that of
+the previous version's last such steps (suffix-index rows are not read: a swap keeps the index),
+and decides once the difference is beyond ``rollback_z`` standard errors (or at
+``max_watch_steps``); the verdict is logged on the version's run. On a rollback the Swapper swaps
+the previous drafter back, moves the alias back (or takes it off, back to the day-0 drafter the
+registry does not hold), announces the rollback on Redis, counts it and tags the version in
+MLflow. Other replicas follow (serving/swap_follow.py, with the announcements and the alias). A
+version's freshness is logged at its first swap after its promotion (``SwapFreshness``).
 
 Redis or MLflow being down never stops serving: the engine keeps the drafter it has, failures are
 logged (once per outage) and retried at the next announcement or poll.
@@ -30,17 +33,19 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from feedback.background.supervise import SupervisedThread
-from serving.live_acceptance import LiveAcceptance, RollbackJudge, VersionStats, collectors
-from serving.registry_fetch import RegistryFetch, registry_version
-from serving.registry_records import RegistryRecords, trace_freshness
+from serving.live_acceptance import LiveAcceptance, RollbackJudge, collectors
+from serving.registry_fetch import RegistryFetch, is_registry_version, registry_version
+from serving.registry_records import RegistryRecords, SwapFreshness
 from serving.swap_config import SwapConfig
-from serving.swap_errors import NothingToRollBack, RefusedArtifact, RegistryUnavailable, SwapError
+from serving.swap_errors import NothingToRollBack, RefusedArtifact
+from serving.swap_follow import SwapFollower
+from serving.swap_watch import SwapWatch, verdict_metrics
 
 if TYPE_CHECKING:  # annotation only: the Swapper takes any loader (SGLang's too)
     from serving.artifact_loader import ArtifactDrafterLoader
@@ -52,24 +57,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Watch:
-    version: str
-    baseline: list[float]
-    """The previous version's last learned-draft steps' accept lengths, at the swap."""
-    live: list[float] = field(default_factory=list)
-    """Its learned-draft steps' accept lengths since the swap."""
-    steps: int = 0
-    """Its steps since the swap, drafting or not."""
-    done: bool = False
-
-
-@dataclass
 class _Installed:
     version: str
     drafter: object
 
 
-class Swapper:
+class Swapper(SwapFollower):
     """See the module docstring. ``engine``: any Engine; ``live``: the LiveAcceptance observer the
     engine reports to; ``registry``: feedback.registry.drafter_registry.DrafterRegistry or None; ``control``:
     feedback.control.plane.ControlPlane or None; ``version``: the registry version of the drafter the
@@ -93,11 +86,13 @@ class Swapper:
         self._c = collectors(metrics_registry if metrics_registry is not None else REGISTRY)
         drafter = engine.drafter
         start_version = version or getattr(drafter, "version", None) or "none"
-        self._current = _Installed(start_version, drafter)
+        self._start = self._current = _Installed(start_version, drafter)
+        """``_start``: the drafter it started with (day 0), kept to go back to when another
+        replica rolls back to it."""
         self._previous: _Installed | None = None
-        self._watch: _Watch | None = None
         self._rejected: dict[str, str] = {}  # version -> why (refused or rolled back)
         self._last_champion: str | None = None
+        self._freshness = SwapFreshness()
         self._op_lock = threading.RLock()
         """Held while the installed drafter, its predecessor and the watch change (never over I/O)."""
         self._load_lock = threading.Lock()
@@ -116,10 +111,15 @@ class Swapper:
         self.events: list[dict] = []
         """Swap / rollback / refusal log (newest last), for operators, tests and the demo."""
         c = self.config
-        self._judge = RollbackJudge(
+        judge = RollbackJudge(
             floor_ratio=c.floor_ratio, min_steps=c.watch_steps, z=c.rollback_z,
             max_steps=c.max_watch_steps if c.max_watch_steps is not None else 8 * c.watch_steps)
-        live.listener = self._on_live_step
+        self._watch = SwapWatch(  # the verdict on the version's run; a rollback on a thread of its own
+            judge, decided=lambda version, v: self.records.note_metrics(version, verdict_metrics(v)),
+            rollback=lambda version, v: self.rollback(reason=v.describe(), live=v.live, floor=v.floor,
+                                                      from_version=version),
+            kept=lambda version, v: self._inbox.put(("kept", (version, v))))
+        live.listener = self._watch.on_step
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -170,7 +170,7 @@ class Swapper:
             "live_accept_len": stats.ema,
             "live_acceptance_rate": stats.acceptance_rate if stats.drafted else None,
             "live_steps": stats.steps,
-            "watching": self._watch.version if self._watch and not self._watch.done else None,
+            "watching": self._watch.watching,
             "swaps": self.swaps,
             "rollbacks": self.rollbacks,
             "refused": self.refused,
@@ -178,11 +178,13 @@ class Swapper:
 
     # ---- operations (thread-safe; the admin API calls them from a worker thread) ------------
 
-    def swap_to(self, version: str, *, reason: str = "admin", force: bool = True) -> dict:
+    def swap_to(self, version: str, *, reason: str = "admin", force: bool = True,
+                watch: bool = True) -> dict:
         """Download, validate and install ``version``. Raises UnknownVersion, RefusedArtifact or
         RegistryUnavailable; the engine keeps its drafter on any error. The download runs outside
         the lock a rollback takes (one download at a time), so a rollback, an operator's or the
-        watch's, never waits on a slow registry."""
+        watch's, never waits on a slow registry. ``watch=False``: neither watched nor rolled back
+        to the drafter it replaces (following another replica's rollback of that one)."""
         version = str(version)
         with self._load_lock:
             with self._op_lock:
@@ -199,12 +201,15 @@ class Swapper:
                     return unchanged
                 old = self._current
                 self._install(_Installed(version, drafter))
-                self._previous = old
-                self._watch = _Watch(version, self.live.recent(old.version))
+                self._previous = old if watch else None
+                if watch:
+                    self._watch.begin(version, self.live.recent(old.version))
+                else:
+                    self._watch.end()
                 self._rejected.pop(version, None)
                 self.swaps += 1
                 self._c.swaps.inc()
-                fresh = trace_freshness(drafter)
+                fresh = self._freshness.swapped_in(version, reason, drafter)
                 self._event("swap", version=version, previous_version=old.version, reason=reason,
                             **fresh)
                 self.records.note_event(version, f"swapped in on {self.config.replica_id} ({reason})")
@@ -236,7 +241,7 @@ class Swapper:
                 raise NothingToRollBack("no previous drafter to roll back to")
             self._install(prev)
             self._previous = None
-            self._watch = None
+            self._watch.end()
             self._rejected[bad.version] = "rolled back"
             self._last_champion = prev.version
             self.rollbacks += 1
@@ -244,29 +249,16 @@ class Swapper:
             self._event("rollback", from_version=bad.version, to_version=prev.version,
                         reason=reason, live=live, floor=floor)
             log.warning("drafter rolled back %s -> %s: %s", bad.version, prev.version, reason)
-        if prev.version in self.fetch.seen:
-            self.records.write("set_champion", prev.version)
+        # the alias back on the version restored, or off (a drafter the registry does not hold):
+        # left on the one rolled back, a replica started later would swap it in again
+        registered = prev.version in self.fetch.seen or is_registry_version(prev.version)
+        self.records.move_champion(bad.version, prev.version if registered else None)
         self.records.note_event(bad.version, f"rolled back on {self.config.replica_id}: {reason}")
         if self.control is not None:
             self.control.announce_rollback(RollbackAnnouncement(
                 tenant=self.config.tenant, from_version=bad.version, to_version=prev.version,
                 reason=reason, live_acceptance=live, floor=floor, replica_id=self.config.replica_id))
         return {"from_version": bad.version, "to_version": prev.version}
-
-    def poll_once(self) -> None:
-        """Fallback: swap to the champion alias when it moved since the last look."""
-        if self.registry is None:
-            return
-        try:
-            reg = self.registry.champion(self.config.tenant)
-        except Exception as e:  # noqa: BLE001  (MLflow down: keep serving what we have)
-            self._warn_once("poll", f"champion alias unavailable: {e}")
-            return
-        self._warned.discard("poll")
-        if reg is None or reg.version == self._last_champion:
-            return
-        self._last_champion = reg.version
-        self._try_swap(reg.version, "champion alias")
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -293,61 +285,6 @@ class Swapper:
         self.engine.swap_drafter(installed.drafter)
         self._current = installed
 
-    def _try_swap(self, version: str, reason: str) -> None:
-        try:
-            self.swap_to(version, reason=reason, force=False)
-        except SwapError as e:
-            if isinstance(e, RegistryUnavailable):  # no verdict on the version: fetch it again
-                self._last_champion = None  # at the next poll
-            log.warning("swap to %s (%s) not done: %s", version, reason, e)
-
-    def _on_announcement(self, msg) -> None:
-        if msg.tenant != self.config.tenant:
-            return
-        if msg.kind == "swap":
-            self._last_champion = msg.version
-            self._try_swap(msg.version, "announcement")
-        elif (msg.kind == "rollback" and msg.replica_id != self.config.replica_id
-              and msg.from_version == self._current.version):
-            prev = self._previous
-            if prev is not None and prev.version == msg.to_version:
-                try:
-                    self.rollback(reason=f"announced by {msg.replica_id}: {msg.reason}",
-                                  from_version=msg.from_version)
-                except NothingToRollBack:
-                    pass
-            else:
-                self._rejected[msg.from_version] = "rolled back"
-                self._try_swap(msg.to_version, "rollback announcement")
-
-    def _on_live_step(self, version: str, stats: VersionStats) -> None:
-        """Engine thread: decide at the end of the watch; the rollback itself runs on the worker."""
-        w = self._watch
-        if w is None or w.done or version != w.version:
-            return
-        w.steps += 1
-        if stats.last_drafted is not None:
-            w.live.append(stats.last_drafted)
-        verdict = self._judge.verdict(w.baseline, w.live, w.steps)
-        if verdict is None:
-            return
-        w.done = True
-        if verdict.rollback:  # not behind a download the worker may be waiting on
-            threading.Thread(target=self._roll_back_on, args=(w.version, verdict),
-                             name="drafter-rollback", daemon=True).start()
-        else:
-            self._inbox.put(("kept", (w.version, verdict)))
-
-    def _roll_back_on(self, version: str, v) -> None:
-        """The watch's rollback, on a thread of its own: the worker may be busy downloading the
-        next version, and a drafter that lowers acceptance should not serve until it is done."""
-        try:
-            self.rollback(reason=v.describe(), live=v.live, floor=v.floor, from_version=version)
-        except NothingToRollBack:
-            pass
-        except Exception:  # the engine keeps what it has; the next watch may decide
-            log.exception("rollback of drafter %s failed", version)
-
     def _run(self) -> None:
         cfg = self.config
         status = self._thread.status
@@ -368,6 +305,7 @@ class Swapper:
                     version, v = payload
                     self._event("kept", version=version, live=v.live, baseline=v.baseline,
                                 floor=v.floor, steps=v.steps, reason=v.describe())
+                    self.records.note_event(version, f"kept on {self.config.replica_id}: {v.describe()}")
                 now = time.monotonic()
                 if now >= next_poll:
                     next_poll = now + cfg.poll_interval_s
@@ -380,13 +318,15 @@ class Swapper:
                 self._stop.wait(status.failed(e))  # counted, logged, /health down until it recovers
 
     def _flush_live(self) -> None:
-        """Every ``log_interval_s`` and at stop: live acceptance and the events noted since."""
+        """Every ``log_interval_s`` and at stop: live acceptance, the events noted since and an
+        alias move still to be done."""
         self.records.write_events()
         for version, (stats, (drafted, accepted, rows)) in self.live.take_unflushed().items():
             if self.control is not None:
-                self.control.record_acceptance(version, drafted, accepted, rows)
-            if version in self.fetch.seen and stats.ema is not None:
-                self.records.write("log_live_acceptance", version, stats.ema, stats.steps)
+                self.control.record_acceptance(self.config.tenant, version, drafted, accepted, rows)
+            if version in self.fetch.seen and stats.ema is not None:  # one curve per replica
+                self.records.write("log_live_acceptance", version, stats.ema, stats.steps,
+                                   self.config.replica_id)
 
     def _on_record(self, method: str, error: Exception | None) -> None:
         if error is None:

@@ -9,7 +9,8 @@ Keys (``ns`` = namespace)::
     {ns}:drafter:{tenant}      string  current drafter version of the tenant
     {ns}:announce              channel SwapAnnouncement | RollbackAnnouncement | DriftAnnouncement as JSON
     {ns}:load:{replica_id}     string  LoadHeartbeat JSON, expires after its TTL
-    {ns}:accept:{version}      hash    drafted / accepted / steps counters
+    {ns}:accept:{tenant}:{version}  hash  drafted / accepted / rows counters (rows: a verify
+                                       step's rows, one per request in the batch)
     {ns}:deletions             hash    tenant -> time its data deletion was requested (the
                                        trainer of that tenant removes the field once done)
 
@@ -103,9 +104,12 @@ class LoadHeartbeat(BaseModel):
 
 
 class AcceptanceCounts(BaseModel):
+    """One tenant's drafter version, summed over replicas."""
+
     drafted: int = 0
     accepted: int = 0
-    steps: int = 0
+    rows: int = 0
+    """Rows verified: each verify step counts one per request in its batch."""
 
     @property
     def rate(self) -> float:
@@ -113,9 +117,9 @@ class AcceptanceCounts(BaseModel):
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
-    def tokens_per_step(self) -> float:
-        """Emitted tokens per verify step (accepted + one bonus/corrected token per step)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+    def tokens_per_row(self) -> float:
+        """Emitted tokens per verify step and row (accepted + one bonus/corrected token per row)."""
+        return (self.accepted + self.rows) / self.rows if self.rows else 0.0
 
 
 class ControlPlane:
@@ -196,21 +200,23 @@ class ControlPlane:
 
     # ---- live acceptance ----------------------------------------------------------------------
 
-    def record_acceptance(self, version: str, drafted: int, accepted: int, steps: int = 0) -> bool:
+    def record_acceptance(self, tenant: str, version: str, drafted: int, accepted: int,
+                          rows: int = 0) -> bool:
+        """Add to ``tenant``'s counts of ``version`` (every tenant has its own "day0", "1", ...)."""
         def run(r):
             pipe = r.pipeline(transaction=True)
-            key = self._key("accept", version)
+            key = self._key("accept", tenant, version)
             pipe.hincrby(key, "drafted", int(drafted))
             pipe.hincrby(key, "accepted", int(accepted))
-            pipe.hincrby(key, "steps", int(steps))
+            pipe.hincrby(key, "rows", int(rows))
             pipe.execute()
             return True
 
         return self._call(run, False)
 
-    def acceptance(self, version: str) -> AcceptanceCounts:
+    def acceptance(self, tenant: str, version: str) -> AcceptanceCounts:
         def run(r):
-            raw = r.hgetall(self._key("accept", version))
+            raw = r.hgetall(self._key("accept", tenant, version))
             return AcceptanceCounts(**{k: int(v) for k, v in raw.items()})
 
         return self._call(run, AcceptanceCounts())

@@ -11,6 +11,7 @@ through ``feedback.registry.artifact.load_drafter`` (fingerprint, config, checks
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -44,6 +45,17 @@ class RegistryError(RuntimeError):
 
 def model_name(tenant: str) -> str:
     return f"specloop-drafter-{tenant}"
+
+
+LIVE_METRIC = "live_accept_len"
+
+
+def live_metric_key(replica_id: str | None) -> str:
+    """``live_accept_len.<replica id>`` (characters MLflow refuses in a key become "_"), or
+    ``live_accept_len`` for a writer that names no replica."""
+    if not replica_id:
+        return LIVE_METRIC
+    return f"{LIVE_METRIC}.{re.sub(r'[^A-Za-z0-9_.-]', '_', replica_id)}"
 
 
 @dataclass
@@ -127,6 +139,18 @@ class DrafterRegistry:
     def set_champion(self, tenant: str, version: str) -> None:
         self.client.set_registered_model_alias(model_name(tenant), CHAMPION, str(version))
 
+    def clear_champion(self, tenant: str) -> None:
+        """Take the ``champion`` alias off whichever version has it: the tenant is back on a drafter
+        the registry does not hold (serving's day-0 one), and ``champion`` reads None. Nothing to do
+        when the alias or the model is absent."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.delete_registered_model_alias(model_name(tenant), CHAMPION)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+
     def champion(self, tenant: str) -> RegisteredDrafter | None:
         """The tenant's champion version, or None when it has none. Raises MlflowException when the
         registry cannot say (unreachable)."""
@@ -170,14 +194,17 @@ class DrafterRegistry:
             raise RegistryError(f"champion {reg.name} v{reg.version} refused: {e}") from e
 
     # -- serving feedback --------------------------------------------------------------------
-    def log_live_acceptance(self, tenant: str, version: str, value: float, step: int) -> None:
-        """Live acceptance of a deployed version, logged on the run that produced it."""
+    def log_live_acceptance(self, tenant: str, version: str, value: float, step: int,
+                            replica_id: str | None = None) -> None:
+        """Live acceptance of a deployed version (the EMA of tokens per verify step and row), logged
+        on the run that produced it under ``live_metric_key(replica_id)``: one curve per replica,
+        ``step`` being that replica's verify steps of the version."""
         mv = self.client.get_model_version(model_name(tenant), str(version))
-        self.client.log_metric(mv.run_id, "live_acceptance", float(value), step=int(step))
+        self.client.log_metric(mv.run_id, live_metric_key(replica_id), float(value), step=int(step))
 
     def log_version_metrics(self, tenant: str, version: str, metrics: dict[str, float]) -> None:
-        """Metrics of a deployed version measured by serving (its freshness at a swap), logged on
-        the run that produced it."""
+        """Metrics of a deployed version measured by serving (its freshness at its first swap after
+        the promotion, the rollback watch's verdict), logged on the run that produced it."""
         from mlflow.entities import Metric
 
         mv = self.client.get_model_version(model_name(tenant), str(version))

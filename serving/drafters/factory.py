@@ -13,10 +13,9 @@ from feedback.registry.artifact_keys import (
     DAY0_VERSION,
     EXTRA_CHAMPION_HELDOUT_ACCEPTANCE,
     EXTRA_HELDOUT_ACCEPTANCE,
-    EXTRA_TRACE_FINISHED_MEDIAN_AT,
-    EXTRA_TRACE_FINISHED_NEWEST_AT,
 )
 from serving.drafters.base import Drafter
+from serving.registry_records import trace_times
 from serving.target import Target
 
 KINDS = ("suffix", "eagle", "standalone", "selfspec", "hybrid")
@@ -104,8 +103,7 @@ def _measured(drafter, meta):
     if value is not None:
         drafter.prior_acceptance = value
         drafter.prior_relative = held_out_ratio(value, fraction(EXTRA_CHAMPION_HELDOUT_ACCEPTANCE))
-    times = {k: float(meta.extra[k]) for k in (EXTRA_TRACE_FINISHED_MEDIAN_AT, EXTRA_TRACE_FINISHED_NEWEST_AT)
-             if isinstance(meta.extra.get(k), (int, float))}
+    times = trace_times(meta.extra)
     if times:  # when its newest traces' requests finished: the Swapper's freshness figures
         drafter.trace_times = times
     return drafter

@@ -12,9 +12,10 @@ target fingerprint, checksums, shapes and finite weights before anything reaches
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from serving.registry_records import trace_times
 from serving.sglang.draft_weights import NamedTensors, read_draft_tensors
 
 
@@ -27,6 +28,9 @@ class SGLangDraft:
     """SGLang-layout directory the tensors are read from (when ``tensors`` is None)."""
     tensors: NamedTensors | None = None
     """Tensors under SGLang's names, already in memory."""
+    trace_times: dict[str, float] = field(default_factory=dict)
+    """When the requests of the traces it was first trained on finished (its artifact's, as a
+    TorchEngine drafter's: serving.registry_records.trace_times); the Swapper's freshness figures."""
 
     def named_tensors(self) -> NamedTensors:
         if self.tensors is not None:
@@ -92,4 +96,5 @@ class SGLangDraftLoader:
         current = current if current is not None else self.engine.drafter
         if isinstance(current, SGLangDraft) and (current.tensors is not None or current.path):
             check_compatible(tensors, current.named_tensors())
-        return SGLangDraft(kind=kind, version=meta.version, tensors=tensors)
+        return SGLangDraft(kind=kind, version=meta.version, tensors=tensors,
+                           trace_times=trace_times(meta.extra))

@@ -226,9 +226,13 @@ def test_bad_drafter_is_rolled_back_by_itself(target, tmp_path, redis_server, re
     tags = registry.client.get_model_version(f"specloop-drafter-{TENANT}", bad).tags
     assert any("rolled back" in v for v in tags.values())
     assert swapper._c.rollbacks._value.get() == 1
-    # MLflow has live acceptance for the good version
+    # MLflow has this replica's live acceptance for the good version, and the watch's verdict on bad
     mv = registry.client.get_model_version(f"specloop-drafter-{TENANT}", good)
-    assert registry.client.get_metric_history(mv.run_id, "live_acceptance")
+    assert registry.client.get_metric_history(mv.run_id, f"live_accept_len.{swapper.config.replica_id}")
+    verdict = registry.client.get_run(
+        registry.client.get_model_version(f"specloop-drafter-{TENANT}", bad).run_id).data.metrics
+    assert verdict["watch_live"] == pytest.approx(rb[0].live_acceptance)
+    assert verdict["watch_floor"] == pytest.approx(rb[0].floor)
 
 
 def test_a_good_successor_is_kept(target, tmp_path, sqlite_registry):

@@ -53,9 +53,9 @@ def test_a_swapped_in_version_logs_its_freshness_on_its_run(target, tmp_path):
     swapper = Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
                       config=SwapConfig(tenant=TENANT, poll_interval_s=0), metrics_registry=metrics)
     try:
-        swapper.swap_to(fresh)
+        swapper.swap_to(fresh, reason="announcement")  # as a promotion's announcement swaps it in
         swapped_at = time.time()
-        swapper.swap_to(untimed)
+        swapper.swap_to(untimed, reason="announcement")
     finally:
         swapper.stop()  # writes what the swaps noted
     first, second = [e for e in swapper.events if e["event"] == "swap"]
@@ -67,6 +67,56 @@ def test_a_swapped_in_version_logs_its_freshness_on_its_run(target, tmp_path):
     assert run.data.metrics["newest_trace_age_s"] == pytest.approx(first["newest_trace_age_s"])
     other = registry.client.get_run(registry.client.get_model_version(model_name(TENANT), untimed).run_id)
     assert "freshness_s" not in other.data.metrics
+
+
+def _swapper(target, registry, replica):
+    from prometheus_client import CollectorRegistry
+
+    metrics = CollectorRegistry()
+    live = LiveAcceptance(registry=metrics)
+    engine = TorchEngine(target, build_drafter("standalone", target, num_layers=1),
+                         config=EngineConfig(max_batch_size=2, k=2), observers=[live])
+    return Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
+                   config=SwapConfig(tenant=TENANT, poll_interval_s=0, replica_id=replica),
+                   metrics_registry=metrics)
+
+
+def test_freshness_is_logged_once_at_the_first_swap_after_the_promotion(target, tmp_path):
+    """Not at a later swap of the version in the same process (an operator's, after a rollback),
+    nor on a replica started after the promotion (the alias already on the version at its first
+    poll); a version promoted while that replica polls is logged there."""
+    from feedback.control.plane import SwapAnnouncement
+
+    registry = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db")
+    now = time.time()
+    times = {"trace_finished_median_at": now - 30.0, "trace_finished_newest_at": now - 5.0}
+    v1 = _register(registry, target, tmp_path / "a", times)
+    a = _swapper(target, registry, "replica-a")
+    late = _swapper(target, registry, "replica-late")
+    try:
+        late.poll_once()  # started after v1's promotion: swaps it in from the alias
+        assert late.version == v1
+        a._on_announcement(SwapAnnouncement(tenant=TENANT, version=v1))  # the promotion's
+        a.rollback(reason="operator")
+        a.swap_to(v1, reason="announcement")  # not the first swap of v1 here
+        a.rollback(reason="operator")
+        a.swap_to(v1)  # an operator's
+        v2 = _register(registry, target, tmp_path / "b", times)  # promoted while `late` polls
+        late.poll_once()
+        assert late.version == v2
+    finally:
+        a.stop()
+        late.stop()
+    swaps = [e for e in a.events + late.events if e["event"] == "swap"]
+    assert [(e["version"], "freshness_s" in e) for e in swaps] == [
+        (v1, True), (v1, False), (v1, False), (v1, False), (v2, True)]
+    history = {}
+    for version in (v1, v2):
+        run_id = registry.client.get_model_version(model_name(TENANT), version).run_id
+        history[version] = registry.client.get_metric_history(run_id, "freshness_s")
+    assert [len(history[v1]), len(history[v2])] == [1, 1]
+    assert history[v1][0].value == pytest.approx(swaps[0]["freshness_s"])
+    assert history[v2][0].value == pytest.approx(swaps[-1]["freshness_s"])
 
 
 def test_a_hybrids_freshness_is_its_learned_halfs():

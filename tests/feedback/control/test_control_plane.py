@@ -81,15 +81,25 @@ def test_load_heartbeats_expire(control):
 
 
 def test_acceptance_counters_accumulate_per_version(control):
-    assert control.acceptance("v9") == AcceptanceCounts()
-    assert control.record_acceptance("v9", drafted=40, accepted=10, steps=10)
-    assert control.record_acceptance("v9", drafted=20, accepted=14, steps=5)
-    assert control.record_acceptance("v8", drafted=5, accepted=5, steps=1)
-    counts = control.acceptance("v9")
-    assert (counts.drafted, counts.accepted, counts.steps) == (60, 24, 15)
+    assert control.acceptance("acme", "v9") == AcceptanceCounts()
+    assert control.record_acceptance("acme", "v9", drafted=40, accepted=10, rows=10)
+    assert control.record_acceptance("acme", "v9", drafted=20, accepted=14, rows=5)
+    assert control.record_acceptance("acme", "v8", drafted=5, accepted=5, rows=1)
+    counts = control.acceptance("acme", "v9")
+    assert (counts.drafted, counts.accepted, counts.rows) == (60, 24, 15)
     assert counts.rate == pytest.approx(0.4)
-    assert counts.tokens_per_step == pytest.approx(39 / 15)
-    assert control.acceptance("v8").accepted == 5
+    assert counts.tokens_per_row == pytest.approx(39 / 15)
+    assert control.acceptance("acme", "v8").accepted == 5
+
+
+def test_tenants_sharing_a_namespace_keep_their_own_counts_of_the_same_version(control):
+    """Every tenant has a "day0" and a "1": the counts of one are not added into the other's."""
+    assert control.record_acceptance("acme", "day0", drafted=8, accepted=2, rows=4)
+    assert control.record_acceptance("globex", "day0", drafted=10, accepted=9, rows=2)
+    assert control.record_acceptance("globex", "1", drafted=3, accepted=3, rows=1)
+    assert control.acceptance("acme", "day0") == AcceptanceCounts(drafted=8, accepted=2, rows=4)
+    assert control.acceptance("globex", "day0") == AcceptanceCounts(drafted=10, accepted=9, rows=2)
+    assert control.acceptance("acme", "1") == AcceptanceCounts()
 
 
 @pytest.mark.usefixtures("requires_redis")
@@ -109,8 +119,8 @@ def test_redis_down_returns_defaults_without_raising_then_recovers(private_stack
             assert cp.announce_swap(SwapAnnouncement(tenant="acme", version="v2")) is False
             assert cp.heartbeat(LoadHeartbeat(replica_id="r0")) is False
             assert cp.loads() == []
-            assert cp.record_acceptance("v1", 4, 2, 1) is False
-            assert cp.acceptance("v1") == AcceptanceCounts()
+            assert cp.record_acceptance("acme", "v1", 4, 2, 1) is False
+            assert cp.acceptance("acme", "v1") == AcceptanceCounts()
             assert cp.ping() is False
         assert time.monotonic() - t0 < 2.0  # no per-call waiting on a dead socket
         time.sleep(1.0)  # several subscriber reconnect attempts

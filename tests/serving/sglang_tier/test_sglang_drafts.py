@@ -73,3 +73,21 @@ def test_the_wrong_kind_target_or_shape_is_refused(artifact, ids_target, standal
     with pytest.raises(ValueError, match="no tensor name in common"):
         SGLangDraftLoader(served(ids_target.fingerprint,
                                  tensors=[("fc.weight", torch.zeros(1))])).load(path)
+
+
+def test_the_draft_carries_its_artifacts_trace_times_for_the_swappers_freshness(
+        tmp_path, ids_target, standalone_cfg):
+    """As a TorchEngine drafter does (serving/drafters/factory.py): SGLang's swaps log freshness."""
+    from serving.registry_records import trace_freshness
+
+    model = build_standalone(standalone_cfg)
+    times = {"trace_finished_median_at": 1000.0, "trace_finished_newest_at": 1040.0}
+    save_drafter(model, standalone_cfg, ids_target.fingerprint, tmp_path / "v8", version="v8",
+                 extra={**times, "window_traces": 12, "trace_finished_at_note": "n/a"})
+    save_drafter(model, standalone_cfg, ids_target.fingerprint, tmp_path / "v9", version="v9")
+    loader = SGLangDraftLoader(served(ids_target.fingerprint))
+    draft = loader.load(tmp_path / "v8")
+    assert draft.trace_times == times
+    assert trace_freshness(draft, now=1100.0) == {"freshness_s": 100.0, "newest_trace_age_s": 60.0}
+    untimed = loader.load(tmp_path / "v9")
+    assert untimed.trace_times == {} and trace_freshness(untimed, now=1100.0) == {}
