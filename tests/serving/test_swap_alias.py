@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry
+from swap_replicas import register_copy, replica
 
 from feedback.control.plane import (
     ControlPlane,
@@ -22,15 +22,7 @@ from feedback.control.plane import (
     RollbackAnnouncement,
     SwapAnnouncement,
 )
-from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
-from feedback.registry.artifact import save_drafter
 from feedback.registry.drafter_registry import DrafterRegistry
-from serving.artifact_loader import ArtifactDrafterLoader
-from serving.drafters.factory import build_drafter
-from serving.engine.config import EngineConfig
-from serving.engine.torch_engine import TorchEngine
-from serving.live_acceptance import LiveAcceptance
-from serving.swap import SwapConfig, Swapper
 from serving.target import tiny_target
 
 V, LAYERS, TENANT = 128, 2, "aliastest"
@@ -48,22 +40,11 @@ def registry(tmp_path):
 
 def _register(registry, target, path) -> str:
     """A new version, made champion (as the trainer's promotion does)."""
-    model = standalone_from_target(target.model, num_layers=LAYERS, init="target-layers")
-    cfg = StandaloneConfig.for_target(target.model.config, num_layers=LAYERS, vocab_size=V)
-    save_drafter(model, cfg, target.fingerprint, path, version=path.name)
-    return registry.register(TENANT, registry.log_candidate(target.fingerprint, path)).version
+    return register_copy(registry, target, path, TENANT)
 
 
 def _replica(target, registry, name, control=None):
-    day0 = build_drafter("standalone", target, num_layers=1, init="target-layers")
-    metrics = CollectorRegistry()
-    live = LiveAcceptance(registry=metrics)
-    engine = TorchEngine(target, day0, config=EngineConfig(max_batch_size=4, k=2), observers=[live])
-    swapper = Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
-                      control=control, metrics_registry=metrics,
-                      config=SwapConfig(tenant=TENANT, poll_interval_s=0.0, log_interval_s=0.5,
-                                        replica_id=name))
-    return engine, swapper
+    return replica(target, registry, name, TENANT, control=control, log_interval_s=0.5)
 
 
 def _failing(registry, method: str, times: int) -> list:

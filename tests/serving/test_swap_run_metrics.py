@@ -12,19 +12,12 @@ import asyncio
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry
+from swap_replicas import register_copy, replica
 
 from feedback.control.plane import AcceptanceCounts, ControlPlane, ControlSettings
-from feedback.drafters.standalone_lm import StandaloneConfig, standalone_from_target
-from feedback.registry.artifact import save_drafter
 from feedback.registry.drafter_registry import DrafterRegistry, model_name
-from serving.artifact_loader import ArtifactDrafterLoader
-from serving.drafters.factory import build_drafter
 from serving.engine.base import GenerationRequest, SamplingParams
-from serving.engine.config import EngineConfig
-from serving.engine.torch_engine import TorchEngine
-from serving.live_acceptance import LiveAcceptance, VersionStats
-from serving.swap import SwapConfig, Swapper
+from serving.live_acceptance import VersionStats
 from serving.target import tiny_target
 
 V, LAYERS, TENANT = 128, 2, "curves"
@@ -41,22 +34,11 @@ def registry(tmp_path):
 
 
 def _register(registry, target, path) -> str:
-    model = standalone_from_target(target.model, num_layers=LAYERS, init="target-layers")
-    cfg = StandaloneConfig.for_target(target.model.config, num_layers=LAYERS, vocab_size=V)
-    save_drafter(model, cfg, target.fingerprint, path, version=path.name)
-    return registry.register(TENANT, registry.log_candidate(target.fingerprint, path)).version
+    return register_copy(registry, target, path, TENANT)
 
 
 def _replica(target, registry, name, *, control=None, tenant=TENANT, watch_steps=16):
-    day0 = build_drafter("standalone", target, num_layers=1, init="target-layers")
-    metrics = CollectorRegistry()
-    live = LiveAcceptance(registry=metrics)
-    engine = TorchEngine(target, day0, config=EngineConfig(max_batch_size=4, k=2), observers=[live])
-    swapper = Swapper(engine, ArtifactDrafterLoader(target, "standalone"), live, registry=registry,
-                      control=control, metrics_registry=metrics,
-                      config=SwapConfig(tenant=tenant, watch_steps=watch_steps, poll_interval_s=0.0,
-                                        replica_id=name))
-    return engine, swapper
+    return replica(target, registry, name, tenant, control=control, watch_steps=watch_steps)
 
 
 async def _serve(engine, n: int, seed: int) -> None:
