@@ -128,14 +128,6 @@ class RegistryRecords:
             self._on_result(method, None)
 
 
-def trace_times(extra: dict) -> dict[str, float]:
-    """When the requests of the traces a version was the first trained on finished, from its
-    artifact's meta ``extra`` (trainer/lineage.py): the drafter's ``trace_times``, which
-    ``trace_freshness`` reads ({} for an artifact that records none)."""
-    keys = (EXTRA_TRACE_FINISHED_MEDIAN_AT, EXTRA_TRACE_FINISHED_NEWEST_AT)
-    return {k: float(extra[k]) for k in keys if isinstance(extra.get(k), (int, float))}
-
-
 def trace_freshness(drafter, now: float | None = None) -> dict[str, float]:
     """How fresh a drafter swapped in ``now`` is, from the trace times its artifact records
     (``trace_times``, trainer/lineage.py; a hybrid's are its learned half's): ``freshness_s``, from

@@ -15,3 +15,11 @@ EXTRA_TRACE_FINISHED_MEDIAN_AT = "trace_finished_median_at"
 """When their requests finished (epoch s): the median, where serving's freshness figure starts."""
 EXTRA_TRACE_FINISHED_NEWEST_AT = "trace_finished_newest_at"
 """... and the newest."""
+
+
+def trace_times(extra: dict) -> dict[str, float]:
+    """When the requests of the traces a version was the first trained on finished, from its
+    artifact's ``extra`` (trainer/lineage.py; {} for an artifact that records none): what a served
+    drafter carries as ``trace_times`` for the Swapper's freshness figures, under either engine."""
+    keys = (EXTRA_TRACE_FINISHED_MEDIAN_AT, EXTRA_TRACE_FINISHED_NEWEST_AT)
+    return {k: float(extra[k]) for k in keys if isinstance(extra.get(k), (int, float))}

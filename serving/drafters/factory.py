@@ -13,9 +13,9 @@ from feedback.registry.artifact_keys import (
     DAY0_VERSION,
     EXTRA_CHAMPION_HELDOUT_ACCEPTANCE,
     EXTRA_HELDOUT_ACCEPTANCE,
+    trace_times,
 )
 from serving.drafters.base import Drafter
-from serving.registry_records import trace_times
 from serving.target import Target
 
 KINDS = ("suffix", "eagle", "standalone", "selfspec", "hybrid")

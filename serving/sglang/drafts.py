@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving.registry_records import trace_times
+from feedback.registry.artifact_keys import trace_times
 from serving.sglang.draft_weights import NamedTensors, read_draft_tensors
 
 
