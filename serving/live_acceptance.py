@@ -40,16 +40,16 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from feedback.bus.trace import DrafterKind
 from serving.engine.base import VerifyBatch
+from serving.metrics import once_per_registry
 from serving.observers import BaseObserver
 
 # ---- metrics ------------------------------------------------------------------------------------
@@ -64,37 +64,28 @@ class Collectors:
     refused: Counter
 
 
-_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, Collectors] = weakref.WeakKeyDictionary()
-_collectors_lock = threading.Lock()
-
-
-def collectors(registry: CollectorRegistry) -> Collectors:
-    """The swap metrics of ``registry`` (created once per registry)."""
-    with _collectors_lock:
-        found = _by_registry.get(registry)
-        if found is None:
-            r = registry
-            found = Collectors(
-                live_accept_len=Gauge(
-                    "specloop_drafter_live_accept_len",
-                    "EMA of tokens per verify step and row, per drafter version.",
-                    ["version"], registry=r,
-                ),
-                live_acceptance_rate=Gauge(
-                    "specloop_drafter_live_acceptance_rate",
-                    "Accepted / drafted tokens since the version went live.",
-                    ["version"], registry=r,
-                ),
-                swaps=Counter("specloop_drafter_swaps", "Drafter swaps applied.", registry=r),
-                rollbacks=Counter(
-                    "specloop_drafter_rollbacks", "Automatic or admin rollbacks.", registry=r
-                ),
-                refused=Counter(
-                    "specloop_drafter_refused", "Drafter artifacts refused by validation.", registry=r
-                ),
-            )
-            _by_registry[registry] = found
-        return found
+@once_per_registry
+def collectors(r: CollectorRegistry) -> Collectors:
+    """The swap metrics of registry ``r`` (created once per registry)."""
+    return Collectors(
+        live_accept_len=Gauge(
+            "specloop_drafter_live_accept_len",
+            "EMA of tokens per verify step and row, per drafter version.",
+            ["version"], registry=r,
+        ),
+        live_acceptance_rate=Gauge(
+            "specloop_drafter_live_acceptance_rate",
+            "Accepted / drafted tokens since the version went live.",
+            ["version"], registry=r,
+        ),
+        swaps=Counter("specloop_drafter_swaps", "Drafter swaps applied.", registry=r),
+        rollbacks=Counter(
+            "specloop_drafter_rollbacks", "Automatic or admin rollbacks.", registry=r
+        ),
+        refused=Counter(
+            "specloop_drafter_refused", "Drafter artifacts refused by validation.", registry=r
+        ),
+    )
 
 
 # ---- live acceptance ----------------------------------------------------------------------------
@@ -150,7 +141,7 @@ class LiveAcceptance(BaseObserver):
 
     def __init__(self, alpha: float = 0.1, registry: CollectorRegistry | None = None):
         self.alpha = alpha
-        self._c = collectors(registry if registry is not None else REGISTRY)
+        self._c = collectors(registry)
         self._stats: dict[str, VersionStats] = {}
         self._lock = threading.Lock()
         self.listener = None

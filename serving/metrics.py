@@ -64,15 +64,20 @@ PromQL:
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from serving.engine.base import VerifyBatch
 from serving.observers import BaseObserver
+
+T = TypeVar("T")
 
 _MS_BUCKETS = (1, 2, 5, 10, 20, 30, 40, 50, 75, 100, 150, 250, 500, 1000, 2500)
 
@@ -97,96 +102,102 @@ class _Collectors:
     spec_off_rows: Counter
 
 
-_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = (
-    weakref.WeakKeyDictionary()
-)
-_lock = threading.Lock()
+def once_per_registry(make: Callable[[CollectorRegistry], T]) -> Callable[[CollectorRegistry | None], T]:
+    """``make(registry)`` (collectors registered on it) runs once per registry (None: the
+    process's); later calls return what it made. Several engines in one process (tests, a demo's
+    baseline) then share them instead of failing on duplicate names."""
+    made: weakref.WeakKeyDictionary[CollectorRegistry, T] = weakref.WeakKeyDictionary()
+    lock = threading.Lock()
+
+    @functools.wraps(make)
+    def get(registry: CollectorRegistry | None = None) -> T:
+        registry = registry if registry is not None else REGISTRY
+        with lock:
+            if registry not in made:
+                made[registry] = make(registry)
+            return made[registry]
+
+    return get
 
 
-def _collectors(registry: CollectorRegistry) -> _Collectors:
-    with _lock:
-        found = _by_registry.get(registry)
-        if found is not None:
-            return found
-        r = registry
-        c = _Collectors(
-            drafted=Counter("specloop_spec_drafted_tokens",
-                            "Drafted tokens along each row's path (a tree's accepted path + 1).",
+@once_per_registry
+def _collectors(r: CollectorRegistry) -> _Collectors:
+    return _Collectors(
+        drafted=Counter("specloop_spec_drafted_tokens",
+                        "Drafted tokens along each row's path (a tree's accepted path + 1).",
+                        registry=r),
+        draft_nodes=Counter("specloop_spec_draft_nodes",
+                            "Drafted tokens the target verified (every node of a tree).",
                             registry=r),
-            draft_nodes=Counter("specloop_spec_draft_nodes",
-                                "Drafted tokens the target verified (every node of a tree).",
-                                registry=r),
-            accepted=Counter(
-                "specloop_spec_accepted_tokens", "Accepted drafted tokens.", registry=r
-            ),
-            emitted=Counter(
-                "specloop_spec_emitted_tokens", "Tokens committed by verify steps.", registry=r
-            ),
-            verify_steps=Counter(
-                "specloop_spec_verify_steps", "Rows verified (request x step).", registry=r
-            ),
-            verify_batches=Counter(
-                "specloop_spec_verify_batches", "Target verify forwards.", registry=r
-            ),
-            accept_length=Histogram(
-                "specloop_spec_accept_length",
-                "Accepted drafted tokens per row and step.",
-                buckets=tuple(range(17)),
-                registry=r,
-            ),
-            draft_ms=Histogram(
-                "specloop_spec_draft_ms",
-                "Draft time per step (ms).",
-                buckets=_MS_BUCKETS,
-                registry=r,
-            ),
-            verify_ms=Histogram(
-                "specloop_spec_verify_ms",
-                "Verify time per step (ms).",
-                buckets=_MS_BUCKETS,
-                registry=r,
-            ),
-            batch_size=Histogram(
-                "specloop_spec_batch_size",
-                "Rows per verify step.",
-                buckets=(1, 2, 4, 8, 16, 32, 64, 128),
-                registry=r,
-            ),
-            finished=Counter(
-                "specloop_requests_finished", "Finished requests.", ["reason"], registry=r
-            ),
-            drafter_info=Gauge(
-                "specloop_drafter_info",
-                "Active drafter (value 1).",
-                ["kind", "version"],
-                registry=r,
-            ),
-            pos_drafted=Counter(
-                "specloop_spec_position_drafted",
-                "Drafted tokens by draft position (1 = first drafted token).",
-                ["position"],
-                registry=r,
-            ),
-            pos_accepted=Counter(
-                "specloop_spec_position_accepted",
-                "Accepted drafted tokens by draft position.",
-                ["position"],
-                registry=r,
-            ),
-            draft_length=Histogram(
-                "specloop_spec_draft_length",
-                "Drafted tokens per row and step: the k the policy chose (0 = speculation off).",
-                buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
-                registry=r,
-            ),
-            spec_off_rows=Counter(
-                "specloop_spec_off_rows",
-                "Rows verified with no draft (speculation off for that request and step).",
-                registry=r,
-            ),
-        )
-        _by_registry[registry] = c
-        return c
+        accepted=Counter(
+            "specloop_spec_accepted_tokens", "Accepted drafted tokens.", registry=r
+        ),
+        emitted=Counter(
+            "specloop_spec_emitted_tokens", "Tokens committed by verify steps.", registry=r
+        ),
+        verify_steps=Counter(
+            "specloop_spec_verify_steps", "Rows verified (request x step).", registry=r
+        ),
+        verify_batches=Counter(
+            "specloop_spec_verify_batches", "Target verify forwards.", registry=r
+        ),
+        accept_length=Histogram(
+            "specloop_spec_accept_length",
+            "Accepted drafted tokens per row and step.",
+            buckets=tuple(range(17)),
+            registry=r,
+        ),
+        draft_ms=Histogram(
+            "specloop_spec_draft_ms",
+            "Draft time per step (ms).",
+            buckets=_MS_BUCKETS,
+            registry=r,
+        ),
+        verify_ms=Histogram(
+            "specloop_spec_verify_ms",
+            "Verify time per step (ms).",
+            buckets=_MS_BUCKETS,
+            registry=r,
+        ),
+        batch_size=Histogram(
+            "specloop_spec_batch_size",
+            "Rows per verify step.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        ),
+        finished=Counter(
+            "specloop_requests_finished", "Finished requests.", ["reason"], registry=r
+        ),
+        drafter_info=Gauge(
+            "specloop_drafter_info",
+            "Active drafter (value 1).",
+            ["kind", "version"],
+            registry=r,
+        ),
+        pos_drafted=Counter(
+            "specloop_spec_position_drafted",
+            "Drafted tokens by draft position (1 = first drafted token).",
+            ["position"],
+            registry=r,
+        ),
+        pos_accepted=Counter(
+            "specloop_spec_position_accepted",
+            "Accepted drafted tokens by draft position.",
+            ["position"],
+            registry=r,
+        ),
+        draft_length=Histogram(
+            "specloop_spec_draft_length",
+            "Drafted tokens per row and step: the k the policy chose (0 = speculation off).",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+            registry=r,
+        ),
+        spec_off_rows=Counter(
+            "specloop_spec_off_rows",
+            "Rows verified with no draft (speculation off for that request and step).",
+            registry=r,
+        ),
+    )
 
 
 class SpecMetrics(BaseObserver):
@@ -256,15 +267,13 @@ class _PrefixCaches:
             yield family
 
 
-_prefix_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _PrefixCaches] = weakref.WeakKeyDictionary()
+@once_per_registry
+def _prefix_caches(registry: CollectorRegistry) -> _PrefixCaches:
+    collector = _PrefixCaches()
+    registry.register(collector)
+    return collector
 
 
 def watch_prefix_cache(cache, registry: CollectorRegistry | None = None) -> None:
     """Export ``cache``'s hit and prefilled token counts on ``registry`` (default: the process's)."""
-    registry = registry if registry is not None else REGISTRY
-    with _lock:
-        collector = _prefix_by_registry.get(registry)
-        if collector is None:
-            collector = _prefix_by_registry[registry] = _PrefixCaches()
-            registry.register(collector)
-    collector.caches.add(cache)
+    _prefix_caches(registry).caches.add(cache)

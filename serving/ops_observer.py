@@ -33,32 +33,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections import defaultdict
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter
 
 from feedback.ops.domains import DEFAULT, DomainCap
 from feedback.ops.drift import DriftDetector, DriftEvent
+from serving.metrics import once_per_registry
 from serving.observers import BaseObserver
 
 log = logging.getLogger(__name__)
 
-_drift_counters: weakref.WeakKeyDictionary[CollectorRegistry, Counter] = weakref.WeakKeyDictionary()
-_drift_lock = threading.Lock()
-
-
-def drift_counter(registry: CollectorRegistry | None = None) -> Counter:
-    """``specloop_acceptance_drift_total{domain}`` of ``registry`` (default: the process's), created
-    once per registry as serving/metrics.py's collectors are."""
-    registry = registry if registry is not None else REGISTRY
-    with _drift_lock:
-        found = _drift_counters.get(registry)
-        if found is None:
-            found = _drift_counters[registry] = Counter(
-                "specloop_acceptance_drift", "Acceptance drifts detected, by domain.", ["domain"],
-                registry=registry)
-        return found
+@once_per_registry
+def drift_counter(registry: CollectorRegistry) -> Counter:
+    """``specloop_acceptance_drift_total{domain}`` of ``registry`` (default: the process's)."""
+    return Counter("specloop_acceptance_drift", "Acceptance drifts detected, by domain.", ["domain"],
+                   registry=registry)
 
 
 class DriftObserver(BaseObserver):

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import CollectorRegistry
 
 from feedback.background.supervise import SupervisedThread
 from serving.live_acceptance import LiveAcceptance, RollbackJudge, collectors
@@ -83,7 +83,7 @@ class Swapper(SwapFollower):
         self.engine, self.live = engine, live
         self.registry, self.control = registry, control
         self.config = config or SwapConfig()
-        self._c = collectors(metrics_registry if metrics_registry is not None else REGISTRY)
+        self._c = collectors(metrics_registry)
         drafter = engine.drafter
         start_version = version or getattr(drafter, "version", None) or "none"
         self._start = self._current = _Installed(start_version, drafter)
