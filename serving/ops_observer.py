@@ -96,25 +96,15 @@ class DriftObserver(BaseObserver):
 class LiveOpsObserver(BaseObserver):
     """``drift``: the replica's DriftObserver, registered on the engine beside this observer (what
     serving/builder.py builds): this observer listens to it (its drifts go into the run) and tracks
-    its domains. A DriftDetector or None (an observer used alone): this observer detects drifts
-    itself, feeding a DriftObserver of its own around it (``drift_observer``) that counts on
-    ``registry`` and caps domains with ``domains``. ``on_drift``: one more listener of the drift
-    observer (e.g. the demo's table)."""
+    the same domains. None: no drifts recorded, domains capped by a DomainCap of its own."""
 
-    def __init__(self, run, every_s: float = 5.0, drift: DriftObserver | DriftDetector | None = None,
-                 on_drift=None, *, registry: CollectorRegistry | None = None,
-                 domains: DomainCap | None = None):
+    def __init__(self, run, every_s: float = 5.0, drift: DriftObserver | None = None):
         self.run = run
         self.every_s = every_s
-        self._feeds_drift = not isinstance(drift, DriftObserver)
-        self.drift_observer = drift if not self._feeds_drift else DriftObserver(
-            drift, registry=registry, domains=domains)
-        self.drift_observer.listeners.append(self.record_drift)
-        self.on_drift = on_drift
-        """Called with each DriftEvent (e.g. the Redis publisher, the demo's table)."""
-        if on_drift is not None:
-            self.drift_observer.listeners.append(on_drift)
-        self.domains = self.drift_observer.domains
+        self.drift_observer = drift
+        if drift is not None:
+            drift.listeners.append(self.record_drift)
+        self.domains = drift.domains if drift is not None else DomainCap()
         """The cap on domains tracked (the drift observer's: one cap for both)."""
         self._domain: dict[str, str] = {}
         self._reset()
@@ -124,12 +114,8 @@ class LiveOpsObserver(BaseObserver):
         self.flushes = 0
 
     @property
-    def drift(self) -> DriftDetector:
-        return self.drift_observer.detector
-
-    @property
     def drifts(self) -> list[DriftEvent]:
-        return self.drift_observer.drifts
+        return self.drift_observer.drifts if self.drift_observer is not None else []
 
     def _reset(self) -> None:
         self._drafted = defaultdict(int)
@@ -144,13 +130,9 @@ class LiveOpsObserver(BaseObserver):
 
     def on_request_start(self, request, prefill_features=None) -> None:
         self._domain[request.request_id] = self.domains(request.domain)
-        if self._feeds_drift:
-            self.drift_observer.on_request_start(request, prefill_features)
 
     def on_request_finish(self, request, output_ids, finish_reason, stats) -> None:
         self._domain.pop(request.request_id, None)
-        if self._feeds_drift:
-            self.drift_observer.on_request_finish(request, output_ids, finish_reason, stats)
 
     def record_drift(self, ev: DriftEvent) -> None:
         """A drift into the ops run (a DriftObserver listener)."""
@@ -167,8 +149,6 @@ class LiveOpsObserver(BaseObserver):
         timed = batch.draft_ms is not None and batch.verify_ms is not None
         step_ms = float(batch.draft_ms + batch.verify_ms) if timed else 0.0
         drafted_any = False
-        if self._feeds_drift:
-            self.drift_observer.on_step(batch)
         for i, rid in enumerate(batch.request_ids):
             dom = self._domain.get(rid, DEFAULT)
             n, a = int(batch.num_drafted[i]), int(batch.num_accepted[i])

@@ -34,27 +34,32 @@ def _render(url: str) -> str:
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make install adds it)")
 def test_mlflow_ui_shows_live_figures_and_the_drifting_domain(mlflow_server):
     from mlflow.tracking import MlflowClient
+    from prometheus_client import CollectorRegistry
 
     from feedback.ops.ops_log import open_run
     from feedback.target.fingerprint import TargetFingerprint
     from serving.engine.base import GenerationRequest, SamplingParams
-    from serving.ops_observer import LiveOpsObserver
+    from serving.ops_observer import DriftObserver, LiveOpsObserver
 
     fp = TargetFingerprint(model_id="browser-check", tokenizer_hash="t0", vocab_size=64)
     run = open_run(mlflow_server.url, fp, "serving", "acme", "r1", flush_s=0.1)
     from feedback.ops.drift import DriftDetector
 
     fast = DriftDetector(fast_steps=4, slow_steps=64, min_steps=8, persist_steps=3, cooldown_steps=0)
-    obs = LiveOpsObserver(run, every_s=0.0, drift=fast)  # a drift within 80 steps, not thousands
+    drift = DriftObserver(fast, registry=CollectorRegistry())  # a drift within 80 steps, not thousands
+    obs = LiveOpsObserver(run, every_s=0.0, drift=drift)
+    observers = (drift, obs)  # as the engine has them: each hears every request and step
     obs.on_drafter_change("suffix", "day0")
     for rid, dom in (("a", "chat"), ("b", "code")):
-        obs.on_request_start(GenerationRequest(request_id=rid, prompt_ids=[1], params=SamplingParams(),
-                                               domain=dom))
+        for o in observers:
+            o.on_request_start(GenerationRequest(request_id=rid, prompt_ids=[1], params=SamplingParams(),
+                                                 domain=dom))
 
     def step(code_accepted: int) -> None:
-        obs.on_step(SimpleNamespace(
-            request_ids=["a", "b"], num_drafted=np.array([4, 4]), num_accepted=np.array([2, code_accepted]),
-            emitted=[[7] * 3, [7] * (code_accepted + 1)], draft_ms=1.0, verify_ms=60.0))
+        for o in observers:
+            o.on_step(SimpleNamespace(
+                request_ids=["a", "b"], num_drafted=np.array([4, 4]), num_accepted=np.array([2, code_accepted]),
+                emitted=[[7] * 3, [7] * (code_accepted + 1)], draft_ms=1.0, verify_ms=60.0))
 
     for _ in range(60):
         step(3)
