@@ -9,8 +9,9 @@ were), a verify step with k drafts emits ``1 + a + a^2 + ... + a^k = (1 - a^(k+1
 tokens. When the drafter gives per-token confidences c_1..c_k, E = 1 + sum_j prod_{i<=j} c_i.
 k = 0 is plain decoding (1 token per target step); it wins when drafting does not pay.
 
-Costs are measured online: an EMA of draft milliseconds per drafted token and of verify
-milliseconds as a function of the number of verified positions (k+1). Until measured, a prior from
+Costs are measured online: an EMA of draft milliseconds per drafted token (and what one more token
+adds to a draft, ``CostModel.draft_ms_marginal``) and of verify milliseconds as a function of the
+number of verified positions (k+1). Until measured, a prior from
 this machine's figures is used (verify 4/8/16 tokens = 0.99/1.09/1.33 x one token).
 """
 
@@ -55,6 +56,8 @@ class CostModel:
     catch_up_decay: float = 0.98
     _verify_obs: dict[int, float] = field(default_factory=dict)
     _draft_measured: bool = False
+    _draft_sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    """EMA-weighted sums over drafts of (1, n, n^2, ms, n ms): the line ``draft_ms_marginal`` fits."""
     _catch_up_sum: float = 0.0
     _catch_up_drafts: float | None = None
 
@@ -72,13 +75,44 @@ class CostModel:
     def observe_draft(self, num_tokens: int, ms: float) -> None:
         """One draft of ``num_tokens`` positions in ``ms``. The first replaces the prior (a costly
         drafter judged at the prior's 0.05 ms per token for its first ~10 drafts paid for all of
-        them); later ones move an EMA."""
-        if num_tokens > 0:
-            per_token = ms / num_tokens
-            if not self._draft_measured:
-                self.draft_ms_per_token, self._draft_measured = per_token, True
-                return
-            self.draft_ms_per_token = (1 - self.ema) * self.draft_ms_per_token + self.ema * per_token
+        them); later ones move an EMA, and the line ``draft_ms_marginal`` reads."""
+        if num_tokens <= 0:
+            return
+        n, ms = float(num_tokens), float(ms)
+        per_token, point = ms / n, (1.0, n, n * n, ms, n * ms)
+        if not self._draft_measured:
+            self.draft_ms_per_token, self._draft_measured = per_token, True
+            self._draft_sums = point
+            return
+        self.draft_ms_per_token = (1 - self.ema) * self.draft_ms_per_token + self.ema * per_token
+        self._draft_sums = tuple((1 - self.ema) * s + self.ema * x for s, x in zip(self._draft_sums, point))
+
+    @property
+    def draft_ms_marginal(self) -> float:
+        """What one more drafted token adds to a draft's milliseconds: the slope of the line
+        ms = a + b n through the drafts (least squares, the same EMA weights), kept within [0, ms
+        per token]; ``draft_ms_per_token`` where the lengths hardly vary (a learned drafter asked
+        for one token each time) and the line is not determined.
+
+        Why a slope beside the price per token: a suffix index's draft is a lookup that costs
+        about the same for 2 or 8 tokens (~0.47 ms + ~0.02 ms a token on a 2-core EPYC, a 10 ms
+        step). Per token, 8 tokens looked like ~1-2 ms and the policy asked for 3-4 (GoodputPolicy's
+        ``_CHEAP_DRAFT``): its trees were verified at half the size the index offered (HumanEval:
+        1.87-1.98x at 2.4-2.6 tokens per verify, against 2.25-2.27x at 2.9-3.2 for full trees;
+        ARCHITECTURE.md, forty-third session). A learned drafter's draft is still priced per token
+        (``draft_ms``): its k is chosen on it, and a line through one- and two-token drafts is a noisy
+        thing to choose k on (priced on it, two held-out runs read day-0 speedups of 0.93 where
+        two priced per token read 0.99)."""
+        if not self._draft_measured:
+            return self.draft_ms_per_token
+        w, sn, snn, sms, snms = self._draft_sums
+        mean_n, mean_ms = sn / w, sms / w
+        spread = snn / w - mean_n * mean_n
+        if spread < _MIN_LENGTH_SPREAD:
+            return self.draft_ms_per_token
+        # kept >= 0: a hybrid's learned drafts, fewer tokens at more ms than its suffix drafts,
+        # tilt the line below 0
+        return min(max((snms / w - mean_n * mean_ms) / spread, 0.0), mean_ms / mean_n)
 
     @property
     def catch_up_ms_per_draft(self) -> float:
@@ -98,6 +132,11 @@ class CostModel:
     def draft_ms(self, k: int) -> float:
         """What a learned draft of ``k`` positions costs: its tokens and, amortised, its catch-ups."""
         return k * self.draft_ms_per_token + (self.catch_up_ms_per_draft if k > 0 else 0.0)
+
+
+_MIN_LENGTH_SPREAD = 0.25
+"""Variance of the drafted lengths (tokens^2) below which ``CostModel.draft_ms_marginal`` fits no
+slope."""
 
 
 def learned_goodput(acceptance: float, k: int, costs: CostModel, nodes: int | None = None) -> float:

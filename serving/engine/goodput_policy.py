@@ -29,10 +29,11 @@ over the rows: at batch 8 three confident rows may draft while five do not, wher
 every row had to pay for eight. Verify costs are measured per (batch size, node total) as robust
 medians (verify_costs.py: a plain step's median, and each total's ratio to it): a total that pays
 at batch 1 may not at batch 8, and n = 0 (plain decoding) wins where nothing pays. A drafter whose
-draft costs next to nothing (the suffix index) is asked for the full budget every step and the
-width decides; a costly drafter gets k from the acceptance estimate, and after a draft of its was cut
-to nothing it sits out 1, 3, 7, ... steps (a cut draft moves no estimate). Either way, once
-``probe_every`` drafts in a row were cut to nothing, it drafts only on probes (a probe verifies
+draft's cost hardly grows with its length (the suffix index's lookup;
+``CostModel.draft_ms_marginal``) is asked for the full budget every step and the width decides,
+its draft charged there; a costly drafter gets k from the acceptance estimate, and after a draft
+of its was cut to nothing it sits out 1, 3, 7, ... steps (a cut draft moves no estimate). Either
+way, once ``probe_every`` drafts in a row were cut to nothing, it drafts only on probes (a probe verifies
 the best non-empty width, so that the calibration keeps learning) until one pays again; probes
 are spaced to cost at most ``probe_budget`` (``probe_interval`` for a costly drafter,
 ``cheap_probe_interval`` at the batch size for a cheap one, whose verify is what costs).
@@ -80,8 +81,13 @@ many probes. A probe after a gap of G steps weighs 1 / (1 + 49 x 0.98^G): ~0.3 a
 _VERSIONS_KEPT = 8
 """Swapped-out versions whose live acceptance estimate is kept for a rollback to resume from."""
 
-_CHEAP_DRAFT = 0.01
-"""A draft of the full budget costing under this fraction of a target step is always asked for."""
+_CHEAP_DRAFT = 0.05
+"""A drafter whose full budget of tokens adds under this fraction of a target step to its draft
+(``CostModel.draft_ms_marginal``: what one more token adds, not the draft's ms per token) is asked
+for the full budget every step, and what its draft costs per step whatever the length is charged
+to the width instead (``choose_widths``). A suffix index's lookup on a 2-core EPYC (Zen 4): ~0.47
+ms a draft + ~0.02 ms a token against a 10 ms step, so 8 tokens add ~1.6 % of a step (the fit's
+noise: 0.2-3.6 %); a learned drafter's token is a forward, 3-14 % of a step each."""
 
 
 def _fresh_estimate(prior: float | None = None) -> AcceptanceEstimate:
@@ -168,7 +174,7 @@ class GoodputPolicy:
         if k_max <= 0:
             self._remember(0)
             return 0
-        cheap = self.costs.draft_ms_per_token * k_max < _CHEAP_DRAFT * self.costs.verify_ms(0)
+        cheap = self.costs.draft_ms_marginal * k_max < _CHEAP_DRAFT * self.costs.verify_ms(0)
         self._cheap = cheap
         # The estimate is the drafter's own acceptance unless a hybrid mixes the suffix index's
         # drafts into it: then it says nothing of a learned draft's best node (``choose_widths``).
@@ -219,7 +225,9 @@ class GoodputPolicy:
 
     def cheap_probe_interval(self, batch: int) -> int:
         """Steps between probes of a cheap drafter at this batch size (``ProbeSchedule``)."""
-        return self.probe.cheap_interval(self.verify_ms(batch, batch) / self.verify_ms(0, batch) - 1.0)
+        plain = self.verify_ms(0, batch)
+        extra = (self.verify_ms(batch, batch) + self._draft_ms.get(batch, 0.0)) / plain - 1.0
+        return self.probe.cheap_interval(extra)
 
     def on_drafter_change(self, prior_acceptance: float | None = None, *, version: str | None = None,
                           relative: float | None = None) -> None:

@@ -72,10 +72,11 @@ class ProbeSchedule:
         return max(self.every, math.ceil(cost / (self.budget * step)))
 
     def cheap_interval(self, extra_verify: float) -> int:
-        """Steps between probes of a cheap drafter, whose verify is what costs: ``extra_verify``
-        plain steps more than a plain step. At least ``every``, and at most ``budget`` of the plain
-        steps between two probes (at batch 8 on a 2-core CPU that verify costs ~0.5 plain steps: a
-        probe every 16 steps was 3 % of serving, the whole never-slower margin)."""
+        """Steps between probes of a cheap drafter, whose verify (and its draft's cost per step) is
+        what costs: ``extra_verify`` plain steps more than a plain step. At least ``every``, and at
+        most ``budget`` of the plain steps between two probes (at batch 8 on a 2-core CPU that
+        verify costs ~0.5 plain steps: a probe every 16 steps was 3 % of serving, the whole
+        never-slower margin)."""
         return max(self.every, math.ceil(extra_verify / self.budget))
 
     def observe_cost(self, draft_ms: float, verify_ms: float, plain_ms: float) -> None:

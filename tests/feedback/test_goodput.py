@@ -100,3 +100,32 @@ def test_an_observation_after_idle_steps_weighs_as_the_aged_evidence_allows():
     est.observe(drafted, nothing)  # no idle step before it: an EMA step again
     after_one_idle = 0.4 * (19 * 0.99) / (19 * 0.99 + 1)
     assert est.value == pytest.approx(after_one_idle * 0.95)
+
+
+def test_what_one_more_drafted_token_costs_is_measured_apart_from_the_price_per_token():
+    """A suffix index's lookup on a 2-core EPYC: ~0.47 ms a draft + ~0.02 ms a token. Per token
+    (ms / n) a draft of 8 looked like ~1 ms; one more token adds ~0.02 ms."""
+    costs = CostModel()
+    for i in range(200):
+        n = 1 + i % 8
+        costs.observe_draft(n, 0.47 + 0.02 * n)
+    assert costs.draft_ms_marginal == pytest.approx(0.02, abs=0.002)
+    assert costs.draft_ms_per_token > 0.1  # the price a learned drafter's k is still chosen on
+
+
+def test_a_drafts_marginal_cost_is_its_price_per_token_where_its_length_never_varies():
+    costs = CostModel()
+    assert costs.draft_ms_marginal == costs.draft_ms_per_token  # the prior, before any draft
+    for _ in range(50):
+        costs.observe_draft(1, 3.0)
+    assert costs.draft_ms_marginal == pytest.approx(3.0)
+    assert costs.draft_ms(2) == pytest.approx(6.0)
+
+
+def test_drafts_longer_and_cheaper_at_once_add_nothing_per_token_rather_than_less_than_nothing():
+    """A hybrid's learned drafts are short and dear, its suffix drafts long and cheap: the line
+    through them slopes down."""
+    costs = CostModel()
+    for i in range(100):
+        costs.observe_draft(*((1, 3.0) if i % 2 else (8, 0.5)))
+    assert costs.draft_ms_marginal == 0.0
