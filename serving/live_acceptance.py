@@ -28,8 +28,9 @@ after which the restored drafter read the same tokens per verify as the rolled-b
 
 The per-version gauges (``specloop_drafter_live_accept_len{version}``, ``_live_acceptance_rate``)
 are kept for the versions still relevant: the installed one and the one before it (what a rollback
-watch compares), as the engine announces them (``on_drafter_change``). A version that leaves them
-(a third swap, or a rollback away from it) has its label sets removed, as
+watch compares), as the Swapper tells them (``track``: it alone knows a rollback from an operator's
+swap back to the version before), else as the engine announces them (``on_drafter_change``). A
+version that leaves them (a third swap, or a rollback away from it) has its label sets removed, as
 ``specloop_drafter_info`` does: kept, a rolled-back version read its last value forever (alerts
 fired on it), and a refresh promotion every 20 s grew the series without bound. Its in-memory
 counts stay until ``take_unflushed`` has delivered them; the last ``RETIRED_KEPT`` retired versions
@@ -133,11 +134,13 @@ class LiveAcceptance(BaseObserver):
 
     ``listener(version, stats)`` is called after each step, on the engine's thread.
 
-    Relevant versions (gauges kept): the installed one and the one before it, from the engine's
-    ``on_drafter_change``. A change to a new version makes the installed one the one before and
-    retires the one that was; a change back to the one before (a rollback) retires the version
-    left. Until the engine announced a version (an observer added after the engine started), the
-    versions the steps carry stand for the announcements."""
+    Relevant versions (gauges kept): the installed one and the one before it. A Swapper says which
+    they are (``track``); from its first word on, the engine's announcements no longer move them.
+    Without one, they follow the engine's ``on_drafter_change``: a change to a new version makes the
+    installed one the one before and retires the one that was; a change back to the one before
+    (taken for a rollback) retires the version left. Until the engine announced a version (an
+    observer added after the engine started), the versions the steps carry stand for the
+    announcements."""
 
     def __init__(self, alpha: float = 0.1, registry: CollectorRegistry | None = None):
         self.alpha = alpha
@@ -148,6 +151,8 @@ class LiveAcceptance(BaseObserver):
         self._current: str | None = None
         self._previous: str | None = None
         self._announced = False
+        self._tracked = False
+        """A Swapper said which versions are relevant (``track``)."""
         self._retired: list[str] = []
         """Versions whose gauges were removed, oldest first (their stats may still be here)."""
 
@@ -160,7 +165,18 @@ class LiveAcceptance(BaseObserver):
     def on_drafter_change(self, kind: str, version: str) -> None:
         with self._lock:
             self._announced = True
-            self._change(version)
+            if not self._tracked:
+                self._change(version)
+
+    def track(self, installed: str, previous: str | None) -> None:
+        """The Swapper's word: ``installed`` is live and ``previous`` is what a rollback would
+        restore (None after a rollback, or a swap it does not watch). An operator's swap back to
+        the version before is a swap: the version it leaves stays ``previous``, gauged, where the
+        engine's announcement alone reads as a rollback and retired it. The announcements come
+        later (from the step thread), so from here on they no longer move the versions."""
+        with self._lock:
+            self._announced = self._tracked = True
+            self._keep(installed, previous)
 
     def _change(self, version: str) -> None:
         """``version`` is installed now (caller holds the lock)."""
@@ -168,15 +184,29 @@ class LiveAcceptance(BaseObserver):
         if version == current:
             return
         if version == previous:  # back to the one before: a rollback; the version left is done
-            self._retire(current)
-            self._previous = None
+            self._keep(version, None)
         else:
-            self._retire(previous)
-            self._previous = current
-        self._current = version
-        if version in self._retired:
-            self._retired.remove(version)
+            self._keep(version, current)
+
+    def _keep(self, current: str, previous: str | None) -> None:
+        """``current`` installed after ``previous``: the versions that leave the two are retired, a
+        retired one that comes back has its gauges again (caller holds the lock)."""
+        for version in (self._current, self._previous):
+            if version is not None and version not in (current, previous):
+                self._retire(version)
+        self._current, self._previous = current, previous
+        for version in (current, previous):
+            if version in self._retired:
+                self._retired.remove(version)
+                self._gauge(version)
         self._prune()
+
+    def _gauge(self, version: str) -> None:
+        """Set ``version``'s gauges from its stats, if it stepped (caller holds the lock)."""
+        s = self._stats.get(version)
+        if s is not None and s.ema is not None:
+            self._c.live_accept_len.labels(version=version).set(s.ema)
+            self._c.live_acceptance_rate.labels(version=version).set(s.acceptance_rate)
 
     def _retire(self, version: str | None) -> None:
         if version is None:
@@ -228,8 +258,7 @@ class LiveAcceptance(BaseObserver):
             d, a, r = s.unflushed
             s.unflushed = (d + drafted, a + accepted, r + rows)
             if version in (self._current, self._previous):  # under the lock: not after a retirement
-                self._c.live_accept_len.labels(version=version).set(s.ema)
-                self._c.live_acceptance_rate.labels(version=version).set(s.acceptance_rate)
+                self._gauge(version)
         if self.listener is not None:
             self.listener(version, s)
 

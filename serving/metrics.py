@@ -29,8 +29,9 @@ Series (``row`` = one request in one verify step):
                                            prefilled (read from the caches at scrape time)
     (elsewhere: specloop_traces_shed_total{reason} in feedback/bus/kafka_sink.py, specloop_drafter_swaps_total
     / _rollbacks_total / _refused_total and specloop_drafter_live_accept_len{version} /
-    _live_acceptance_rate{version} in serving/live_acceptance.py, specloop_acceptance_drift_total{domain} in
-    serving/ops_observer.py, specloop_loop_errors_total{loop} in feedback/background/supervise.py,
+    _live_acceptance_rate{version} in serving/live_acceptance.py, specloop_acceptance_drift_total{domain} and
+    specloop_estimated_speedup{batch} (with an MLflow ops run) in serving/ops_observer.py,
+    specloop_loop_errors_total{loop} in feedback/background/supervise.py,
     specloop_traces_followed_total{result} in serving/trace_follow.py)
 
 engine=sglang: the per-step series (all but specloop_requests_finished_total and specloop_drafter_info)

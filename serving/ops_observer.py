@@ -10,9 +10,13 @@ own thread sends them:
     step_ms                      wall ms of a verify step (draft + verify), over the steps whose
                                  engine measured both (TorchEngine; SGLang's steps carry no timings,
                                  so under SGLang step_ms and est_speedup are absent)
-    est_speedup                  tokens per verify x plain step ms / step ms, where plain step ms is
-                                 the running average of timed steps that drafted nothing (probes
-                                 and k = 0 steps); absent until one was seen
+    est_speedup.batch<b>         tokens per ms of the window's timed steps of batch bucket <b> ("1",
+                                 "2-3", "4-7", "8-15", ...: powers of two) over plain decoding's at
+                                 the same batch sizes (``estimated_speedup``); absent for a bucket
+                                 none of whose batch sizes has a plain step in the last
+                                 ``plain_max_age_s`` (default 10 min); also the Prometheus gauge
+                                 ``specloop_estimated_speedup{batch}`` (removed where absent)
+    est_speedup                  the same over every batch size with a fresh plain figure
     drift.<domain>               1 at a drift (from the DriftObserver), also an ``event.drift``
 plus events for drafter changes (swaps, rollbacks: ``event.drafter_change`` with kind/version).
 Requests with ``train: false`` are counted like any other (no content reaches MLflow).
@@ -35,10 +39,11 @@ import threading
 import time
 from collections import defaultdict
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from feedback.ops.domains import DEFAULT, DomainCap
 from feedback.ops.drift import DriftDetector, DriftEvent
+from serving.engine.verify_costs import VerifyCosts
 from serving.metrics import once_per_registry
 from serving.observers import BaseObserver
 
@@ -49,6 +54,26 @@ def drift_counter(registry: CollectorRegistry) -> Counter:
     """``specloop_acceptance_drift_total{domain}`` of ``registry`` (default: the process's)."""
     return Counter("specloop_acceptance_drift", "Acceptance drifts detected, by domain.", ["domain"],
                    registry=registry)
+
+
+@once_per_registry
+def speedup_gauge(registry: CollectorRegistry) -> Gauge:
+    """``specloop_estimated_speedup{batch}`` of ``registry`` (default: the process's)."""
+    return Gauge("specloop_estimated_speedup",
+                 "Tokens per ms over plain decoding's at the same batch sizes, by batch bucket "
+                 "(the last ops flush window's; absent without a recent plain step).", ["batch"],
+                 registry=registry)
+
+
+PLAIN_MAX_AGE_S = 600.0
+"""A batch size's plain figure older than this (no plain step of that size since) is stale: a
+speedup is no longer estimated from it."""
+
+
+def batch_bucket(batch: int) -> str:
+    """The label of ``batch``'s bucket: powers of two ("1", "2-3", "4-7", "8-15", ...)."""
+    lo = 1 << (max(1, batch).bit_length() - 1)
+    return "1" if lo == 1 else f"{lo}-{2 * lo - 1}"
 
 
 class DriftObserver(BaseObserver):
@@ -62,6 +87,7 @@ class DriftObserver(BaseObserver):
                  domains: DomainCap | None = None, listeners=()):
         self.detector = detector if detector is not None else DriftDetector()
         self.domains = domains if domains is not None else DomainCap()
+        self.registry = registry
         self.counter = drift_counter(registry)
         self.listeners: list = list(listeners)
         self.drifts: list[DriftEvent] = []
@@ -95,10 +121,22 @@ class DriftObserver(BaseObserver):
 
 class LiveOpsObserver(BaseObserver):
     """``drift``: the replica's DriftObserver, registered on the engine beside this observer (what
-    serving/builder.py builds): this observer listens to it (its drifts go into the run) and tracks
-    the same domains. None: no drifts recorded, domains capped by a DomainCap of its own."""
+    serving/builder.py builds): this observer listens to it (its drifts go into the run), tracks
+    the same domains and sets its speedup gauge in the same registry. None: no drifts recorded,
+    domains capped by a DomainCap of its own, the gauge in the process's registry.
 
-    def __init__(self, run, every_s: float = 5.0, drift: DriftObserver | None = None):
+    The speedup estimate compares like with like: a step at batch B is priced against a plain step
+    at batch B (which emits B tokens), and the figures are summed per bucket of batch sizes
+    (``estimated_speedup``). The plain figure at B is the median verify ms of the recent timed steps
+    of B rows that verified no draft (a draft cut to nothing is not plain decoding's cost): the
+    goodput policy's measure (serving/engine/verify_costs.py), kept here by a VerifyCosts of this
+    observer's own, since the VerifyBatch does not carry the policy's (which times the step after
+    the draft, observers included, and exists with ``adaptive_k`` only). A batch size with no plain
+    step for ``plain_max_age_s`` (speculation on at every step) has no figure: its steps are left
+    out of the estimate, rather than priced against a machine as it ran long ago."""
+
+    def __init__(self, run, every_s: float = 5.0, drift: DriftObserver | None = None,
+                 plain_max_age_s: float = PLAIN_MAX_AGE_S):
         self.run = run
         self.every_s = every_s
         self.drift_observer = drift
@@ -106,10 +144,15 @@ class LiveOpsObserver(BaseObserver):
             drift.listeners.append(self.record_drift)
         self.domains = drift.domains if drift is not None else DomainCap()
         """The cap on domains tracked (the drift observer's: one cap for both)."""
+        self.speedup = speedup_gauge(drift.registry if drift is not None else None)
+        self.plain_max_age_s = plain_max_age_s
         self._domain: dict[str, str] = {}
         self._reset()
         self._last = time.monotonic()
-        self._plain_ms: float | None = None
+        self._plain = VerifyCosts()
+        """Plain steps' verify ms per batch size (``plain_ms(batch)``: the median of the recent)."""
+        self._plain_at: dict[int, float] = {}  # batch size -> monotonic time of its last plain step
+        self._gauged: set[str] = set()
         self.step = 0
         self.flushes = 0
 
@@ -127,6 +170,8 @@ class LiveOpsObserver(BaseObserver):
         self._steps = 0
         self._timed_steps = 0
         self._step_ms = 0.0
+        self._batch_ms = defaultdict(float)  # batch size -> ms of its timed steps
+        self._batch_tokens = defaultdict(int)  # batch size -> tokens its timed steps emitted
 
     def on_request_start(self, request, prefill_features=None) -> None:
         self._domain[request.request_id] = self.domains(request.domain)
@@ -149,22 +194,29 @@ class LiveOpsObserver(BaseObserver):
         timed = batch.draft_ms is not None and batch.verify_ms is not None
         step_ms = float(batch.draft_ms + batch.verify_ms) if timed else 0.0
         drafted_any = False
+        tokens = 0
         for i, rid in enumerate(batch.request_ids):
             dom = self._domain.get(rid, DEFAULT)
             n, a = int(batch.num_drafted[i]), int(batch.num_accepted[i])
             self._drafted[dom] += n
             self._accepted[dom] += a
-            self._emitted[dom] += len(batch.emitted[i])
+            emitted = len(batch.emitted[i])
+            tokens += emitted
+            self._emitted[dom] += emitted
             self._row_steps[dom] += 1
             self._rows += 1
             self._off += n == 0
             drafted_any |= n > 0
-        if timed and not drafted_any:
-            self._plain_ms = step_ms if self._plain_ms is None else 0.9 * self._plain_ms + 0.1 * step_ms
         self._steps += 1
-        if timed:
+        rows = len(batch.request_ids)
+        if timed and rows:
+            if not drafted_any:
+                self._plain.observe(rows, 0, float(batch.verify_ms))
+                self._plain_at[rows] = time.monotonic()
             self._timed_steps += 1
             self._step_ms += step_ms
+            self._batch_ms[rows] += step_ms
+            self._batch_tokens[rows] += tokens
         if time.monotonic() - self._last >= self.every_s:
             self.flush()
 
@@ -182,13 +234,39 @@ class LiveOpsObserver(BaseObserver):
         m |= {"tokens_per_verify": tpv, "k_mean": sum(self._drafted.values()) / rows,
               "spec_off_fraction": self._off / rows}
         if self._timed_steps:
-            step_ms = self._step_ms / self._timed_steps
-            m["step_ms"] = step_ms
-            if self._plain_ms and step_ms:
-                m["est_speedup"] = tpv * self._plain_ms / step_ms
+            m["step_ms"] = self._step_ms / self._timed_steps
+        speedups = self.estimated_speedup()
+        m |= {("est_speedup" if b is None else f"est_speedup.batch{b}"): x for b, x in speedups.items()}
+        for b in self._gauged - speedups.keys():  # no estimate this window: no stale value either
+            try:
+                self.speedup.remove(b)
+            except KeyError:  # another observer of the registry removed it
+                pass
+        for b, x in speedups.items():
+            if b is not None:
+                self.speedup.labels(batch=b).set(x)
+        self._gauged = {b for b in speedups if b is not None}
         self.run.metrics(m, self.step)
         self.flushes += 1
         self._reset()
+
+    def estimated_speedup(self) -> dict[str | None, float]:
+        """{batch bucket: speedup} over this window's timed steps, and under None over all of them:
+        the ms plain decoding would have taken for their tokens (at each step's batch size B, a
+        plain step of the median plain verify ms emits B tokens) over the ms they took. Batch sizes
+        without a plain figure seen in the last ``plain_max_age_s`` are left out; a bucket left with
+        none has no entry."""
+        now = time.monotonic()
+        plain_ms: dict[str | None, float] = defaultdict(float)
+        took_ms: dict[str | None, float] = defaultdict(float)
+        for batch, ms in self._batch_ms.items():
+            plain = self._plain.plain_ms(batch)
+            if plain is None or now - self._plain_at[batch] > self.plain_max_age_s:
+                continue
+            for key in (batch_bucket(batch), None):
+                plain_ms[key] += plain * self._batch_tokens[batch] / batch
+                took_ms[key] += ms
+        return {key: plain_ms[key] / ms for key, ms in took_ms.items() if ms > 0}
 
 
 class DriftPublisher:

@@ -200,8 +200,7 @@ class Swapper(SwapFollower):
                 if (unchanged := self._unchanged(version, reason, force)) is not None:
                     return unchanged
                 old = self._current
-                self._install(_Installed(version, drafter))
-                self._previous = old if watch else None
+                self._install(_Installed(version, drafter), old if watch else None)
                 if watch:
                     self._watch.begin(version, self.live.recent(old.version))
                 else:
@@ -239,8 +238,7 @@ class Swapper(SwapFollower):
                                         "nothing rolled back")
             if prev is None:
                 raise NothingToRollBack("no previous drafter to roll back to")
-            self._install(prev)
-            self._previous = None
+            self._install(prev, None)
             self._watch.end()
             self._rejected[bad.version] = "rolled back"
             self._last_champion = prev.version
@@ -281,9 +279,13 @@ class Swapper(SwapFollower):
         drafter.version = version  # traces, metrics and MLflow all speak registry versions
         return drafter
 
-    def _install(self, installed: _Installed) -> None:
+    def _install(self, installed: _Installed, previous: _Installed | None) -> None:
+        """Install ``installed``, after ``previous`` (what a rollback restores; None: nothing). The
+        live gauges follow this state (``LiveAcceptance.track``), not the engine's announcements,
+        which cannot tell a rollback from an operator's swap back to the version before."""
         self.engine.swap_drafter(installed.drafter)
-        self._current = installed
+        self._current, self._previous = installed, previous
+        self.live.track(installed.version, previous.version if previous is not None else None)
 
     def _run(self) -> None:
         cfg = self.config

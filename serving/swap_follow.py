@@ -78,8 +78,7 @@ class SwapFollower:
             old = self._current
             if old.version != from_version or old is self._start:
                 return
-            self._install(self._start)
-            self._previous = None
+            self._install(self._start, None)
             self._watch.end()
             self.swaps += 1
             self._c.swaps.inc()

@@ -255,6 +255,62 @@ def test_before_any_announcement_the_steps_tell_the_versions():
     assert _only(reg, {"b", "c"})
 
 
+@pytest.mark.parametrize("announced_at_once", [True, False], ids=["announced-at-once", "announced-later"])
+def test_an_operators_swap_back_to_the_version_before_is_a_swap_in_the_gauges(announced_at_once):
+    """An operator's POST /admin/drafter/swap to the version before the live one: the Swapper
+    swaps (the version left is the one it watches against and would roll back to), but the engine's
+    announcement of a change back to the version before read as a rollback, and that version lost
+    its gauges. The Swapper now says which versions are relevant; a rollback still retires the
+    version it leaves. The engine announces at once (SGLangEngine) or from its step thread, later
+    (TorchEngine)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from feedback.bus.trace import DrafterKind
+    from serving.live_acceptance import LiveAcceptance
+    from serving.swap import SwapConfig, Swapper
+
+    reg = CollectorRegistry()
+    live = LiveAcceptance(registry=reg)
+
+    class Engine:  # what a Swapper needs of an engine
+        drafter = SimpleNamespace(kind="standalone", version="day0")
+
+        def swap_drafter(self, drafter):
+            self.drafter = drafter
+            if announced_at_once:
+                live.on_drafter_change(drafter.kind, drafter.version)
+
+    engine = Engine()
+    swapper = Swapper(engine, None, live, config=SwapConfig(tenant="t", poll_interval_s=0.0, replica_id="r1"),
+                      metrics_registry=reg)
+    swapper.fetch.fetch = lambda version, beside: SimpleNamespace(kind="standalone", version=None)
+    live.on_drafter_change("standalone", "day0")  # the engine's start
+
+    def serve():
+        if not announced_at_once:
+            live.on_drafter_change(engine.drafter.kind, engine.drafter.version)
+        _live_step(live, [2], [1], [DrafterKind.SELFSPEC], engine.drafter.version)
+
+    try:
+        serve()
+        for version in ("1", "2"):
+            swapper.swap_to(version, reason="admin")
+            serve()
+        assert live.gauged == ("2", "1") and _only(reg, {"1", "2"})
+        swapper.swap_to("1", reason="admin")  # the operator's swap back: watched against 2
+        serve()
+        assert swapper.status()["previous_version"] == "2"
+        assert live.gauged == ("1", "2") and _only(reg, {"1", "2"})
+        assert reg.get_sample_value("specloop_drafter_live_accept_len", {"version": "2"}) == live.get("2").ema
+        swapper.rollback(reason="operator")  # a rollback of 1: 1 is done with
+        serve()
+        assert live.gauged == ("2",) and _only(reg, {"2"})
+    finally:
+        swapper.stop()
+
+
 def test_a_rolled_back_version_leaves_metrics_and_its_last_acceptance_reaches_mlflow(tmp_path):
     """A real Swapper on a tiny target: version 1 swapped in, served, rolled back to day 0. /metrics
     then shows no live gauge for 1 (it showed its last value for the life of the process), and the

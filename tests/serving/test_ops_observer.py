@@ -70,19 +70,20 @@ def test_prometheus_acceptance_by_position_k_and_speculation_off():
     assert val("specloop_spec_draft_nodes_total") == val("specloop_spec_drafted_tokens_total") == 5  # chains
 
 
-def _step(draft_ms=None, verify_ms=None, drafted=2, accepted=1):
-    """A one-row VerifyBatch; without timings as SGLang's steps arrive (the defaults)."""
+def _step(draft_ms=None, verify_ms=None, drafted=2, accepted=1, rows=1):
+    """A VerifyBatch of ``rows`` rows alike (one by default); without timings as SGLang's steps
+    arrive (the defaults)."""
     import numpy as np
 
     from serving.engine.base import VerifyBatch
 
     timings = {} if draft_ms is None else {"draft_ms": draft_ms, "verify_ms": verify_ms}
-    return VerifyBatch(request_ids=["a"], positions=np.array([0], np.int32),
-                       num_drafted=np.array([drafted], np.int16),
-                       num_accepted=np.array([accepted], np.int16), source=np.array([1], np.uint8),
-                       draft_ids=np.zeros((1, drafted), np.int32),
-                       draft_probs=np.zeros((1, drafted), np.float32),
-                       emitted=[[7] * (accepted + 1)], **timings)
+    return VerifyBatch(request_ids=[f"r{i}" for i in range(rows)], positions=np.zeros(rows, np.int32),
+                       num_drafted=np.full(rows, drafted, np.int16),
+                       num_accepted=np.full(rows, accepted, np.int16), source=np.ones(rows, np.uint8),
+                       draft_ids=np.zeros((rows, drafted), np.int32),
+                       draft_probs=np.zeros((rows, drafted), np.float32),
+                       emitted=[[7] * (accepted + 1) for _ in range(rows)], **timings)
 
 
 def test_draft_and_verify_time_are_observed_only_when_the_engine_measured_them():
@@ -132,11 +133,66 @@ def test_ops_step_ms_and_speedup_come_from_timed_steps_only():
     obs = LiveOpsObserver(timed, every_s=3600)
     obs.on_step(_step(draft_ms=0.0, verify_ms=10.0, drafted=0, accepted=0))  # plain step: 10 ms
     obs.on_step(_step(draft_ms=2.0, verify_ms=12.0))
-    obs.on_step(_step())  # an untimed step counts for tokens, not for time
+    obs.on_step(_step())  # an untimed step counts for tokens, not for time (nor for the speedup)
     obs.flush()
     (point,) = timed.points
     assert point["step_ms"] == 12.0
-    assert point["est_speedup"] == (5 / 3) * 10.0 / 12.0
+    assert point["est_speedup"] == point["est_speedup.batch1"] == 3 * 10.0 / 24.0  # 3 tokens in 24 ms
+
+
+def test_speedup_compares_steps_with_plain_steps_of_their_own_batch_size():
+    """est_speedup was tokens per row x one average of every plain step, whatever its batch size,
+    / the mean step: plain steps at batch 1 (10 ms) priced steps at batch 8 (~30 ms), and this
+    window read 0.84 where both batch sizes ran ~1.4x plain decoding. Each batch size is now
+    priced against its own plain steps, summed per bucket, and /metrics has the figure too."""
+    from serving.ops_observer import DriftObserver
+
+    reg = CollectorRegistry()
+    obs = LiveOpsObserver(_Run(), every_s=3600, drift=DriftObserver(registry=reg))
+    obs.on_step(_step(draft_ms=0.0, verify_ms=10.0, drafted=0, accepted=0))  # batch 1, plain: 10 ms
+    obs.on_step(_step(draft_ms=1.0, verify_ms=11.0))  # batch 1: 2 tokens in 12 ms
+    obs.on_step(_step(draft_ms=0.5, verify_ms=24.0, drafted=0, accepted=0, rows=8))  # a draft cut to nothing
+    for _ in range(3):
+        obs.on_step(_step(draft_ms=2.0, verify_ms=30.0, rows=8))  # batch 8: 16 tokens in 32 ms
+    obs.flush()
+    (point,) = obs.run.points
+    batch1 = 10.0 * 3 / 22  # plain decoding: 3 tokens in 30 ms; 22 ms taken
+    batch8 = 24.0 * (8 + 3 * 16) / 8 / (24.5 + 3 * 32)  # the plain figure is the verify's 24 ms
+    assert point["est_speedup.batch1"] == pytest.approx(batch1)
+    assert point["est_speedup.batch8-15"] == pytest.approx(batch8)
+    assert point["est_speedup"] == pytest.approx((30 + 168) / (22 + 120.5))
+    assert reg.get_sample_value("specloop_estimated_speedup", {"batch": "1"}) == pytest.approx(batch1)
+    assert reg.get_sample_value("specloop_estimated_speedup", {"batch": "8-15"}) == pytest.approx(batch8)
+
+
+def test_a_plain_figure_older_than_plain_max_age_s_estimates_nothing():
+    """Once every step drafted, est_speedup divided by the last plain steps' figure for good, however
+    long ago they ran. A batch size without a plain step in ``plain_max_age_s`` has no estimate, in
+    MLflow and on /metrics (its gauge is removed, not left at its last value), until one comes."""
+    from serving.ops_observer import DriftObserver
+
+    reg = CollectorRegistry()
+    obs = LiveOpsObserver(_Run(), every_s=3600, drift=DriftObserver(registry=reg))
+
+    def gauge():
+        return reg.get_sample_value("specloop_estimated_speedup", {"batch": "1"})
+
+    obs.on_step(_step(draft_ms=0.0, verify_ms=10.0, drafted=0, accepted=0))
+    obs.on_step(_step(draft_ms=1.0, verify_ms=11.0))
+    obs.flush()
+    assert obs.run.points[-1]["est_speedup.batch1"] == pytest.approx(30 / 22) == gauge()
+    obs.plain_max_age_s = 0.01
+    time.sleep(0.02)  # at least: the plain figure is older than its age now
+    obs.on_step(_step(draft_ms=1.0, verify_ms=11.0))
+    obs.flush()
+    point = obs.run.points[-1]
+    assert point["step_ms"] == 12.0 and not any(k.startswith("est_speedup") for k in point)
+    assert gauge() is None
+    obs.plain_max_age_s = 600.0
+    obs.on_step(_step(draft_ms=0.0, verify_ms=12.0, drafted=0, accepted=0))  # a probe's plain step
+    obs.on_step(_step(draft_ms=1.0, verify_ms=11.0))
+    obs.flush()
+    assert obs.run.points[-1]["est_speedup.batch1"] == pytest.approx(11.0 * 3 / 24) == gauge()
 
 
 def test_specloop_serve_opens_its_replicas_ops_run(tmp_path):
