@@ -235,9 +235,10 @@ def bench_online(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
-    from infra.root import build_stack, load_settings
+    from infra.root import build_stack, cli_settings
     from serving.target import load_target
 
+    settings = cli_settings()  # a bad SPECLOOP_* value: one line, before anything loads
     torch.set_num_threads(threads)
     items = stream_items(prompts, chat, code)  # read before the target loads (checked when parsed)
     day0 = day0_artifact_meta(day0_artifact)
@@ -248,7 +249,7 @@ def bench_online(
     stream = encode(items, target.tokenizer)
     cfg = LoopConfig(k=k, max_tokens=max_tokens, adaptive_k=adaptive_k, day0_init=learned, day0_artifact=day0_artifact)
     with tempfile.TemporaryDirectory(prefix="specloop-bench-online-") as tmp:
-        stack = build_stack(load_settings(), tmp)
+        stack = build_stack(settings, tmp)
         try:
             started = time.perf_counter()
             info = stack.up()
@@ -256,7 +257,7 @@ def bench_online(
                                       load_target=load_target))
             out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
             out["suffix_seed"] = seed_summary(seed)
-            out["bf16_activations"] = served_bf16_activations(load_settings())
+            out["bf16_activations"] = served_bf16_activations(settings)
         finally:
             stack.down()
     print_json(out, json_out)

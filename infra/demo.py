@@ -21,7 +21,14 @@ from pathlib import Path
 import typer
 
 from infra.artifact_options import DAY0_OPTION, check_target, day0_artifact_meta
-from infra.suffix_seed import current_seed, seed_option, seed_summary, use_suffix_seed
+from infra.suffix_seed import (
+    current_seed,
+    load_model_option,
+    model_option,
+    seed_option,
+    seed_summary,
+    use_suffix_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +266,7 @@ def demo(
                                        "pre-trained with `specloop train --corpus`): the hybrid drafts with it "
                                        "from the first request and the trainer refines it."),
     suffix_seed: int = seed_option(),
+    model: str | None = model_option(),
 ) -> None:
     """Run the closed loop live: serve -> trace -> train -> register -> swap, on a domain shift."""
     if learned not in ("target-layers", "selfspec"):
@@ -272,17 +280,16 @@ def demo(
     from infra.loop import LoopConfig
     from infra.prompts import encode, stream_items
     from infra.root import build_stack, load_settings
-    from serving.target import load_target
 
     logging.basicConfig(level=logging.WARNING)
     console = Console()
+    target = load_model_option(model)  # before the run directory: a bad setting or --model is one line
     run_dir = (run_dir or Path("specloop-demo") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"run directory: {run_dir}")
     torch.set_num_threads(threads)
     stack = None
     try:
-        target = load_target()
         if day0 is not None:  # built for this target? (checked again when the drafter is built)
             check_target(day0, day0_artifact, DAY0_OPTION, target.fingerprint)
         seed = use_suffix_seed(target, suffix_seed)  # serving's suffix index and the trainer's gate

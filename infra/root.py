@@ -25,6 +25,20 @@ def load_settings(**sections) -> SpecloopSettings:
     return SpecloopSettings.load(**sections)
 
 
+def cli_settings(**sections) -> SpecloopSettings:
+    """``load_settings`` for a command that reads the tree itself (suffix-seed, demo, ``bench
+    online``): a bad ``SPECLOOP_*`` value is a usage error in one line, as ``specloop serve`` says
+    it (feedback/pydantic_errors.py), before anything loads, not a traceback."""
+    import typer
+
+    from feedback.pydantic_errors import SETTINGS_ERRORS, first_settings_error
+
+    try:
+        return load_settings(**sections)
+    except SETTINGS_ERRORS as exc:
+        raise typer.BadParameter(first_settings_error(exc)) from exc
+
+
 def serving_settings(overrides: dict):
     """What ``specloop serve`` / ``generate`` run with: the tree's serving section."""
     return load_settings(serving=overrides).serving

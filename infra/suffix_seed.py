@@ -35,6 +35,25 @@ def seed_option():
                         "`specloop suffix-seed`); 0: indexes start empty.")
 
 
+def model_option():
+    """``--model``, as suffix-seed and demo take it (``load_model_option``)."""
+    return typer.Option(None, help="Target: a Hugging Face directory or the default's name "
+                        "(default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct).")
+
+
+def load_model_option(model: str | None):
+    """The target ``specloop serve`` would serve: ``model`` (``--model``), else the settings'
+    (SPECLOOP_MODEL). A bad setting, or a model that does not exist, is a usage error in one line."""
+    from infra.root import cli_settings
+    from serving.target import load_target
+
+    model = cli_settings(serving={"model": model} if model else {}).serving.model
+    try:
+        return load_target(model)
+    except FileNotFoundError as e:  # a typo: one line naming the option, not a traceback
+        raise typer.BadParameter(str(e), param_hint="--model") from None
+
+
 def current_seed() -> Path | None:
     """The seed file this process's suffix settings point at (``SPECLOOP_SUFFIX_SEED_FILE``)."""
     value = os.environ.get(SEED_ENV)
@@ -109,8 +128,7 @@ def use_suffix_seed(target, requests: int, **kwargs) -> Path | None:
 
 
 def cmd_suffix_seed(
-    model: str | None = typer.Option(None, help="Target: a Hugging Face directory or the default's name "
-                                     "(default: SPECLOOP_MODEL, else SmolLM2-135M-Instruct)."),
+    model: str | None = model_option(),
     requests: int = typer.Option(DEFAULT_REQUESTS, min=1, help="Code and as many chat requests written from the installed "
                                  "packages for the target to answer."),
     seed: int = typer.Option(0, help="Which package requests (trainer/package_prompts.py)."),
@@ -119,19 +137,6 @@ def cmd_suffix_seed(
 ) -> None:
     """Write a suffix seed: the target's own answers, which every tenant's suffix index starts with.
     Serve the same target with it: SPECLOOP_SUFFIX_SEED_FILE=PATH specloop serve ..."""
-    from pydantic import ValidationError
-
-    from feedback.pydantic_errors import first_error
-    from infra.root import serving_settings
-    from serving.target import load_target
-
-    try:  # what `specloop serve` would serve
-        model = serving_settings({"model": model} if model else {}).model
-    except ValidationError as exc:  # a bad SPECLOOP_* value: one line, as `specloop serve` says it
-        raise typer.BadParameter(first_error(exc)) from exc
-    try:
-        target = load_target(model)
-    except FileNotFoundError as e:  # a typo: one line naming the option, not a traceback
-        raise typer.BadParameter(str(e), param_hint="--model") from None
+    target = load_model_option(model)  # what `specloop serve` would serve
     path = ensure_suffix_seed(target, requests, seed=seed, max_new_tokens=max_new_tokens, out=out)
     typer.echo(str(path))

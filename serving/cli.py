@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from feedback.pydantic_errors import first_error
+from feedback.pydantic_errors import SETTINGS_ERRORS, first_error, first_settings_error
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,10 @@ def use_settings(loader) -> None:
 
 
 def _settings(**overrides):
-    from pydantic import ValidationError
-
     try:
         settings = _loader({k: v for k, v in overrides.items() if v is not None})
-    except ValidationError as exc:
-        raise typer.BadParameter(first_error(exc)) from exc
+    except SETTINGS_ERRORS as exc:
+        raise typer.BadParameter(first_settings_error(exc)) from exc
     if settings.engine == "torch" and settings.drafter == "suffix" and settings.drafter_dir is not None:
         raise typer.BadParameter(  # the suffix drafter has no artifact: the directory would be ignored
             f"drafter_dir={settings.drafter_dir} holds a learned drafter, but drafter=suffix has none: "

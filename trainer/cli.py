@@ -51,10 +51,10 @@ def _settings(**overrides):
 def _one_line(exc: BaseException) -> str:
     from pydantic import ValidationError
 
-    from feedback.pydantic_errors import first_error
+    from feedback.pydantic_errors import SETTINGS_ERRORS, first_error, first_settings_error
 
-    if isinstance(exc, ValidationError):
-        return first_error(exc)
+    if isinstance(exc, SETTINGS_ERRORS):
+        return first_settings_error(exc)
     text = str(exc)
     cause = exc.__cause__
     if isinstance(cause, ValidationError) and str(cause) in text:  # e.g. read_meta's "invalid artifact config"

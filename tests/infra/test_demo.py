@@ -321,3 +321,45 @@ def test_the_demo_refuses_another_targets_day0_artifact_before_the_seed_and_the_
     out = CliRunner().invoke(app, ["demo", "--day0-artifact", str(art), "--run-dir", str(tmp_path / "run")])
     text = " ".join((out.output + (out.stderr or "")).replace("│", " ").split())
     assert out.exit_code == 2 and "was built for target" in text and "another-model" in text, text
+
+
+def test_the_demo_refuses_a_model_that_does_not_exist_before_starting_anything(tmp_path, monkeypatch):
+    """`specloop demo` had no --model, as `serve` and `suffix-seed` have: it always ran the default
+    target. A typo is one line naming the option, before the run directory or anything else."""
+    from typer.testing import CliRunner
+
+    from infra.cli import app
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    out = CliRunner().invoke(app, ["demo", "--model", str(tmp_path / "nope"), "--run-dir", str(tmp_path / "run")])
+    text = " ".join((out.output + (out.stderr or "")).replace("│", " ").split())
+    assert out.exit_code == 2 and "--model" in text and "no such directory" in text, text
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("how", ["--model", "SPECLOOP_MODEL"])
+def test_the_demo_runs_the_target_it_is_given(how, tmp_path, monkeypatch):
+    """--model, else SPECLOOP_MODEL through the settings tree, as `specloop serve` reads it."""
+    from typer.testing import CliRunner
+
+    import infra.demo
+    import serving.target
+    from infra.cli import app
+
+    class Reached(Exception):
+        """The demo got past loading its target, to the suffix seed."""
+
+    def seed(*a, **k):
+        raise Reached
+
+    loads = []
+    monkeypatch.setattr(serving.target, "load_target", lambda *a, **k: loads.append(a) or SimpleNamespace())
+    monkeypatch.setattr(infra.demo, "use_suffix_seed", seed)
+    args = ["demo", "--run-dir", str(tmp_path / "run")]
+    if how == "--model":
+        args += ["--model", str(tmp_path)]
+    else:
+        monkeypatch.setenv("SPECLOOP_MODEL", str(tmp_path))
+    out = CliRunner().invoke(app, args)
+    assert isinstance(out.exception, Reached), (out.exception, out.output)
+    assert loads == [(str(tmp_path),)]
