@@ -34,6 +34,7 @@ from serving.engine.base import (
     SamplingParams,
     Unavailable,
 )
+from serving.engine.request_checks import outside_vocab
 from serving.output import max_token_chars
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,8 @@ class OpenAIServing:
     def _in_vocab(self, ids: list[int], param: str) -> list[int]:
         """``ids``, or a 400 naming ``param`` and the first id outside the vocabulary (not known
         yet, as SGLang's until it loads: only a negative one)."""
-        vocab = self._vocab_size()
-        bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
-        if bad is not None:
-            where = "" if vocab is None else f" [0, {vocab})"
-            raise bad_request(f"{param}: token id {bad} is outside the vocabulary{where}", param)
+        if why := outside_vocab(ids, param, self._vocab_size()):
+            raise bad_request(why, param)
         return list(ids)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -21,7 +21,8 @@ def check_request(request: GenerationRequest, *, vocab_size: int | None,
                   max_context: int | None) -> None:
     """Raise ``RequestError(invalid=True)`` naming the first rule ``request`` breaks.
 
-    ``vocab_size``: token ids must be below it; None (not known yet): only non-negative.
+    ``vocab_size``: token ids (the prompt's and ``stop_token_ids``) must be below it; None (not
+    known yet): only non-negative.
     ``max_context``: the prompt must leave room for one output token; None (not known): unchecked.
     """
 
@@ -33,11 +34,9 @@ def check_request(request: GenerationRequest, *, vocab_size: int | None,
     ids = request.prompt_ids
     if not isinstance(ids, (list, tuple)) or len(ids) == 0:
         bad("the prompt is empty")
-    if vocab_size is None:
-        if not all(_is_int(t) and t >= 0 for t in ids):
-            bad("prompt token ids must be non-negative integers")
-    elif not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
-        bad(f"prompt token ids must be integers in [0, {vocab_size})")
+    if not all(_is_int(t) for t in ids) or outside_vocab(ids, "prompt", vocab_size):
+        bad("prompt token ids must be non-negative integers" if vocab_size is None
+            else f"prompt token ids must be integers in [0, {vocab_size})")
     if max_context is not None and len(ids) >= max_context:
         bad(
             f"the prompt has {len(ids)} tokens; the context holds {max_context} "
@@ -52,6 +51,19 @@ def check_request(request: GenerationRequest, *, vocab_size: int | None,
         bad("top_k must be >= 0 and max_tokens >= 1")
     if not all(_is_int(t) for t in p.stop_token_ids):
         bad("stop_token_ids must be integers")
+    if why := outside_vocab(p.stop_token_ids, "stop_token_ids", vocab_size):
+        bad(why)  # one the model can never emit: the stop would silently never fire
+
+
+def outside_vocab(ids, param: str, vocab_size: int | None) -> str | None:
+    """Why integer ``ids`` do not fit the vocabulary, naming ``param`` and the first id outside
+    [0, ``vocab_size``) (None: not known yet, as SGLang's until it loads: only a negative one);
+    None when all fit. The HTTP API's check too (serving/api/openai_serving.py)."""
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is None:
+        return None
+    where = "" if vocab_size is None else f" [0, {vocab_size})"
+    return f"{param}: token id {bad} is outside the vocabulary{where}"
 
 
 def _is_int(x) -> bool:

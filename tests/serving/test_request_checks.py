@@ -87,6 +87,20 @@ def test_stop_token_ids_must_be_integers(stop_ids):
     assert refused(request(stop_token_ids=stop_ids)) == "stop_token_ids must be integers"
 
 
+@pytest.mark.parametrize("stop_id", [VOCAB, -1, 10**9])
+def test_stop_token_ids_must_be_in_the_vocabulary(stop_id):
+    """The HTTP API refused these (serving/api/openai_serving.py); a direct engine caller's stop id
+    that no token has was accepted, and its stop silently never fired."""
+    assert refused(request(stop_token_ids=[2, stop_id])) == (
+        f"stop_token_ids: token id {stop_id} is outside the vocabulary [0, {VOCAB})")
+
+
+def test_an_unknown_vocabulary_still_refuses_a_negative_stop_token_id():
+    check_request(request(stop_token_ids=[10**6]), vocab_size=None, max_context=CONTEXT)
+    assert refused(request(stop_token_ids=[-1]), vocab_size=None) == (
+        "stop_token_ids: token id -1 is outside the vocabulary")
+
+
 def test_the_first_broken_rule_is_named():
     msg = refused(request([VOCAB], top_p=0.0, max_tokens=0))
     assert msg.startswith("prompt token ids")

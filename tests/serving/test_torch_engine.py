@@ -443,6 +443,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(ids_target, refs)
             await expect_invalid(_req("b", [1, 500], SamplingParams())),
             await expect_invalid(_req("c", [1] * 64, SamplingParams())),
             await expect_invalid(_req("d", [-1], SamplingParams())),
+            await expect_invalid(_req("e", [1], SamplingParams(stop_token_ids=[101]))),
         ]
         ok = await _collect(engine.generate(_req("ok", PROMPTS[0], SamplingParams(max_tokens=5))))
         await engine.stop()
@@ -450,6 +451,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(ids_target, refs)
 
     msgs, ok = asyncio.run(main())
     assert "empty" in msgs[0] and "[0, 101)" in msgs[1] and "context" in msgs[2]
+    assert msgs[4] == "stop_token_ids: token id 101 is outside the vocabulary [0, 101)"
     assert _tokens(ok) == refs[tuple(PROMPTS[0])][:5]
 
 

@@ -370,6 +370,7 @@ def bad_top_p() -> SamplingParams:
     ([1, 2, 3], bad_top_p(), r"top_p must be in \(0, 1\]"),
     ([1] * 32, SamplingParams(max_tokens=1), "the context holds 32"),
     ([], SamplingParams(max_tokens=1), "the prompt is empty"),
+    ([1, 2, 3], SamplingParams(max_tokens=1, stop_token_ids=[100]), r"stop_token_ids: token id 100 .*\[0, 100\)"),
 ])
 def test_a_bad_request_is_refused_before_sglang_or_admission(prompt, params, message):
     from feedback.target.fingerprint import TargetFingerprint
