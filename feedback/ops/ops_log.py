@@ -15,9 +15,11 @@ most ``close_timeout_s``. MLflow unreachable when the process starts: ``open_run
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import posixpath
 import queue
 import threading
 import time
@@ -168,8 +170,20 @@ class OpsRun:
 
 
 def _clean(key: str) -> str:
-    """MLflow metric names: alphanumerics, _ - . / and spaces."""
-    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)[:250]
+    """``key`` as an MLflow metric name: alphanumerics, _ - . / and spaces, at most 250 characters,
+    and no path that MLflow would read as another name (``x/``, ``a//b``, ``a/../b``: it refuses the
+    whole batch). A key that needs no change is kept; a changed one ends in a short hash of the
+    original, so that client domains that clean alike (``a?b``, ``a!b``) stay apart, not one series.
+    The hash covers the original from the dot-separated part where the change begins: one domain's
+    keys (``acceptance.<domain>``, ``tokens_per_verify.<domain>``) carry the same one."""
+    cleaned = "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)
+    if posixpath.normpath(cleaned) != cleaned or cleaned.startswith(("/", "..")):
+        cleaned = cleaned.replace("/", "_")
+    if cleaned == key and len(key) <= 250:
+        return key
+    first = next((i for i, (a, b) in enumerate(zip(key, cleaned)) if a != b), 243)
+    part = cleaned.rfind(".", 0, min(first, 243)) + 1
+    return f"{cleaned[:243]}-{hashlib.sha256(key[part:].encode()).hexdigest()[:6]}"
 
 
 class PendingRun:

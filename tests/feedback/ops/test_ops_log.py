@@ -81,6 +81,39 @@ def test_flush_sends_everything_queued_before_the_next_tick(tmp_path):
     run.close()
 
 
+def test_client_domains_that_clean_alike_keep_series_of_their_own():
+    """A domain is the client's string, cleaned into MLflow's characters: ``a?b`` and ``a!b`` both
+    became ``acceptance.a_b``, one series for two domains. A name that needs no change is kept."""
+    from mlflow.utils.validation import _validate_metric_name
+
+    from feedback.ops.ops_log import _clean
+
+    assert _clean("acceptance.code") == "acceptance.code" and _clean("drift.a/b c-d") == "drift.a/b c-d"
+    cleaned = {d: _clean(f"acceptance.{d}") for d in ("a?b", "a!b", "a_b", "a:b")}
+    assert len(set(cleaned.values())) == 4 and cleaned["a_b"] == "acceptance.a_b"
+    assert cleaned["a?b"].startswith("acceptance.a_b-") and _clean("acceptance.a?b") == cleaned["a?b"]  # stable
+    # one domain's keys end alike, so the operator reads them as one domain
+    assert _clean("tokens_per_verify.a?b").rsplit("-", 1)[1] == cleaned["a?b"].rsplit("-", 1)[1]
+    long = [_clean("acceptance." + "x" * 300 + end) for end in "yz"]
+    assert long[0] != long[1] and all(len(k) == 250 for k in long)
+    for key in [*cleaned.values(), *long]:
+        _validate_metric_name(key)
+
+
+def test_a_domain_mlflow_reads_as_a_path_costs_no_other_metric(tmp_path):
+    """MLflow refuses a metric name that resolves to another path (``x/``, ``a//b``) and with it the
+    whole batch, which was queued again and again: one client's domain stopped the replica's ops
+    run. Each is cleaned now, and each domain keeps a series of its own."""
+    run = OpsRun(f"sqlite:///{tmp_path}/m.db", "specloop/x", "serving-t-r", flush_s=3600)
+    domains = ["code", "x/", "x", "a//b", "a/../b", "a?b", "a!b"]
+    run.metrics({f"acceptance.{d}": i / 10 for i, d in enumerate(domains)}, step=1)
+    run.flush()
+    assert run.errors == 0 and run.sent == len(domains)
+    metrics = run.client.get_run(run.run_id).data.metrics
+    assert len(metrics) == len(domains) and metrics["acceptance.code"] == 0 and metrics["acceptance.x"] == 0.2
+    run.close()
+
+
 def test_mlflow_away_at_start_opens_the_run_once_it_answers(private_stack):
     """A replica (or trainer) that started while MLflow was away recorded nothing until restarted:
     its run now opens once MLflow answers; what came before is dropped (counted) but tags and event
