@@ -12,7 +12,7 @@ from infra.demo import RUN_FILES
 
 
 class Started(Exception):
-    """Raised where the demo would load the target: the run directory was accepted."""
+    """Raised where the demo would start the stack: the run directory was accepted (and made)."""
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def no_demo(monkeypatch):
     def start(*a, **k):
         raise Started
 
-    monkeypatch.setattr(serving.target, "load_target", start)
+    monkeypatch.setattr(serving.target, "load_target", lambda *a, **k: object())  # loaded first
     monkeypatch.setattr(infra.root, "build_stack", start)
     monkeypatch.setenv("COLUMNS", "1000")  # the usage error's panel folds no path
 
