@@ -169,7 +169,6 @@ class LiveOpsObserver(BaseObserver):
         self._rows = 0
         self._steps = 0
         self._timed_steps = 0
-        self._step_ms = 0.0
         self._batch_ms = defaultdict(float)  # batch size -> ms of its timed steps
         self._batch_tokens = defaultdict(int)  # batch size -> tokens its timed steps emitted
 
@@ -214,7 +213,6 @@ class LiveOpsObserver(BaseObserver):
                 self._plain.observe(rows, 0, float(batch.verify_ms))
                 self._plain_at[rows] = time.monotonic()
             self._timed_steps += 1
-            self._step_ms += step_ms
             self._batch_ms[rows] += step_ms
             self._batch_tokens[rows] += tokens
         if time.monotonic() - self._last >= self.every_s:
@@ -234,7 +232,7 @@ class LiveOpsObserver(BaseObserver):
         m |= {"tokens_per_verify": tpv, "k_mean": sum(self._drafted.values()) / rows,
               "spec_off_fraction": self._off / rows}
         if self._timed_steps:
-            m["step_ms"] = self._step_ms / self._timed_steps
+            m["step_ms"] = sum(self._batch_ms.values()) / self._timed_steps
         speedups = self.estimated_speedup()
         m |= {("est_speedup" if b is None else f"est_speedup.batch{b}"): x for b, x in speedups.items()}
         for b in self._gauged - speedups.keys():  # no estimate this window: no stale value either
