@@ -126,15 +126,23 @@ static inline float softmax_row(float *sc, long Lp) {
         lives[j / 16] = live;
     }
     if (holes) { /* a tree node: its visible numerators packed in key order, then summed alike */
+        /* Blocks wholly visible before the first that is not (the committed prefix) pack to
+         * themselves: summed as they are. The rest packed by a compress in registers, each block
+         * stored whole at the packed end (its lanes past the visible ones are overwritten by the
+         * next block's, the last by zeros): vcompressps to memory is microcoded on AMD Zen 4, and
+         * packing every block of a node's ~270 keys that way cost ~30 % of a 9-node tree's
+         * attention there. */
         float packed[Lp + 16] __attribute__((aligned(64)));
+        long b0 = 0;
+        sum = _mm512_setzero_ps();
+        for (; b0 < Lp / 16 && lives[b0] == 0xffff; b0++) sum = _mm512_add_ps(sum, _mm512_loadu_ps(sc + 16 * b0));
         long n = 0;
-        for (long b = 0; b < Lp / 16; b++) {
-            _mm512_mask_compressstoreu_ps(packed + n, lives[b], _mm512_loadu_ps(sc + 16 * b));
+        for (long b = b0; b < Lp / 16; b++) {
+            _mm512_storeu_ps(packed + n, _mm512_maskz_compress_ps(lives[b], _mm512_loadu_ps(sc + 16 * b)));
             n += __builtin_popcount(lives[b]);
         }
         _mm512_storeu_ps(packed + n, _mm512_setzero_ps()); /* the last block's other lanes */
-        sum = _mm512_setzero_ps();
-        for (long i = 0; i < n; i += 16) sum = _mm512_add_ps(sum, _mm512_load_ps(packed + i));
+        for (long i = 0; i < n; i += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(packed + i));
     }
     return 1.0f / hsum((vf)sum); /* a token always sees itself: sum > 0 */
 }

@@ -136,17 +136,20 @@ INLINE void weigh_values_bf16(const int RN, const long D, const uint16_t *const 
     }
 }
 
-/* The value pass for rows that see one set of columns that is not a prefix [0, c] (a tree node:
- * the prefix and its ancestors; a row with masked columns between): their values paired by
- * visible index, keys i and i + 1 of the ones the rows see, as decode steps along the same path
- * pair them once its tokens sit at consecutive columns (in a prefix, visible index = column).
- * e2[r]: row r's numerators as bf16 by column; out[r] = the sum / its inv[r]. */
+/* The value pass for rows that see one set of columns (a token's query heads), from column `from`
+ * on: their values paired by visible index, keys i and i + 1 of the ones the rows see, as decode
+ * steps along the same path pair them once its tokens sit at consecutive columns (in a prefix,
+ * visible index = column; a tree node sees the prefix and its ancestors). e2[r]: row r's
+ * numerators as bf16 by column; out[r] = the sum / its inv[r]. The columns before `from` (even,
+ * all seen by these rows) are already summed: row r's accumulators start at init[r * D/16 ..]
+ * (attend_tile_bf16_d's shared passes over them). */
 static void weigh_gathered_bf16(const long D, const uint16_t *const *e2, int RN, const uint8_t *vis,
-                                const float *V, long L, float *const *out, const float *inv) {
+                                const float *V, long L, float *const *out, const float *inv,
+                                long from, const __m512 *init) {
     const int DV = (int)(D / 16);
     __m512 acc[TILE_GROUP * TILE_MAX_D / 16];
-    for (int a = 0; a < RN * DV; a++) acc[a] = _mm512_setzero_ps();
-    long j = 0;
+    for (int a = 0; a < RN * DV; a++) acc[a] = init[a];
+    long j = from;
     for (;;) {
         long first = j, second;
         while (first < L && !vis[first]) first++;
@@ -176,15 +179,37 @@ static inline uint64_t seen64(const uint8_t *vis, long j0, long L) {
     return _mm512_test_epi8_mask(bytes, bytes);
 }
 
-/* Whether a row sees exactly the columns [0, c] for some c (L mask bytes), 64 bytes at a time. */
-static inline int sees_a_prefix(const uint8_t *vis, long L) {
-    int ended = 0; /* a column not seen has come */
+/* The first column (of L) a row does not see, L if it sees them all; 64 mask bytes at a time. */
+static inline long first_unseen(const uint8_t *vis, long L) {
     for (long j0 = 0; j0 < L; j0 += 64) {
         uint64_t m = seen64(vis, j0, L);
-        if (ended ? m != 0 : (m & (m + 1)) != 0) return 0; /* set bits after a gap */
-        ended |= m != ~(uint64_t)0;
+        if (m != ~(uint64_t)0) {
+            long j = j0 + __builtin_ctzll(~m);
+            return j < L ? j : L;
+        }
     }
-    return vis[0] != 0;
+    return L;
+}
+
+/* weigh_values_bf16 for rn rows (at most PV_ACC / (D / 16)), with RN a constant where inlined. */
+INLINE void weigh_values_rows_bf16(int rn, const long D, const uint16_t *const *e2, const uint8_t *u,
+                                   const float *V, long L, __m512 *acc) {
+    if (D == 64) {
+        switch (rn) {
+        case 6: weigh_values_bf16(6, D, e2, u, V, L, acc); break;
+        case 5: weigh_values_bf16(5, D, e2, u, V, L, acc); break;
+        case 4: weigh_values_bf16(4, D, e2, u, V, L, acc); break;
+        case 3: weigh_values_bf16(3, D, e2, u, V, L, acc); break;
+        case 2: weigh_values_bf16(2, D, e2, u, V, L, acc); break;
+        default: weigh_values_bf16(1, D, e2, u, V, L, acc); break;
+        }
+    } else {
+        switch (rn) {
+        case 3: weigh_values_bf16(3, D, e2, u, V, L, acc); break;
+        case 2: weigh_values_bf16(2, D, e2, u, V, L, acc); break;
+        default: weigh_values_bf16(1, D, e2, u, V, L, acc); break;
+        }
+    }
 }
 
 /* attend_tile_bf16 for one head size D (a constant where inlined); arguments as attend_tile's.
@@ -204,19 +229,6 @@ INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_
         for (long h = 0; h < D / 32; h++) _mm512_storeu_si512(row + 16 * h, bf16x32(q[r] + 32 * h));
         q2[r] = row;
         e2[r] = e2base + r * Lp2;
-    }
-    /* rows that see a prefix share one value pass, paired by column; the others (by the mask
-     * they share: a token's query heads) go through weigh_gathered_bf16 */
-    int prefix[TILE_ROWS], np = 0;
-    for (int r = 0; r < R; r++) prefix[r] = sees_a_prefix(vis[r], L), np += prefix[r];
-    uint8_t u[Lp2 + 64]; /* keys some prefix row sees (mask bytes are 0 or 1) */
-    for (long j0 = 0; j0 < L; j0 += 64) {
-        long n = L - j0 < 64 ? L - j0 : 64;
-        __mmask64 in = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1);
-        __m512i any = _mm512_setzero_si512();
-        for (int r = 0; r < R; r++)
-            if (prefix[r]) any = _mm512_or_si512(any, _mm512_maskz_loadu_epi8(in, vis[r] + j0));
-        _mm512_mask_storeu_epi8(u + j0, in, any);
     }
     /* 1. scores: one token's rows (they share a mask) key by key; more, 16 keys at a time with
      * the block's key pairs transposed once for all R rows. The same bits either way. */
@@ -263,43 +275,33 @@ INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_
             _mm512_storeu_si512(e + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     }
-    /* 3. out = e . V / sum: the prefix rows' value pairs built once per group of rows */
-    const uint16_t *pe2[TILE_ROWS];
-    float *pout[TILE_ROWS];
-    float pinv[TILE_ROWS];
-    for (int r = 0, i = 0; r < R; r++)
-        if (prefix[r]) pe2[i] = e2[r], pout[i] = out[r], pinv[i++] = inv[r];
-    for (int r = 0; r < R; r++) { /* the other rows, one mask at a time */
-        if (prefix[r] || (r > 0 && !prefix[r - 1] && vis[r - 1] == vis[r])) continue;
-        int n = 1;
-        while (r + n < R && !prefix[r + n] && vis[r + n] == vis[r]) n++;
-        weigh_gathered_bf16(D, e2 + r, n, vis[r], V, L, out + r, inv + r);
-    }
+    /* 3. out = e . V / sum. Every row sees the columns [0, E), E even: the committed prefix, where
+     * a tree node's visible index is the column, so that its pairs there are by column. Those
+     * columns go through shared passes of `per` rows (each pair of value rows made once a pass);
+     * then each mask's own columns from E on (a token's query heads: its ancestors, or a chain
+     * token's last columns) through weigh_gathered_bf16, resuming from those sums: the same bits
+     * as one walk. Before, rows that saw a prefix shared passes over all L columns while each tree
+     * node walked all L itself: a tree of 9 nodes at 256 keys paid ~50 % more attention than a
+     * chain of 9 (a 2-core EPYC, 30 layers: ~0.9 ms of a 12 ms forward). */
     const int per = (int)(PV_ACC / DV);
-    for (int r0 = 0; r0 < np; r0 += per) {
-        __m512 acc[PV_ACC];
-        int rn = np - r0 < per ? np - r0 : per;
-        if (DV == 4) {
-            switch (rn) {
-            case 6: weigh_values_bf16(6, D, pe2 + r0, u, V, L, acc); break;
-            case 5: weigh_values_bf16(5, D, pe2 + r0, u, V, L, acc); break;
-            case 4: weigh_values_bf16(4, D, pe2 + r0, u, V, L, acc); break;
-            case 3: weigh_values_bf16(3, D, pe2 + r0, u, V, L, acc); break;
-            case 2: weigh_values_bf16(2, D, pe2 + r0, u, V, L, acc); break;
-            default: weigh_values_bf16(1, D, pe2 + r0, u, V, L, acc); break;
-            }
-        } else {
-            switch (rn) {
-            case 3: weigh_values_bf16(3, D, pe2 + r0, u, V, L, acc); break;
-            case 2: weigh_values_bf16(2, D, pe2 + r0, u, V, L, acc); break;
-            default: weigh_values_bf16(1, D, pe2 + r0, u, V, L, acc); break;
-            }
-        }
-        for (int r = 0; r < rn; r++) {
-            __m512 s = _mm512_set1_ps(pinv[r0 + r]);
-            for (long c = 0; c < DV; c++)
-                _mm512_storeu_ps(pout[r0 + r] + c * 16, _mm512_mul_ps(acc[r * DV + c], s));
-        }
+    long E = L;
+    for (int r = 0; r < R; r++) {
+        long c = first_unseen(vis[r], L);
+        E = c < E ? c : E;
+    }
+    E &= ~1L;
+    __m512 head[R * DV];
+    for (int r0 = 0; r0 < R; r0 += per) {
+        __m512 acc[PV_ACC]; /* a local array: kept in registers (head, in memory, is not) */
+        int rn = R - r0 < per ? R - r0 : per;
+        weigh_values_rows_bf16(rn, D, e2 + r0, vis[0], V, E, acc);
+        for (int a = 0; a < rn * DV; a++) head[r0 * DV + a] = acc[a];
+    }
+    for (int r = 0; r < R;) {
+        int n = 1;
+        while (r + n < R && vis[r + n] == vis[r]) n++;
+        weigh_gathered_bf16(D, e2 + r, n, vis[r], V, L, out + r, inv + r, E, head + r * DV);
+        r += n;
     }
 }
 

@@ -206,14 +206,18 @@ static void run(void *ctx, int id, int n) {
 #if TILES || SEGMENTS
 /* Cut the B x T tokens into segments of consecutive tokens with one cache row (a row's tokens;
  * with `rows`, also consecutive rows of one token each that share a cache row) of at most `tile`
- * tokens, the largest tile (SEGMENT_TOKENS, halved while fewer than two tasks per thread) ->
- * seg[0..nseg], the bounds; returns nseg. */
+ * tokens, a run of a cache row's tokens in as few segments as that allows, of balanced sizes
+ * (the largest tile, SEGMENT_TOKENS, halved while fewer than two tasks per thread) ->
+ * seg[0..nseg], the bounds; returns nseg. Balanced: a verify of 9 tokens was 8 + 1, and the
+ * thread given the 1 waited for the other's 8 (tasks go to threads in order). */
 static long cut(const int64_t *rows, long B, long T, long tile, long *seg) {
-    long nseg = 0, prev = -1;
-    for (long bt = 0; bt < B * T; bt++) {
-        long cb = rows ? rows[bt / T] : bt / T;
-        if (cb != prev || bt - seg[nseg - 1] >= tile) seg[nseg++] = bt;
-        prev = cb;
+    long nseg = 0;
+    for (long bt = 0; bt < B * T;) {
+        long cb = rows ? rows[bt / T] : bt / T, end = bt + 1;
+        while (end < B * T && (rows ? rows[end / T] : end / T) == cb) end++;
+        long m = end - bt, parts = (m + tile - 1) / tile;
+        for (long i = 0; i < parts; i++) seg[nseg++] = bt + m * i / parts;
+        bt = end;
     }
     seg[nseg] = B * T;
     return nseg;

@@ -255,6 +255,31 @@ def test_bf16_operands_are_the_rounded_arithmetic(t, tree, d):
     assert (got - want).abs().mean() < (got - exact).abs().mean() / 10  # and it is not fp32's
 
 
+@needs_bf16
+@pytest.mark.parametrize("t", [3, 9, 12])
+def test_bf16_any_mask_is_the_rounded_arithmetic(t):
+    """Masks with holes anywhere (column 0 hidden, gaps in the committed prefix, rows of one tile
+    that share no prefix at all) and NaN in the columns no query sees: bf16=True is still the
+    reference's rounded arithmetic. The value pass sums the columns every row of a tile sees in
+    shared passes and each mask's own columns after them; this checks where those meet."""
+    hq, hkv, d = 9, 3, 64
+    qkv, cos, sin, keys, values, cols, mask = _case(2, t, hq, hkv, d, [40, 21], 64, seed=t)
+    g = torch.Generator().manual_seed(100 + t)
+    mask = mask & (torch.rand(mask.shape, generator=g) < 0.7)
+    b_idx = torch.arange(2)[:, None].expand(-1, t)
+    mask[b_idx, torch.arange(t)[None, :].expand(2, -1), cols] = True  # a token always sees itself
+    unseen = ~mask.any(dim=1)  # [B, L]: columns no token of the row sees
+    want = _reference(qkv, cos, sin, keys.clone(), values.clone(), cols, mask, hq, hkv, d**-0.5, bf16=True)
+    dirty_k, dirty_v = keys.clone(), values.clone()
+    for b in range(2):
+        hidden = unseen[b].nonzero()[:, 0]
+        hidden = hidden[~torch.isin(hidden, cols[b])]
+        dirty_k[b, :, hidden] = float("nan")
+        dirty_v[b, :, hidden] = float("nan")
+    got = da.decode_attention(qkv, cos, sin, dirty_k, dirty_v, cols, mask, hq, hkv, d**-0.5, bf16=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+
+
 @needs_native
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
