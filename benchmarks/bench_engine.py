@@ -11,6 +11,9 @@ run (so the before/after ratio is measured on the same machine at the same time)
   up as serving's step thread (its own torch ops serial, kernels/threads.py); ``bound_fraction`` =
   bound_ms / step_ms. ``step_ms_plain_thread``: the same from a thread left as torch starts it.
 - ``verify_cost["q"]``: forward of q tokens / one-token forward, same context.
+- ``verify_cost_tree["q"]``: the fast path's forward of a token tree of q nodes (the root and two
+  children a node, in level order) / one-token forward: each node attends to the prefix and its
+  ancestors only, a mask with holes, where a chain's tokens each see a prefix.
 - ``lossless``: greedy outputs of the fast path equal the reference forward's on a few prompts
   (for a fast path on bf16 activations, the reference with every Linear's input rounded to bf16
   and, where the fast path takes its attention on bf16 operands (``bf16_attention``), its
@@ -55,10 +58,12 @@ from benchmarks.output import json_option, print_json
 from kernels import packed_linear
 from kernels.cpu import cpu_info
 from kernels.threads import serial_torch
+from kernels.tree_verify import tree_ancestors, tree_depths
 
 log = logging.getLogger(__name__)
 
 _QS = (2, 4, 8, 16, 32)
+_TREE_QS = (8, 16)
 class BandwidthProbe:
     """Read bandwidth: the time to sum ``tensors`` (the weights a decode step reads, so that the
     bound is measured on the same pages the step streams), or a fresh 256 MB fp32 tensor. This
@@ -97,8 +102,11 @@ class _Path:
         self.name, self.engine = name, engine
         self.step_thread = step_thread  # timed on a thread set up as serving's step thread
 
-    def forward_ms(self, cache, q: int, vocab: int) -> float:
+    def forward_ms(self, cache, q: int, vocab: int, tree: bool = False) -> float:
         ids = torch.randint(0, vocab, (1, q))
+        if tree:  # a binary tree in level order: node i's parent is (i - 1) // 2
+            parents = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, q)]])
+            cache.set_tree(tree_depths(parents), tree_ancestors(parents))
         sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
@@ -204,6 +212,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         else sum(p.numel() * p.element_size() for p in target.model.parameters())
     )
     times: dict[str, dict[int, list[float]]] = {p.name: {q: [] for q in (1,) + _QS} for p in paths}
+    tree_ms: dict[int, list[float]] = {q: [] for q in _TREE_QS}  # the fast path's
     # The fast paths run where serving runs them: on a step thread whose own torch ops are serial
     # (kernels/threads.py); the reference paths (HF, BLAS) on this thread. Each timed forward follows an
     # untimed one of the same path, so that the OpenMP workers a reference forward left spinning
@@ -211,11 +220,11 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     step_thread = ThreadPoolExecutor(1, thread_name_prefix="bench-step-thread",
                                      initializer=serial_torch, initargs=(threads,))
 
-    def timed(p: _Path, cache, q: int) -> float:
+    def timed(p: _Path, cache, q: int, tree: bool = False) -> float:
         def twice() -> float:
             with torch.inference_mode():
-                p.forward_ms(cache, q, vocab)
-                return p.forward_ms(cache, q, vocab)
+                p.forward_ms(cache, q, vocab, tree)
+                return p.forward_ms(cache, q, vocab, tree)
 
         return step_thread.submit(twice).result() if p.step_thread else twice()
 
@@ -226,12 +235,16 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         for p in paths:  # warm every path at every width
             for q in (1,) + _QS:
                 timed(p, cache, q)
+        for q in _TREE_QS:
+            timed(paths[0], cache, q, tree=True)
         for _ in range(reps):  # interleaved, so drift on a shared machine hits all alike
             for q in (1,) + _QS:
                 probe.sample()
                 probe_256mb.sample()
                 for p in paths:
                     times[p.name][q].append(timed(p, cache, q))
+            for q in _TREE_QS:
+                tree_ms[q].append(timed(paths[0], cache, q, tree=True))
         step_thread.shutdown()
         # The one-token step from a plain thread (torch ops parallel, as before serving made its
         # step thread's serial): what the serial step thread saves.
@@ -292,6 +305,10 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
             "stream_hint": fast.runner.stream_hint,
         },
         **figures("fast"),
+        "verify_cost_tree": {
+            str(q): round(statistics.median(v) / statistics.median(times["fast"][1]), 3)
+            for q, v in tree_ms.items()
+        },
         "step_ms_plain_thread": round(statistics.median(thread_ms), 2),
         "startup_s": round(startup_s, 2),
         "lossless": lossless,

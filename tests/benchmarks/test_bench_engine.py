@@ -10,6 +10,7 @@ def test_bench_engine_reports_bound_and_verify_costs():
         assert out[key] > 0, key
     assert set(out["verify_cost"]) == {"2", "4", "8", "16", "32"}
     assert set(out["reference"]["verify_cost"]) == set(out["verify_cost"])
+    assert set(out["verify_cost_tree"]) == {"8", "16"} and all(c > 0 for c in out["verify_cost_tree"].values())
     assert out["forward"] == "llama_forward"
     assert out["lossless"] is True
     # the fraction is computed unrounded; bound_ms and step_ms are reported to 0.01 ms, which on a
