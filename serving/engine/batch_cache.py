@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_rows import move_rows
+
 _GROW = 256  # capacity granularity (columns)
 
 
@@ -176,20 +178,16 @@ class RaggedKVCache:
                     src.append(n + int(node))
                     dst.append(n + j)
         if rows:
-            # Flat row indices into each [B, H, C, D] buffer seen as [B*H*C, D]: index_select +
-            # index_copy_ (gather first, a copy, then scatter: no aliasing) cost ~4x less than
-            # advanced-index assignment on CPU.
-            heads = torch.arange(self.num_kv_heads, device=self.device)  # [H]
-            r = torch.tensor(rows, dtype=torch.long, device=self.device)[:, None] * self.num_kv_heads
-            cap = self.capacity
-            s = ((r + heads) * cap + torch.tensor(src, device=self.device)[:, None]).reshape(-1)
-            d = ((r + heads) * cap + torch.tensor(dst, device=self.device)[:, None]).reshape(-1)
+            # Flat row indices into each [B, H, C, D] buffer seen as [B*H*C, D], every layer's
+            # keys and values moved in one call (kernels/kv_rows.py: all read, then all written).
+            h, cap = self.num_kv_heads, self.capacity
+            s = [(b * h + i) * cap + c for b, c in zip(rows, src) for i in range(h)]
+            d = [(b * h + i) * cap + c for b, c in zip(rows, dst) for i in range(h)]
             for buffers in (self.keys, self.values):
                 for layer, buf in enumerate(buffers):
                     if not buf.is_contiguous():
-                        buffers[layer] = buf = buf.contiguous()
-                    flat = buf.view(-1, self.head_dim)  # [B*H*C, D]
-                    flat.index_copy_(0, d, flat.index_select(0, s))
+                        buffers[layer] = buf.contiguous()
+            move_rows(self.keys + self.values, torch.tensor(s), torch.tensor(d))
         self.commit([len(p) for p in paths])
 
     # ---- batch membership --------------------------------------------------------------------
