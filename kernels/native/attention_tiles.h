@@ -130,8 +130,8 @@ static inline float softmax_row(float *sc, long Lp) {
          * themselves: summed as they are. The rest packed by a compress in registers, each block
          * stored whole at the packed end (its lanes past the visible ones are overwritten by the
          * next block's, the last by zeros): vcompressps to memory is microcoded on AMD Zen 4, and
-         * packing every block of a node's ~270 keys that way cost ~30 % of a 9-node tree's
-         * attention there. */
+         * packing every block of a node's ~270 keys that way cost about a quarter of a 9-node
+         * tree's attention there. */
         float packed[Lp + 16] __attribute__((aligned(64)));
         long b0 = 0;
         sum = _mm512_setzero_ps();

@@ -281,8 +281,8 @@ INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_
      * then each mask's own columns from E on (a token's query heads: its ancestors, or a chain
      * token's last columns) through weigh_gathered_bf16, resuming from those sums: the same bits
      * as one walk. Before, rows that saw a prefix shared passes over all L columns while each tree
-     * node walked all L itself: a tree of 9 nodes at 256 keys paid ~50 % more attention than a
-     * chain of 9 (a 2-core EPYC, 30 layers: ~0.9 ms of a 12 ms forward). */
+     * node walked all L by itself: on a 2-core Zen 4 EPYC (one thread, 9 tokens over 256 keys) a
+     * binary tree's attention took 106 us a layer, 88 with this alone (a chain's: 70). */
     const int per = (int)(PV_ACC / DV);
     long E = L;
     for (int r = 0; r < R; r++) {
