@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 
 _QS = (2, 4, 8, 16, 32)
 _TREE_QS = (8, 16)
+
+
 class BandwidthProbe:
     """Read bandwidth: the time to sum ``tensors`` (the weights a decode step reads, so that the
     bound is measured on the same pages the step streams), or a fresh 256 MB fp32 tensor. This
