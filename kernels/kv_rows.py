@@ -1,8 +1,8 @@
 """move_rows: rows of several same-shaped buffers copied to other rows, all read before any is
 written, in one native call (``kernels/native/kv_rows.c``; why: see its header). A tree verify's
 cache commit moves the accepted path's keys and values this way in every layer. The torch
-reference (an index_select and an index_copy_ per buffer) is the path off the CPU, for other
-dtypes, or where the kernel does not build.
+reference (an index_select and an index_copy_ per buffer) is the path off the CPU, for buffers of
+mixed dtypes, or where the kernel does not build.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
         return
     first = buffers[0]
     d = first.shape[-1]
-    native = all(b.device.type == "cpu" and b.dtype == torch.float32 and b.is_contiguous()
+    native = all(b.device.type == "cpu" and b.dtype == first.dtype and b.is_contiguous()
                  and b.shape == first.shape for b in buffers)
     lib = native_lib() if native else None
     if lib is None:
@@ -44,6 +44,6 @@ def move_rows(buffers: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
     dst = dst.to(torch.long).contiguous()
     ptrs = (ctypes.c_void_p * len(buffers))(*[b.data_ptr() for b in buffers])
     rc = lib.kv_move_rows(ptrs, len(buffers), first.numel() // d, src.data_ptr(), dst.data_ptr(),
-                          src.shape[0], d)
+                          src.shape[0], d * first.element_size())
     if rc != 0:
         raise ValueError(f"move_rows: a row index outside [0, {first.numel() // d})")

@@ -124,8 +124,10 @@ class LayerStack:
                 or mask.dtype != torch.bool or cols.dtype != torch.int64
                 or (rows is not None and (rows.shape != (b,) or rows.dtype != torch.int64))):
             raise ValueError("cos/sin [B, Tq, D], cols [B, Tq] int64, mask [B, Tq, L] bool, rows [B]")
-        if not decode_attention.takes(h, cos, sin, cols, mask, *keys[:1], *values[:1]):
-            raise ValueError("the layer stack takes contiguous fp32 CPU tensors")
+        if not (decode_attention.takes(h, cos, sin, cols, mask)
+                and decode_attention.cache_takes(keys[0], values[0], self.bf16_attention)):
+            raise ValueError("the layer stack takes contiguous fp32 CPU tensors (a bf16 cache on "
+                             "bf16 operands)")
         out = h.reshape(tokens, self.hidden).clone()  # [T, H], updated in place layer by layer
         widths = (self.hidden, self.qkv_dim, self.q_dim, 2 * self.inter)  # h2, qkv, att, gu
         scratch = torch.empty(tokens * sum(widths), device="cpu")  # each a contiguous [T, width] block
@@ -135,7 +137,8 @@ class LayerStack:
         att_args = _Attention(
             self._attention_fn, cos.data_ptr(), sin.data_ptr(), cols.data_ptr(),
             rows.data_ptr() if rows is not None else None, mask.data_ptr(),
-            b, keys[0].shape[0], t, capacity, mask.shape[-1], int(self.bf16_attention),
+            b, keys[0].shape[0], t, capacity, mask.shape[-1],
+            decode_attention.bf16_bits(self.bf16_attention, keys[0]),
         )
         n = self.num_layers
         k_ptrs = (_ptr * n)(*(k.data_ptr() for k in keys))

@@ -37,6 +37,8 @@
  * With bf16 set (a forward on bf16 activations, where the build has AVX-512 BF16 and the heads are
  * 64 or 128 wide), every segment, one token too, goes to attention_tiles_bf16.h: scores and the
  * weighted sum on bf16 operands, two multiply-adds an instruction, as a GPU's bf16 attention.
+ * Such a forward's cache may hold bf16 keys and values (bf16's bit KV_BF16): they are rounded
+ * once, when written here, rather than by every tile that reads them; the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -89,9 +91,13 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
 #define SEGMENT_MIN_TOKENS TILE_MIN_TOKENS
 #endif
 
+#define OPERANDS_BF16 1 /* bf16's bits: bf16 operands (attention_tiles_bf16.h) */
+#define KV_BF16 2       /* the cache holds bf16 keys and values (with OPERANDS_BF16 only) */
+
 struct job {
     const float *qkv, *cos, *sin;
-    float *kcache, *vcache, *out, *qrot, *scratch;
+    void *kcache, *vcache; /* fp32, or bf16 with kv_bf16 */
+    float *out, *qrot, *scratch;
     const int64_t *cols, *rows;
     const uint8_t *mask;
     long B, T, Hq, Hkv, D, C, L;
@@ -102,6 +108,7 @@ struct job {
     long nseg;
     long per_thread; /* scratch floats per thread */
     int bf16;        /* every segment through the bf16 tiles (attention_tiles_bf16.h) */
+    int kv_bf16;     /* the cache's elements are bf16 (only with bf16) */
 };
 
 /* Token bt (= b * T + t) with kv head g's query heads (in groups of up to GMAX). */
@@ -110,7 +117,7 @@ static void attend_token(const struct job *j, long bt, long g, float *scores) {
     long cb = j->rows ? j->rows[bt / j->T] : bt / j->T; /* the cache row */
     long kv = ((cb * j->Hkv + g) * j->C) * D;
     const uint8_t *visible = j->mask + bt * L;
-    const float *K = j->kcache + kv, *V = j->vcache + kv;
+    const float *K = (const float *)j->kcache + kv, *V = (const float *)j->vcache + kv;
     int grouped = D % (DCH * VW) == 0;
     for (long h = g * group; h < (g + 1) * group;) {
         long m = grouped ? ((g + 1) * group - h < GMAX ? (g + 1) * group - h : GMAX) : 1;
@@ -154,13 +161,15 @@ static void run_segment(const struct job *j, long s, long g, float *scores) {
             out[R] = j->out + (bt * Hq + h) * D;
         }
     long kv = ((cb * j->Hkv + g) * j->C) * D;
-    const float *K = j->kcache + kv, *V = j->vcache + kv;
 #if TILES_BF16
     if (j->bf16) {
-        attend_tile_bf16(q, vis, out, R, K, V, j->L, D, j->scale, scores);
+        long kb = j->kv_bf16 ? 2 : 4;
+        attend_tile_bf16(q, vis, out, R, (const char *)j->kcache + kv * kb,
+                         (const char *)j->vcache + kv * kb, j->L, D, j->scale, scores, j->kv_bf16);
         return;
     }
 #endif
+    const float *K = (const float *)j->kcache + kv, *V = (const float *)j->vcache + kv;
 #if TILES
     attend_tile(q, vis, out, R, K, V, j->L, D, j->scale, scores);
 #else
@@ -181,8 +190,17 @@ static void run(void *ctx, int id, int n) {
         for (long h = 0; h < Hq; h++) rope(row + h * D, c, s, j->qrot + (bt * Hq + h) * D, D);
         for (long h = 0; h < Hkv; h++) {
             long at = ((b * Hkv + h) * C + j->cols[bt]) * D;
-            rope(row + (Hq + h) * D, c, s, j->kcache + at, D);
-            memcpy(j->vcache + at, row + (Hq + Hkv + h) * D, sizeof(float) * D);
+#if TILES_BF16
+            if (j->kv_bf16) { /* rounded once here, as every bf16 tile would round them */
+                float k[TILE_MAX_D];
+                rope(row + (Hq + h) * D, c, s, k, D);
+                store_bf16((uint16_t *)j->kcache + at, k, D);
+                store_bf16((uint16_t *)j->vcache + at, row + (Hq + Hkv + h) * D, D);
+                continue;
+            }
+#endif
+            rope(row + (Hq + h) * D, c, s, (float *)j->kcache + at, D);
+            memcpy((float *)j->vcache + at, row + (Hq + Hkv + h) * D, sizeof(float) * D);
         }
     }
     spl_barrier(n); /* every new key and value is in the cache before anyone attends */
@@ -240,15 +258,20 @@ int decode_attention_bf16_takes(long Hq, long Hkv, long D) {
 #endif
 }
 
-/* See the header for layouts; bf16: the queries on bf16 operands (attention_tiles_bf16.h), where
- * decode_attention_bf16_takes. Returns 0, or -1 on bad arguments (bf16 where it cannot take). */
-int decode_attention(const float *qkv, const float *cos, const float *sin, float *kcache,
-                     float *vcache, const int64_t *cols, const int64_t *rows, const uint8_t *mask,
+/* See the header for layouts; bf16: OPERANDS_BF16, the queries on bf16 operands
+ * (attention_tiles_bf16.h), where decode_attention_bf16_takes; with KV_BF16 too, kcache and vcache
+ * hold bf16 elements. Returns 0, or -1 on bad arguments (bf16 where it cannot take, KV_BF16
+ * without OPERANDS_BF16). */
+int decode_attention(const float *qkv, const float *cos, const float *sin, void *kcache,
+                     void *vcache, const int64_t *cols, const int64_t *rows, const uint8_t *mask,
                      float *out, long B, long Bc, long T, long Hq, long Hkv, long D, long C, long L,
                      float scale, int threads, int bf16) {
     if (B < 1 || T < 1 || Hq < 1 || Hkv < 1 || D < 1 || Hq % Hkv || L < 1 || L > C || threads < 1)
         return -1;
+    int kv_bf16 = (bf16 & KV_BF16) != 0;
+    bf16 &= OPERANDS_BF16;
     if (bf16 && !decode_attention_bf16_takes(Hq, Hkv, D)) return -1;
+    if (kv_bf16 && !bf16) return -1;
     if (!rows && Bc != B) return -1;
     for (long i = 0; i < B * T; i++)
         if (cols[i] < 0 || cols[i] >= L) return -1;
@@ -287,7 +310,7 @@ int decode_attention(const float *qkv, const float *cos, const float *sin, float
         return -1;
     }
     struct job j = {qkv, cos, sin, kcache, vcache, out, qrot, scratch, cols, rows, mask,
-                    B, T, Hq, Hkv, D, C, L, scale, seg, nseg, per_thread, bf16};
+                    B, T, Hq, Hkv, D, C, L, scale, seg, nseg, per_thread, bf16, kv_bf16};
     spl_parallel(run, &j, threads);
     free(qrot);
     free(scratch);

@@ -24,8 +24,8 @@
 
 typedef int (*linear_fn)(const float *x, int prologue, const float *g, float eps, const void *w,
                          const float *res, float *y, long T, long N, long K, int threads);
-typedef int (*attention_fn)(const float *qkv, const float *cos, const float *sin, float *kcache,
-                            float *vcache, const int64_t *cols, const int64_t *rows,
+typedef int (*attention_fn)(const float *qkv, const float *cos, const float *sin, void *kcache,
+                            void *vcache, const int64_t *cols, const int64_t *rows,
                             const uint8_t *mask, float *out, long B, long Bc, long T, long Hq,
                             long Hkv, long D, long C, long L, float scale, int threads, int bf16);
 
@@ -51,15 +51,16 @@ struct attention {
     const int64_t *cols, *rows;  /* [B, Tq], [B] or NULL */
     const uint8_t *mask;         /* [B, Tq, L] */
     long B, Bc, T, C, L;
-    int bf16;                    /* bf16 operands (decode_attention's bf16) */
+    int bf16;                    /* decode_attention's bf16 bits (bf16 operands; a bf16 cache) */
 };
 
 /* Runs layers [0, n) on h [B * Tq, H] in place. keys[i], values[i]: layer i's cache buffers
- * [Bc, Hkv, C, D]. hidden[i] (i < n; NULL where not wanted): a copy of h after layer i.
+ * [Bc, Hkv, C, D] (fp32, or bf16 with a->bf16's bit 2). hidden[i] (i < n; NULL where not wanted): a
+ * copy of h after layer i.
  * Scratch, each sized for B * Tq tokens: h2 [H], qkv [(Hq + 2 Hkv) D], att [Hq D], gu [2 I].
  * Returns 0, or -(1 + i) when a kernel refused layer i's arguments (nothing is then trusted). */
 int llama_layers(const struct layer *layers, int n, const struct dims *d,
-                 const struct attention *a, float *const *keys, float *const *values,
+                 const struct attention *a, void *const *keys, void *const *values,
                  float *const *hidden, float *h, float *h2, float *qkv, float *att, float *gu,
                  int threads) {
     long tokens = a->B * a->T;

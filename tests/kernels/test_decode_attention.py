@@ -280,6 +280,35 @@ def test_bf16_any_mask_is_the_rounded_arithmetic(t):
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
 
 
+@needs_bf16
+@pytest.mark.parametrize("t", [1, 5, 9, 17])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_bf16_cache_gives_the_bits_of_an_fp32_one(t, tree, d):
+    """On bf16 operands the tiles round what they read of the cache to bf16, so a cache that holds
+    bf16 (rounded once, when the kernel writes this call's keys and values) gives the same output
+    bits as an fp32 cache, and afterwards holds exactly the fp32 cache's values rounded, the new
+    keys after rotary included."""
+    hq, hkv = 9, 3
+    qkv, cos, sin, keys, values, cols, mask = _case(3, t, hq, hkv, d, [30, 7, 19], 64, seed=t + d, tree=tree)
+    k16, v16 = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+    want = da.decode_attention(qkv, cos, sin, keys, values, cols, mask, hq, hkv, d**-0.5, bf16=True)
+    got = da.decode_attention(qkv, cos, sin, k16, v16, cols, mask, hq, hkv, d**-0.5, bf16=True)
+    assert torch.equal(got, want)
+    assert torch.equal(k16, keys.to(torch.bfloat16)) and torch.equal(v16, values.to(torch.bfloat16))
+
+
+@needs_native
+def test_a_bf16_cache_is_refused_for_fp32_operands_or_mixed_with_fp32():
+    """Only a forward on bf16 operands reads a bf16 cache (fp32 attention would compute on values
+    it never had), and keys and values come in one dtype."""
+    qkv, cos, sin, keys, values, cols, mask = _case(1, 2, 9, 3, 64, [5], 16, seed=0)
+    with pytest.raises(ValueError, match="bf16"):
+        da.decode_attention(qkv, cos, sin, keys.bfloat16(), values.bfloat16(), cols, mask, 9, 3, 0.125)
+    with pytest.raises(ValueError, match="bf16"):
+        da.decode_attention(qkv, cos, sin, keys.bfloat16(), values, cols, mask, 9, 3, 0.125, bf16=True)
+
+
 @needs_native
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])

@@ -31,8 +31,20 @@ def test_rows_move_in_every_buffer_even_where_a_source_is_also_a_destination():
         assert torch.equal(got, w)
 
 
+@pytest.mark.skipif(kv_rows.native_lib() is None, reason="native kernels not built here")
+def test_bf16_buffers_move_natively_as_fp32_ones_do(monkeypatch):
+    """A bf16 KV cache's rows (a forward on bf16 attention) move in the same one call."""
+    bufs = [b.to(torch.bfloat16) for b in _buffers()]
+    src, dst = torch.tensor([5, 7, 50, 90]), torch.tensor([4, 5, 49, 91])
+    want = _reference(bufs, src, dst)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", None)  # the torch path would fail here
+    kv_rows.move_rows(bufs, src, dst)
+    assert all(torch.equal(g, w) for g, w in zip(bufs, want))
+
+
 def test_the_torch_reference_runs_where_the_native_call_cannot():
-    bufs = [b.to(torch.float64) for b in _buffers(n=2)]  # not fp32: the torch path
+    bufs = _buffers(n=2)
+    bufs[1] = bufs[1].to(torch.float64)  # buffers of mixed dtypes: the torch path
     src, dst = torch.tensor([3, 8]), torch.tensor([2, 3])
     want = _reference(bufs, src, dst)
     kv_rows.move_rows(bufs, src, dst)
