@@ -36,6 +36,9 @@ run (so the before/after ratio is measured on the same machine at the same time)
 - ``without_cuda_graphs``: on CUDA, where the fast forward's steps replay CUDA graphs
   (serving/engine/cuda_graphs.py), the same forward launched op by op, as before
   (``speedup_vs_without_cuda_graphs``); ``cuda_graphs``: how many were captured, in how long.
+- ``kv_cache_dtype`` / ``fp32_kv_cache``: where the fast forward's attention is on bf16 operands
+  its caches hold bf16 (``LlamaForward.kv_dtype``); ``fp32_kv_cache`` times the same forward on an
+  fp32 cache, as before, in the same run (``speedup_vs_fp32_kv_cache``: its ms / the fast path's).
 - ``layer_by_layer``: where the fast forward runs its layers in one native call
   (kernels/llama_layers.py), the same forward over the same weights with the layers called one at
   a time from Python, as before (``speedup_vs_layer_by_layer``).
@@ -100,9 +103,18 @@ class BandwidthProbe:
 class _Path:
     """One forward implementation over a prefilled cache, timed without committing anything."""
 
-    def __init__(self, name: str, engine, step_thread: bool = False):
+    def __init__(self, name: str, engine, step_thread: bool = False, cache_dtype: torch.dtype | None = None):
         self.name, self.engine = name, engine
         self.step_thread = step_thread  # timed on a thread set up as serving's step thread
+        self.cache_dtype = cache_dtype
+        """The KV cache's dtype; None: what the engine's own caches hold (``new_cache``)."""
+
+    def new_cache(self):
+        from serving.engine.batch_cache import RaggedKVCache
+
+        if self.cache_dtype is None:
+            return self.engine.runner.new_cache(batch_size=1)
+        return RaggedKVCache.for_model(self.engine.model, batch_size=1, dtype=self.cache_dtype)
 
     def forward_ms(self, cache, q: int, vocab: int, tree: bool = False) -> float:
         ids = torch.randint(0, vocab, (1, q))
@@ -145,9 +157,7 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
 
 
 def _greedy(engine, prompt: list[int], n: int) -> list[int]:
-    from serving.engine.batch_cache import RaggedKVCache
-
-    cache = RaggedKVCache.for_model(engine.model, batch_size=1)
+    cache = engine.runner.new_cache(batch_size=1)
     out = engine.runner.forward(cache, torch.tensor([prompt]), logits_to_keep=1)
     cache.commit([len(prompt)])
     toks = [int(out.logits[0, -1].argmax())]
@@ -174,7 +184,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     fast = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_activations=bf16_activations))
     rounds = fast.runner.fast is not None and fast.runner.fast.native and _rounds(fast)
     with torch.inference_mode():
-        warm = RaggedKVCache.for_model(target.model, batch_size=1)
+        warm = fast.runner.new_cache(batch_size=1)
         fast.runner.forward(warm, torch.zeros(1, 8, dtype=torch.long))
     startup_s = time.perf_counter() - t0
     ref = TorchEngine(target, config=EngineConfig(k=0, forward="hf"))
@@ -196,6 +206,9 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
     if rounds:
         other = TorchEngine(target, config=EngineConfig(k=0, forward="auto", bf16_activations=not bf16_activations))
         paths.insert(1, _Path("other_activations", other, step_thread=True))
+    kv_dtype = fast.runner.new_cache().dtype
+    if kv_dtype != torch.float32:  # the same forward on an fp32 cache: what the bf16 cache buys
+        paths.insert(1, _Path("fp32_kv_cache", fast, step_thread=True, cache_dtype=torch.float32))
     graphs = fast.runner.graphs
     if graphs is not None:  # the same forward launched op by op: what the CUDA graphs buy
         eager = TorchEngine(target, config=EngineConfig(k=0, forward="auto", cuda_graphs=False))
@@ -231,12 +244,21 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         return step_thread.submit(twice).result() if p.step_thread else twice()
 
     with torch.inference_mode():
-        cache = RaggedKVCache.for_model(target.model, batch_size=1)
-        fast.runner.forward(cache, torch.randint(0, vocab, (1, context)), logits_to_keep=1)
-        cache.commit([context])
+        # One prefilled cache per dtype the paths keep theirs in (the fast forward's bf16 where its
+        # attention is bf16, else fp32), shared by the paths of that dtype.
+        prompt = torch.randint(0, vocab, (1, context))
+        prefilled: dict[torch.dtype, RaggedKVCache] = {}
+        for p in paths:
+            fresh = p.new_cache()
+            if fresh.dtype not in prefilled:
+                fast.runner.forward(fresh, prompt, logits_to_keep=1)
+                fresh.commit([context])
+                prefilled[fresh.dtype] = fresh
+        caches = {p.name: prefilled[p.new_cache().dtype] for p in paths}
+        cache = caches[paths[0].name]
         for p in paths:  # warm every path at every width
             for q in (1,) + _QS:
-                timed(p, cache, q)
+                timed(p, caches[p.name], q)
         for q in _TREE_QS:
             timed(paths[0], cache, q, tree=True)
         for _ in range(reps):  # interleaved, so drift on a shared machine hits all alike
@@ -244,7 +266,7 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
                 probe.sample()
                 probe_256mb.sample()
                 for p in paths:
-                    times[p.name][q].append(timed(p, cache, q))
+                    times[p.name][q].append(timed(p, caches[p.name], q))
             for q in _TREE_QS:
                 tree_ms[q].append(timed(paths[0], cache, q, tree=True))
         step_thread.shutdown()
@@ -339,6 +361,10 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
                               "failure": graphs.failure}
         out["without_cuda_graphs"] = figures("eager_launches")
         out["speedup_vs_without_cuda_graphs"] = _speedup(out["without_cuda_graphs"], out)
+    if kv_dtype != torch.float32:
+        out["kv_cache_dtype"] = str(kv_dtype).replace("torch.", "")
+        out["fp32_kv_cache"] = figures("fp32_kv_cache")
+        out["speedup_vs_fp32_kv_cache"] = _speedup(out["fp32_kv_cache"], out)
     if stacked:
         out["layer_by_layer"] = figures("layer_by_layer")
         out["speedup_vs_layer_by_layer"] = _speedup(out["layer_by_layer"], out)

@@ -32,6 +32,7 @@ class EagleNet:
         self.hidden_size = c.hidden_size
         self.feature_size = c.feature_size
         self.dtype = head.fc.weight.dtype
+        self.kv_dtype = self.dtype
         self.target_vocab_size = c.target_vocab_size
         self.vocab_map = head.draft_vocab()
 

@@ -45,6 +45,8 @@ class DraftNet(Protocol):
     head_dim: int
     hidden_size: int
     dtype: torch.dtype
+    kv_dtype: torch.dtype
+    """What its KV cache buffers hold (bf16 where its attention reads bf16 operands)."""
     target_vocab_size: int
     vocab_map: torch.Tensor | None
     """[Vd] target id of each draft id, or None when the draft vocabulary is the target's."""
@@ -232,8 +234,8 @@ class LearnedDrafter:
 
     def _new_state(self, capacity: int = 64) -> RowState:
         shape = (self.net.num_kv_heads, capacity, self.net.head_dim)
-        keys = [torch.zeros(shape, dtype=self.net.dtype) for _ in range(self.net.num_layers)]
-        values = [torch.zeros(shape, dtype=self.net.dtype) for _ in range(self.net.num_layers)]
+        keys = [torch.zeros(shape, dtype=self.net.kv_dtype) for _ in range(self.net.num_layers)]
+        values = [torch.zeros(shape, dtype=self.net.kv_dtype) for _ in range(self.net.num_layers)]
         return RowState(keys, values)
 
     def _gather(self, rows: list[RowState], layout: Layout, extra: int) -> BatchKV:

@@ -46,6 +46,7 @@ class StandaloneNet:
         self.hidden_size = int(cfg.hidden_size)
         head = model.get_output_embeddings().weight  # [V, H]
         self.dtype = head.dtype
+        self.kv_dtype = self.dtype
         self.target_vocab_size = int(head.shape[0])
         self.vocab_map = (
             None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
@@ -118,7 +119,8 @@ class PackedDraftNet:
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(self.forward.head_dim)
         self.hidden_size = int(cfg.hidden_size)
-        self.dtype = torch.float32  # the native attention's cache
+        self.dtype = torch.float32
+        self.kv_dtype = self.forward.kv_dtype  # the native attention's cache: bf16 on bf16 operands
         self.target_vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
     @staticmethod

@@ -70,7 +70,9 @@ class RaggedKVCache:
         their first B rows while they last (``append``); a reallocation elsewhere ends that."""
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, batch_size: int = 0) -> RaggedKVCache:
+    def for_model(cls, model: torch.nn.Module, batch_size: int = 0,
+                  dtype: torch.dtype | None = None) -> RaggedKVCache:
+        """A cache for ``model``'s layers, of its parameters' dtype unless ``dtype`` is given."""
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         param = next(model.parameters())
@@ -78,7 +80,7 @@ class RaggedKVCache:
             cfg.num_hidden_layers,
             cfg.num_key_value_heads,
             head_dim,
-            param.dtype,
+            dtype or param.dtype,
             param.device,
             batch_size,
         )

@@ -145,6 +145,11 @@ class LlamaForward:
         """Attention on bf16 operands, as the projections on rounded activations: a forward that
         rounds takes its attention as a GPU's bf16 attention does (kernels/native/
         attention_tiles_bf16.h), its steps and verifies alike."""
+        self.kv_dtype = torch.bfloat16 if self.bf16_attention else self.embed.dtype
+        """What the caches this forward runs on hold (``ModelRunner.new_cache``): bf16 where its
+        attention reads bf16 operands, which the kernel then rounds once, when it writes them,
+        rather than in every tile that reads them (the same bits): half the bytes a step reads
+        of the cache, and no conversions (ARCHITECTURE.md, "A bf16 KV cache")."""
         self.layers = []
         self.layer_keys: list[tuple] = [_layer_key(layer) for layer in inner.layers]
         """Per layer, which weight tensors it was built from (``reuse`` matches on them)."""
@@ -269,7 +274,8 @@ class LlamaForward:
         leave libgomp's workers spinning against the kernels' own; see kernels/native/pool.h)."""
         if not (self.native_attention and isinstance(cache, RaggedKVCache)):
             return None
-        if cache.dtype != torch.float32 or cache.device.type != "cpu" or mask.dtype != torch.bool:
+        takes = cache.dtype == torch.float32 or (cache.dtype == torch.bfloat16 and self.bf16_attention)
+        if not takes or cache.device.type != "cpu" or mask.dtype != torch.bool:
             return None
         # Each call checks its own tensors (contiguous fp32 on the CPU; the cache's buffers
         # always are); checking all 2 x layers buffers here too cost ~40 us per step.

@@ -82,7 +82,8 @@ class ModelRunner:
         """An empty cache of ``batch_size`` rows (0 if None) that will hold at most ``max_rows``
         (default: ``batch_size``, else unknown): its buffers keep that many rows' room, so that a
         row joins without a copy of the batch (``RaggedKVCache.append``)."""
-        cache = RaggedKVCache.for_model(self.model, batch_size=batch_size or 0)
+        dtype = self.fast.kv_dtype if self.fast is not None else None  # bf16 for bf16 attention
+        cache = RaggedKVCache.for_model(self.model, batch_size=batch_size or 0, dtype=dtype)
         cache.max_rows = max_rows if max_rows is not None else batch_size
         return cache
 

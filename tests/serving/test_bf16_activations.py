@@ -110,6 +110,26 @@ def test_suffix_trees_on_bf16_activations_equal_target_only_decoding(hidden):
     assert spec == plain + plain
 
 
+@needs_rounding
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_the_cache_holds_bf16_where_attention_reads_bf16_and_decodes_the_same(hidden, monkeypatch):
+    """Where the forward's attention is on bf16 operands (heads of 64 with AVX-512 BF16), the
+    engine's KV cache holds bf16, rounded once when written: suffix trees and all, every output
+    is token for token what the same forward gives on an fp32 cache. Heads of 16 (fp32
+    attention) keep an fp32 cache."""
+    target = _bf16_target(hidden=hidden)
+    engine = TorchEngine(target, None, EngineConfig(k=0, bf16_activations=True))
+    fast = engine.runner.fast
+    bf16_cache = fast.bf16_attention
+    assert bf16_cache == (hidden == 256 and da.bf16_takes(4, 2, 64))
+    assert engine.runner.new_cache(1).dtype == (torch.bfloat16 if bf16_cache else torch.float32)
+    prompts = [p * 4 for p in PROMPTS]
+    served = _serve(target, 8, prompts + prompts)
+    monkeypatch.setattr(fast, "kv_dtype", torch.float32)  # the engines share this forward
+    assert engine.runner.new_cache(1).dtype == torch.float32
+    assert _serve(target, 8, prompts + prompts) == served
+
+
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("rounded", [False, True], ids=["exact", "bf16-activations"])
 @torch.inference_mode()

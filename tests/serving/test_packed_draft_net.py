@@ -173,3 +173,22 @@ def test_int8_drafts_are_the_models_own_at_its_int8_weights_and_leave_the_target
         assert p.tokens[row].tolist() == toks
         # the kernel scales each output's sum once; the reference multiplies every weight first
         torch.testing.assert_close(p.probs[row], torch.tensor(probs), rtol=1e-3, atol=1e-4)
+
+
+def test_a_drafter_on_bf16_attention_keeps_a_bf16_cache_and_drafts_the_same(monkeypatch):
+    """Heads of 64 on a CPU with AVX-512 BF16: the drafter's attention reads bf16 operands, so its
+    rows' KV buffers hold bf16 (rounded once, when written), and its drafts are bit for bit those
+    it makes on fp32 buffers."""
+    target = tiny_target(vocab_size=V, hidden_size=256, num_layers=4, seed=6)  # 4 heads of 64
+    drafter = _selfspec(target)
+    net = drafter.net
+    if not net.forward.bf16_attention:
+        pytest.skip("no bf16 attention here (AVX-512 BF16)")
+    assert net.kv_dtype == torch.bfloat16
+    seqs = _seqs()
+    on_bf16 = _propose(drafter, seqs)
+    assert drafter._states["r0"].keys[0].dtype == torch.bfloat16
+    monkeypatch.setattr(net, "kv_dtype", torch.float32)
+    on_fp32 = _propose(drafter, seqs)  # the same requests again, on fp32 buffers
+    assert drafter._states["r0"].keys[0].dtype == torch.float32
+    assert torch.equal(on_bf16.tokens, on_fp32.tokens) and torch.equal(on_bf16.probs, on_fp32.probs)
