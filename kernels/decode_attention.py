@@ -88,10 +88,10 @@ def decode_attention(
     bf16: bool = False,
 ) -> torch.Tensor:
     """qkv [B, T, (Hq + 2 Hkv) D]; cos, sin [B, T, D]; keys, values [Bc, Hkv, C, D] (fp32, or
-    bf16 with ``bf16``; written at ``cols`` [B, T]); mask [B, T, L] bool; ``rows`` [B] int64: the cache row of each row (None:
-    the same row, Bc = B). ``bf16``: scores and the weighted sum on bf16 operands, fp32
-    accumulation (native/attention_tiles_bf16.h; where ``bf16_takes``), for a forward on bf16
-    activations. Returns the attention output [B, T, Hq * D]."""
+    bf16 with ``bf16``; written at ``cols`` [B, T]); mask [B, T, L] bool; ``rows`` [B] int64: the
+    cache row of each row (None: the same row, Bc = B). ``bf16``: scores and the weighted sum on
+    bf16 operands, fp32 accumulation (native/attention_tiles_bf16.h; where ``bf16_takes``), for a
+    forward on bf16 activations. Returns the attention output [B, T, Hq * D]."""
     lib = _load()
     if lib is None:
         raise RuntimeError("decode_attention: native kernel not available (check available())")
