@@ -50,12 +50,14 @@
 #endif
 
 /* While the keys of block j0 (16 from j0) are scored, ask for those KEY_PF_BLOCKS blocks ahead
- * (at the first block, every block up to there). K: the kv head's keys [L.., D]. */
-static inline void prefetch_keys_ahead(const float *K, long j0, long L, long D) {
+ * (at the first block, every block up to there). K: the kv head's keys [L.., D], rows of
+ * row_bytes (fp32 or bf16 elements). */
+static inline void prefetch_keys_ahead(const void *K, long j0, long L, long row_bytes) {
     for (long b = j0 == 0 ? 1 : KEY_PF_BLOCKS; b <= KEY_PF_BLOCKS; b++) {
         long at = j0 + 16 * b, m = L - at < 16 ? L - at : 16;
         for (long jj = 0; jj < m; jj++)
-            for (long c = 0; c < D; c += 16) _mm_prefetch((const char *)(K + (at + jj) * D + c), _MM_HINT_T1);
+            for (long c = 0; c < row_bytes; c += 64)
+                _mm_prefetch((const char *)K + (at + jj) * row_bytes + c, _MM_HINT_T1);
     }
 }
 
@@ -217,7 +219,7 @@ INLINE void attend_tile_d(const long D, const float *const *q, const uint8_t *co
             for (int r = 0; r < R; r++) _mm512_store_ps(scores + r * Lp + j0, neg);
             continue;
         }
-        prefetch_keys_ahead(K, j0, L, D);
+        prefetch_keys_ahead(K, j0, L, D * (long)sizeof(float));
         for (long c = 0; c < DV; c++) {
             __m512 rows[16];
             for (long jj = 0; jj < 16; jj++)

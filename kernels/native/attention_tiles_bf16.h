@@ -56,15 +56,6 @@ static inline __m512i kv_bf16x32(const void *p, const int KB) {
     return KB == 2 ? _mm512_loadu_si512(p) : bf16x32((const float *)p);
 }
 
-/* prefetch_keys_ahead (attention_tiles.h) for cache rows of D elements of KB bytes. */
-static inline void prefetch_kv_ahead(const void *K, long j0, long L, long D, const int KB) {
-    for (long b = j0 == 0 ? 1 : KEY_PF_BLOCKS; b <= KEY_PF_BLOCKS; b++) {
-        long at = j0 + 16 * b, m = L - at < 16 ? L - at : 16;
-        for (long jj = 0; jj < m; jj++)
-            for (long c = 0; c < D * KB; c += 64) _mm_prefetch(KV_AT(K, (at + jj) * D, KB) + c, _MM_HINT_T1);
-    }
-}
-
 /* Scores of rows q2[0..RN) (each a query as D/2 bf16 pairs) for one block of 16 keys (kt2: the
  * block's key pairs transposed, [D/2, 16] pairs): lane = key. Pair lane l's chain over the pairs
  * l, l + 16, ... as the one-token path's vector lanes (score_one_bf16), then the chains added in
@@ -267,7 +258,7 @@ INLINE void attend_tile_bf16_d(const long D, const float *const *q, const uint8_
             for (int r = 0; r < R; r++) _mm512_store_ps(scores + r * Lp + j0, neg);
             continue;
         }
-        prefetch_kv_ahead(K, j0, L, D, KB);
+        prefetch_keys_ahead(K, j0, L, D * KB);
         for (long h = 0; h < D / 32; h++) {
             __m512 rows[16];
             for (long jj = 0; jj < 16; jj++)
