@@ -248,13 +248,14 @@ def run(threads: int, context: int, reps: int, device: str | None, tiny: bool, l
         # attention is bf16, else fp32), shared by the paths of that dtype.
         prompt = torch.randint(0, vocab, (1, context))
         prefilled: dict[torch.dtype, RaggedKVCache] = {}
+        caches: dict[str, RaggedKVCache] = {}
         for p in paths:
             fresh = p.new_cache()
             if fresh.dtype not in prefilled:
                 fast.runner.forward(fresh, prompt, logits_to_keep=1)
                 fresh.commit([context])
                 prefilled[fresh.dtype] = fresh
-        caches = {p.name: prefilled[p.new_cache().dtype] for p in paths}
+            caches[p.name] = prefilled[fresh.dtype]
         cache = caches[paths[0].name]
         for p in paths:  # warm every path at every width
             for q in (1,) + _QS:
