@@ -18,6 +18,7 @@ The top-level figures are the hybrid's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 import tempfile
@@ -40,7 +41,13 @@ from infra.loop_metrics import (
 from infra.loop_metrics import trainer_figures as loop_trainer_figures
 from infra.paired_serving import serve_paired, target_only_loop, warmed
 from infra.prompts import encode, prompts_callback, stream_items
-from infra.suffix_seed import seed_option, seed_summary, use_suffix_seed
+from infra.suffix_seed import (
+    load_model_option,
+    model_option,
+    seed_option,
+    seed_summary,
+    use_suffix_seed,
+)
 
 log = logging.getLogger(__name__)
 KINDS = ("hybrid", "suffix", "standalone")
@@ -229,6 +236,7 @@ def bench_online(
     static: Literal["offline", "snapshot"] = typer.Option("offline", help="Static baseline after the shift: offline (same kind trained offline "
                                "on the target's pre-shift responses) | snapshot (the loop's drafter frozen at the shift)."),
     suffix_seed: int = seed_option(),
+    model: str | None = model_option(),
 ) -> None:
     """Online adaptation on a domain-shift stream: speedups, recovery, swaps, freshness."""
     logging.basicConfig(stream=sys.stderr, level=logging.INFO if verbose else logging.WARNING,
@@ -242,7 +250,8 @@ def bench_online(
     torch.set_num_threads(threads)
     items = stream_items(prompts, chat, code)  # read before the target loads (checked when parsed)
     day0 = day0_artifact_meta(day0_artifact)
-    target = load_target()
+    model = model or settings.serving.model  # --model, else SPECLOOP_MODEL, as the demo and serve read it
+    target = load_model_option(model)
     if day0 is not None:  # before the suffix seed and the stack (the loop read it only at its start)
         check_target(day0, day0_artifact, DAY0_OPTION, target.fingerprint)
     seed = use_suffix_seed(target, suffix_seed)  # serving's suffix indexes and the trainer's gate
@@ -254,7 +263,7 @@ def bench_online(
             started = time.perf_counter()
             info = stack.up()
             out = asyncio.run(run_all(target, info, stream, cfg, f"{tmp}/static", tuple(drafter), static,
-                                      load_target=load_target))
+                                      load_target=functools.partial(load_target, model)))
             out["bench_wall_s"] = round(time.perf_counter() - started, 1)  # with the stack's start
             out["suffix_seed"] = seed_summary(seed)
             out["bf16_activations"] = served_bf16_activations(settings)
