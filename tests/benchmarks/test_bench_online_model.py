@@ -44,12 +44,10 @@ def test_bench_online_serves_and_fits_the_target_it_is_given(how, tmp_path, monk
     monkeypatch.setattr(bench_online, "encode", lambda *a, **k: [])
     monkeypatch.setattr(infra.root, "build_stack", lambda *a, **k: Stack())
     monkeypatch.setattr(bench_online, "run_all", run_all)
-    args = ["bench", "online", "--drafter", "standalone"]
-    if how == "--model":
-        args += ["--model", str(tmp_path)]
-    else:
+    given = {"--model": ["--model", str(tmp_path)], "SPECLOOP_MODEL": []}[how]
+    if not given:
         monkeypatch.setenv("SPECLOOP_MODEL", str(tmp_path))
-    out = CliRunner().invoke(app, args)
+    out = CliRunner().invoke(app, ["bench", "online", "--drafter", "standalone", *given])
     assert isinstance(out.exception, Reached), (out.exception, out.output)
     assert loads == [(str(tmp_path),)]  # served
     loaders[0]()  # what the static baseline's own process loads
