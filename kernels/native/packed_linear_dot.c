@@ -47,8 +47,10 @@
 /* Passes of at most this many tokens ask for no rows ahead: the hardware's stream prefetcher
  * keeps them fed, and the software prefetches only cost them. Measured on the same EPYC, the whole
  * forward at 200 tokens of context against the kernel that always prefetched (2 threads, median of
- * 41, alternating in one process, six runs): 1 token 0.98-1.02 (0.89 in a run whose step took
- * 7.4 ms instead of ~10), 2 tokens 0.91-0.99, 3 tokens 0.90-0.97; 4 tokens 1.01-1.04. */
+ * 41, alternating in one process, six runs): 1 token 0.98-1.02, 2 tokens 0.91-0.99, 3 tokens
+ * 0.90-0.97; 4 tokens 1.00-1.04. With the distance a run-time knob, in a period of the VM whose
+ * step took 7.4 ms instead of ~10: 1 / 2 / 3 tokens 0.89 / 0.90 / 0.88 (ARCHITECTURE.md, "Small
+ * verifies without software prefetches"). */
 #define DOT_HW_STREAM_TOKENS 3
 
 /* A panel (outputs n0 .. n0+P) for R tokens of rounded activations xh [R, K] (K even) into
