@@ -49,11 +49,16 @@ OPERANDS_BF16, KV_BF16 = 1, 2
 """The native call's ``bf16`` bits (decode_attention.c)."""
 
 
+def cache_dtype_takes(dtype: torch.dtype, bf16: bool) -> bool:
+    """Whether the kernel computes on a cache of ``dtype``: fp32, or bf16 where the operands are
+    (``bf16``)."""
+    return dtype == torch.float32 or (bf16 and dtype == torch.bfloat16)
+
+
 def cache_takes(keys: torch.Tensor, values: torch.Tensor, bf16: bool) -> bool:
-    """Cache buffers the kernel computes on: fp32, or bf16 where the operands are (``bf16``); on
-    the CPU, contiguous, the two of one dtype."""
-    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
-    return (keys.dtype == values.dtype and keys.dtype in dtypes
+    """Cache buffers the kernel computes on: of a dtype ``cache_dtype_takes``, on the CPU,
+    contiguous, the two of one dtype."""
+    return (keys.dtype == values.dtype and cache_dtype_takes(keys.dtype, bf16)
             and all(t.device.type == "cpu" and t.is_contiguous() for t in (keys, values)))
 
 

@@ -328,11 +328,11 @@ static inline long tile_bf16_scratch(long R, long L, long D) {
 }
 
 /* attend_tile on bf16 operands (the header's arithmetic); tile_head_dim(D). K, V: the cache's
- * buffers of fp32 (kv_bf16 0) or bf16 (kv_bf16 1) elements. */
+ * buffers of KB-byte elements (4: fp32, 2: bf16). */
 static void attend_tile_bf16(const float *const *q, const uint8_t *const *vis, float *const *out,
                              int R, const void *K, const void *V, long L, long D, float scale,
-                             float *scores, int kv_bf16) {
-    if (kv_bf16) {
+                             float *scores, int KB) {
+    if (KB == 2) {
         if (D == 64) attend_tile_bf16_d(64, q, vis, out, R, K, V, L, scale, scores, 2);
         else attend_tile_bf16_d(128, q, vis, out, R, K, V, L, scale, scores, 2);
     } else {

@@ -163,9 +163,9 @@ static void run_segment(const struct job *j, long s, long g, float *scores) {
     long kv = ((cb * j->Hkv + g) * j->C) * D;
 #if TILES_BF16
     if (j->bf16) {
-        long kb = j->kv_bf16 ? 2 : 4;
+        int kb = j->kv_bf16 ? 2 : 4; /* bytes an element */
         attend_tile_bf16(q, vis, out, R, (const char *)j->kcache + kv * kb,
-                         (const char *)j->vcache + kv * kb, j->L, D, j->scale, scores, j->kv_bf16);
+                         (const char *)j->vcache + kv * kb, j->L, D, j->scale, scores, kb);
         return;
     }
 #endif

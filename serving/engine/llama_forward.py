@@ -274,8 +274,8 @@ class LlamaForward:
         leave libgomp's workers spinning against the kernels' own; see kernels/native/pool.h)."""
         if not (self.native_attention and isinstance(cache, RaggedKVCache)):
             return None
-        takes = cache.dtype == torch.float32 or (cache.dtype == torch.bfloat16 and self.bf16_attention)
-        if not takes or cache.device.type != "cpu" or mask.dtype != torch.bool:
+        if (not native_attention.cache_dtype_takes(cache.dtype, self.bf16_attention)
+                or cache.device.type != "cpu" or mask.dtype != torch.bool):
             return None
         # Each call checks its own tensors (contiguous fp32 on the CPU; the cache's buffers
         # always are); checking all 2 x layers buffers here too cost ~40 us per step.
