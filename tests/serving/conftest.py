@@ -245,6 +245,29 @@ def run():
     return _run
 
 
+class SwapAfterSteps:
+    """An engine observer that swaps in ``drafter`` from the step thread after ``steps`` verify
+    steps: the swap point then does not depend on how far the step thread runs ahead of the event
+    loop that reads the chunks (on a loaded 2-core CI machine it can finish a request first)."""
+
+    def __init__(self, steps: int, drafter):
+        self.steps, self.drafter, self.engine, self.seen = steps, drafter, None, 0
+
+    def on_step(self, batch) -> None:
+        self.seen += 1
+        if self.seen == self.steps:
+            self.engine.swap_drafter(self.drafter)
+
+    def watch(self, engine):
+        """Attach to ``engine`` (as one of its observers) and return it."""
+        self.engine = engine
+        engine.observers.append(self)
+        return engine
+
+
 @pytest.fixture
 def helpers():
-    return SimpleNamespace(collect=collect, tokens_of=tokens_of, text_of=text_of, greedy=greedy)
+    return SimpleNamespace(
+        collect=collect, tokens_of=tokens_of, text_of=text_of, greedy=greedy,
+        SwapAfterSteps=SwapAfterSteps,
+    )

@@ -549,7 +549,7 @@ def test_policy_chooses_k_and_observes_steps(ids_target, refs, run, drafters):
     assert drafter.proposed_steps == 0
 
 
-def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
+def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters, run, helpers):
     old = drafters.Garbage(vocab=101, seed=4, version="v1")
     new = drafters.Replay(refs, vocab=101, version="v2")
 
@@ -561,24 +561,17 @@ def test_swap_drafter_mid_request_stays_lossless(ids_target, refs, drafters):
             self.version = version
 
     policy = Always4(4)
-    engine = TorchEngine(ids_target, old, EngineConfig(k=4, max_batch_size=4), policy=policy)
+    engine = helpers.SwapAfterSteps(3, new).watch(
+        TorchEngine(ids_target, old, EngineConfig(k=4, max_batch_size=4), policy=policy)
+    )
     prompt = PROMPTS[2]
-
-    async def main():
-        await engine.start()
-        other = asyncio.ensure_future(
-            _collect(engine.generate(_req("o", PROMPTS[0], SamplingParams(max_tokens=48))))
-        )
-        chunks = []
-        async for c in engine.generate(_req("s", prompt, SamplingParams(max_tokens=48))):
-            chunks.append(c)
-            if len(chunks) == 3:
-                engine.swap_drafter(new)
-        done = await other
-        await engine.stop()
-        return chunks, done
-
-    chunks, done = asyncio.run(main())
+    chunks, done = run(
+        engine,
+        [
+            _req("s", prompt, SamplingParams(max_tokens=48)),
+            _req("o", PROMPTS[0], SamplingParams(max_tokens=48)),
+        ],
+    )
     assert _tokens(chunks) == refs[tuple(prompt)]
     assert _tokens(done) == refs[tuple(PROMPTS[0])]
     assert engine.drafter is new and policy.changes == 1 and policy.version == "v2"
@@ -598,7 +591,9 @@ def _plain_features(model, ids, layers):
     return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1).cpu()  # [len, F]
 
 
-def test_features_reach_the_drafter_and_are_rebuilt_on_swap(ids_target, refs, run, drafters):
+def test_features_reach_the_drafter_and_are_rebuilt_on_swap(
+    ids_target, refs, run, drafters, helpers
+):
     layers = (1, -1)
     model = ids_target.model
     drafter = drafters.Replay(refs, vocab=101, corrupt_every=3, feature_layers=layers)
@@ -619,19 +614,8 @@ def test_features_reach_the_drafter_and_are_rebuilt_on_swap(ids_target, refs, ru
     # swapping from a featureless drafter to one that wants features rebuilds them for the history
     plain = drafters.Garbage(vocab=101, seed=3)
     wants = drafters.Replay(refs, vocab=101, feature_layers=(-1,), version="v9")
-    engine = TorchEngine(ids_target, plain, EngineConfig(k=2))
-
-    async def main():
-        await engine.start()
-        got = []
-        async for c in engine.generate(_req("g", prompt, SamplingParams(max_tokens=30))):
-            got.append(c)
-            if len(got) == 4:
-                engine.swap_drafter(wants)
-        await engine.stop()
-        return got
-
-    chunks = asyncio.run(main())
+    engine = helpers.SwapAfterSteps(4, wants).watch(TorchEngine(ids_target, plain, EngineConfig(k=2)))
+    [chunks] = run(engine, [_req("g", prompt, SamplingParams(max_tokens=30))])
     history, feats = wants.added["g"]
     assert feats.shape[0] == len(history) - 1
     torch.testing.assert_close(
