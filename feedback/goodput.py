@@ -103,16 +103,23 @@ class CostModel:
         (``draft_ms``): its k is chosen on it, and a line through one- and two-token drafts is a noisy
         thing to choose k on (priced on it, two held-out runs read day-0 speedups of 0.93 where
         two priced per token read 0.99)."""
-        if not self._draft_measured:
+        if not self.draft_line_fitted:
             return self.draft_ms_per_token
         w, sn, snn, sms, snms = self._draft_sums
         mean_n, mean_ms = sn / w, sms / w
         spread = snn / w - mean_n * mean_n
-        if spread < _MIN_LENGTH_SPREAD:
-            return self.draft_ms_per_token
         # kept >= 0: a hybrid's learned drafts, fewer tokens at more ms than its suffix drafts,
         # tilt the line below 0
         return min(max((snms / w - mean_n * mean_ms) / spread, 0.0), mean_ms / mean_n)
+
+    @property
+    def draft_line_fitted(self) -> bool:
+        """Whether the drafts' lengths varied enough for ``draft_ms_marginal`` to be a line's
+        slope rather than the price per token."""
+        if not self._draft_measured:
+            return False
+        w, sn, snn, _, _ = self._draft_sums
+        return snn / w - (sn / w) ** 2 >= _MIN_LENGTH_SPREAD
 
     @property
     def catch_up_ms_per_draft(self) -> float:

@@ -130,6 +130,15 @@ class GoodputPolicy:
         """Consecutive drafts that ``choose_widths`` cut to nothing."""
         self._cheap = True
         """The last ``choose_k`` found the draft cheap (the suffix index) rather than costly."""
+        self._short_drafts: float | None = None
+        """Share of recent drafts that came back shorter than asked (an EMA; None before the
+        first). Such a drafter's lengths vary of themselves (the suffix index drafts what it
+        matched), so a cheap one stays cheap until they have drawn ``CostModel.draft_ms_marginal``'s
+        line. Judged on its price per token, which carries the lookup's fixed cost, the index was
+        found costly on its first drafts in a `bench spec` chat phase (0.7 ms each where later ones
+        took 0.5), asked for 1-3 tokens, and with lengths that then hardly varied stayed costly for
+        the first ~150 of the phase's ~500 steps (0.3-0.9 nodes a step against 3.2-4.1 after). A
+        learned drafter drafts as many tokens as it is asked for."""
         self._floor_paid = False
         """The last draft was a costly drafter's own (no hybrid's): each row's best node counts at
         least its acceptance estimate in ``choose_widths``."""
@@ -175,6 +184,9 @@ class GoodputPolicy:
             self._remember(0)
             return 0
         cheap = self.costs.draft_ms_marginal * k_max < _CHEAP_DRAFT * self.costs.verify_ms(0)
+        if (not cheap and self._cheap and (self._short_drafts or 0.0) >= 0.5
+                and not self.costs.draft_line_fitted):
+            cheap = True  # see ``_short_drafts``
         self._cheap = cheap
         # The estimate is the drafter's own acceptance unless a hybrid mixes the suffix index's
         # drafts into it: then it says nothing of a learned draft's best node (``choose_widths``).
@@ -397,6 +409,10 @@ class GoodputPolicy:
         # the drafts (``CostModel.catch_up_ms_per_draft``).
         steady_ms = max(0.0, float(draft_ms) - float(catch_up_ms))
         paid_for = width if proposed is None else max(int(proposed), width)
+        if paid_for > 0 and k > 0:
+            short = float(paid_for < k)
+            prev = self._short_drafts
+            self._short_drafts = short if prev is None else 0.9 * prev + 0.1 * short
         if paid_for > 0:
             self.costs.observe_draft(paid_for, steady_ms)
             if not probe:

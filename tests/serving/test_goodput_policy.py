@@ -482,3 +482,21 @@ def test_a_hybrids_draft_is_not_floored_by_its_mixed_estimate():
     _priced(p, draft_ms_per_token=4.0)
     assert p.choose_k(BatchState(1, 4, np.full(1, 100), mixed_sources=True)) > 0
     assert _widths(p, 1, 0.01).sum() == 0
+
+
+def test_a_drafter_whose_drafts_come_back_short_is_not_judged_costly_on_its_price_per_token():
+    """A lookup (the suffix index) drafts what it matched: its first draft, 2 of 8 tokens asked in
+    0.7 ms, reads 0.35 ms a token (8 tokens: 28 % of a 10 ms step), but more tokens hardly cost
+    more. A learned drafter, which drafts what it is asked for at that price, is costly."""
+    lookup, learned = GoodputPolicy(8), GoodputPolicy(8)
+    for p in (lookup, learned):
+        for _ in range(5):
+            p.observe(0, np.zeros(1), np.zeros(1), 0.0, 10.0, width=0, batch=1)
+    assert lookup.choose_k(_state(8)) == 8 == learned.choose_k(_state(8))  # the prior: cheap
+    lookup.observe(8, np.array([2]), np.array([1]), 0.7, 10.5, width=2, batch=1, proposed=2)
+    learned.observe(8, np.array([8]), np.array([1]), 2.8, 10.5, width=8, batch=1, proposed=8)
+    assert lookup.choose_k(_state(8)) == 8  # still asked for its whole budget
+    assert learned.choose_k(_state(8)) < 8
+    for n, ms in ((7, 0.52), (3, 0.48), (8, 0.53), (5, 0.5), (1, 0.47)) * 4:  # the line: ~0.01 ms a token
+        lookup.observe(8, np.array([n]), np.array([1]), ms, 10.5, width=n, batch=1, proposed=n)
+    assert lookup.costs.draft_line_fitted and lookup.choose_k(_state(8)) == 8
