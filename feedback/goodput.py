@@ -103,11 +103,11 @@ class CostModel:
         (``draft_ms``): its k is chosen on it, and a line through one- and two-token drafts is a noisy
         thing to choose k on (priced on it, two held-out runs read day-0 speedups of 0.93 where
         two priced per token read 0.99)."""
-        if not self.draft_line_fitted:
+        spread = self._length_spread()
+        if spread < _MIN_LENGTH_SPREAD:
             return self.draft_ms_per_token
-        w, sn, snn, sms, snms = self._draft_sums
+        w, sn, _, sms, snms = self._draft_sums
         mean_n, mean_ms = sn / w, sms / w
-        spread = snn / w - mean_n * mean_n
         # kept >= 0: a hybrid's learned drafts, fewer tokens at more ms than its suffix drafts,
         # tilt the line below 0
         return min(max((snms / w - mean_n * mean_ms) / spread, 0.0), mean_ms / mean_n)
@@ -116,10 +116,15 @@ class CostModel:
     def draft_line_fitted(self) -> bool:
         """Whether the drafts' lengths varied enough for ``draft_ms_marginal`` to be a line's
         slope rather than the price per token."""
+        return self._length_spread() >= _MIN_LENGTH_SPREAD
+
+    def _length_spread(self) -> float:
+        """The drafted lengths' variance (tokens^2, the same EMA weights); 0 before any draft."""
         if not self._draft_measured:
-            return False
+            return 0.0
         w, sn, snn, _, _ = self._draft_sums
-        return snn / w - (sn / w) ** 2 >= _MIN_LENGTH_SPREAD
+        mean_n = sn / w
+        return snn / w - mean_n * mean_n
 
     @property
     def catch_up_ms_per_draft(self) -> float:
