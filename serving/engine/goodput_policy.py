@@ -408,7 +408,7 @@ class GoodputPolicy:
         # which spaces the probes); the others are what drafting on and off costs, amortised over
         # the drafts (``CostModel.catch_up_ms_per_draft``).
         steady_ms = max(0.0, float(draft_ms) - float(catch_up_ms))
-        paid_for = width if proposed is None else max(int(proposed), width)
+        paid_for = width if proposed is None else int(proposed)  # positions: a tree has more nodes
         if paid_for > 0 and k > 0:
             short = float(paid_for < k)
             prev = self._short_drafts

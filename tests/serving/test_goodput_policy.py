@@ -500,3 +500,47 @@ def test_a_drafter_whose_drafts_come_back_short_is_not_judged_costly_on_its_pric
     for n, ms in ((7, 0.52), (3, 0.48), (8, 0.53), (5, 0.5), (1, 0.47)) * 4:  # the line: ~0.01 ms a token
         lookup.observe(8, np.array([n]), np.array([1]), ms, 10.5, width=n, batch=1, proposed=n)
     assert lookup.costs.draft_line_fitted and lookup.choose_k(_state(8)) == 8
+
+
+def _cold_start(policy, steps, plain_ms=12.2, cold_ms=17.7, position_ms=1.3):
+    """An engine's first steps with a day-0 learned drafter whose drafts (trees of two candidates
+    at each position, at most 4 nodes) are never accepted: its first step is cold (``cold_ms``),
+    every later step warm, a verify of 4 nodes ~1.23 plain steps. Returns the steps that drafted."""
+    drafting = 0
+    for step in range(steps):
+        k = policy.choose_k(BatchState(1, 4, np.full(1, 100), branches=2))
+        nodes = 0
+        if k > 0:  # the top-2 at each position along the greedy chain
+            parents = np.array([[-1] + [max(0, 2 * d - 1) for d in range(min(k, 2)) for _ in (0, 1)]])
+            drafted = parents.shape[1] - 1
+            nodes = int(policy.choose_widths(parents, np.full((1, drafted), 0.9), np.full(1, drafted),
+                                             batch=1).sum())
+            drafting += 1  # paid for, whatever the width step kept
+        verify_ms = cold_ms if step == 0 else plain_ms * (1 + 0.058 * nodes)
+        policy.observe(k, np.full(1, nodes), np.zeros(1), position_ms * k, verify_ms,
+                       width=nodes, batch=1, nodes=nodes, proposed=k)
+    return drafting
+
+
+def test_a_cold_first_plain_step_does_not_make_drafting_look_free():
+    """A forward of more tokens never costs less than a plain step, so a width measured below the
+    engine's first, cold plain step is priced at that step: read as a discount, it kept a day-0
+    learned drafter at ~0.01 acceptance drafting every step for its first 40-100 steps."""
+    assert _cold_start(GoodputPolicy(4), 200) <= 15  # ~6 while its estimate falls, then probes
+
+    costs = CostModel(ema=1.0)
+    costs.observe_verify(4, 15.0)
+    assert costs.verify_ms(4) == 15.0  # no plain step measured: the prior is no floor
+    costs.observe_verify(0, 17.7)
+    assert costs.verify_ms(4) == 17.7 and costs.verify_ms(0) == 17.7
+
+
+def test_a_tree_draft_is_priced_by_its_positions_not_its_nodes():
+    """A learned drafter's draft of k positions is k forwards, whatever number of candidates the
+    tree verifies beside them: 2 positions as 4 nodes in 2.6 ms are 1.3 ms a token. Priced by its
+    nodes (0.65), it read half its cost; with the probes' one-node widths beside, the draft line
+    came out flat and the drafter was judged cheap, asked for its whole budget every step."""
+    p = GoodputPolicy(4)
+    p.observe(0, np.zeros(1), np.zeros(1), 0.0, 12.0, width=0, batch=1)
+    p.observe(2, np.array([4]), np.zeros(1), 2.6, 15.0, width=4, batch=1, nodes=4, proposed=2)
+    assert abs(p.costs.draft_ms_per_token - 1.3) < 1e-9
