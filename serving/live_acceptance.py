@@ -45,7 +45,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from feedback.bus.trace import DrafterKind
@@ -95,7 +94,7 @@ def collectors(r: CollectorRegistry) -> Collectors:
 RECENT_STEPS = 256
 """Per-step values kept per version: the baseline a successor is judged against."""
 
-NOT_JUDGED = np.array([DrafterKind.NONE, DrafterKind.SUFFIX], dtype=np.uint8)
+NOT_JUDGED = frozenset({int(DrafterKind.NONE), int(DrafterKind.SUFFIX)})
 """Row sources the judge does not read: no draft, or the suffix index (which a swap keeps)."""
 
 
@@ -232,12 +231,14 @@ class LiveAcceptance(BaseObserver):
         rows = len(batch.request_ids)
         if rows == 0:
             return
-        drafted = int(batch.num_drafted.sum())
-        accepted = int(batch.num_accepted.sum())
+        # Over Python lists: a few values per step, on the step thread's cold caches, where
+        # numpy's reductions and np.isin took ~0.15 ms a step (~1.2 % of a 2-core CPU's step).
+        num_drafted, num_accepted = batch.num_drafted.tolist(), batch.num_accepted.tolist()  # [B]
+        drafted, accepted = sum(num_drafted), sum(num_accepted)
         value = (accepted + rows) / rows
-        rows_judged = (batch.num_drafted > 0) & ~np.isin(batch.source, NOT_JUDGED)  # [B] learned drafts
-        n_judged = int(rows_judged.sum())
-        judged = 1.0 + int(batch.num_accepted[rows_judged].sum()) / n_judged if n_judged else None
+        judged_accepted = [a for d, a, s in zip(num_drafted, num_accepted, batch.source.tolist())
+                           if d > 0 and s not in NOT_JUDGED]  # learned drafts' rows
+        judged = 1.0 + sum(judged_accepted) / len(judged_accepted) if judged_accepted else None
         version = batch.drafter_version
         with self._lock:
             if version not in (self._current, self._previous):

@@ -206,33 +206,47 @@ class SpecMetrics(BaseObserver):
         self.registry = registry if registry is not None else REGISTRY
         self._c = _collectors(self.registry)
         self._drafter: tuple[str, str] | None = None
+        self._positions: dict[tuple[int, int], Counter] = {}
 
     def on_step(self, batch: VerifyBatch) -> None:
+        # Over Python lists: this runs on the step thread, whose caches the forward has just
+        # flushed, where each numpy reduction on a few values costs ~10 us.
         c = self._c
-        drafted = int(batch.num_drafted.sum())
-        accepted = int(batch.num_accepted.sum())
-        rows = len(batch.request_ids)
+        num_drafted, num_accepted = batch.num_drafted.tolist(), batch.num_accepted.tolist()  # [B]
+        drafted, accepted = sum(num_drafted), sum(num_accepted)
+        rows = len(num_drafted)
         c.drafted.inc(drafted)
-        c.draft_nodes.inc(int(batch.draft_nodes.sum()))
+        c.draft_nodes.inc(sum(batch.draft_nodes.tolist()))
         c.accepted.inc(accepted)
         c.emitted.inc(accepted + rows)
         c.verify_steps.inc(rows)
         c.verify_batches.inc()
-        for n in batch.num_accepted.tolist():
-            c.accept_length.observe(n)
         if batch.draft_ms is not None:  # None: not measured (SGLang), not 0 ms
             c.draft_ms.observe(batch.draft_ms)
         if batch.verify_ms is not None:
             c.verify_ms.observe(batch.verify_ms)
         c.batch_size.observe(rows)
-        for n, a in zip(batch.num_drafted.tolist(), batch.num_accepted.tolist()):
+        off = 0
+        for n, a in zip(num_drafted, num_accepted):
+            c.accept_length.observe(a)
             c.draft_length.observe(n)
             if n == 0:
-                c.spec_off_rows.inc()
+                off += 1
             for pos in range(1, n + 1):  # acceptance per position: accepted iff pos <= a
-                c.pos_drafted.labels(position=str(pos)).inc()
+                self._position(c.pos_drafted, pos).inc()
                 if pos <= a:
-                    c.pos_accepted.labels(position=str(pos)).inc()
+                    self._position(c.pos_accepted, pos).inc()
+        if off:
+            c.spec_off_rows.inc(off)
+
+    def _position(self, counter: Counter, pos: int) -> Counter:
+        """``counter``'s child for draft position ``pos``, looked up once (labels() takes a lock
+        and builds its key at every call; these children are never removed)."""
+        key = (id(counter), pos)
+        child = self._positions.get(key)
+        if child is None:
+            child = self._positions[key] = counter.labels(position=str(pos))
+        return child
 
     def on_request_finish(self, request, output_ids, finish_reason, stats) -> None:
         self._c.finished.labels(reason=finish_reason or "unknown").inc()
