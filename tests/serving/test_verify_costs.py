@@ -40,15 +40,3 @@ def test_a_width_measured_before_any_plain_step_uses_its_own_median():
         costs.observe(2, 4, ms)
     assert costs.get(2, 4) == 13.0
 
-
-def test_a_width_measured_below_the_plain_step_is_priced_at_it():
-    """An engine's first plain step is cold (17.7 ms against 12.2 warm): the warm 4-node verifies
-    after it (15 ms) are not a discount on plain decoding."""
-    costs = VerifyCosts()
-    costs.observe(1, 0, 17.7)
-    for _ in range(3):
-        costs.observe(1, 4, 15.0)
-    assert costs.get(1, 4) == 17.7
-    for _ in range(15):
-        costs.observe(1, 0, 12.2)  # warm plain steps: the width's own ratio is kept (15 / 17.7)
-    assert costs.get(1, 4) == 12.2
