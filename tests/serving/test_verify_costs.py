@@ -39,4 +39,3 @@ def test_a_width_measured_before_any_plain_step_uses_its_own_median():
     for ms in (12.0, 40.0, 13.0):
         costs.observe(2, 4, ms)
     assert costs.get(2, 4) == 13.0
-
