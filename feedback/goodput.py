@@ -83,17 +83,33 @@ class CostModel:
     def observe_draft(self, num_tokens: int, ms: float) -> None:
         """One draft of ``num_tokens`` positions in ``ms``. The first replaces the prior (a costly
         drafter judged at the prior's 0.05 ms per token for its first ~10 drafts paid for all of
-        them); later ones move an EMA, and the line ``draft_ms_marginal`` reads."""
+        them); later ones move an EMA, and the line ``draft_ms_marginal`` reads, each counted at
+        most ``_DRAFT_SPIKE`` times what a draft of that length has cost (``_spike_cap``)."""
         if num_tokens <= 0:
             return
         n, ms = float(num_tokens), float(ms)
-        per_token, point = ms / n, (1.0, n, n * n, ms, n * ms)
         if not self._draft_measured:
-            self.draft_ms_per_token, self._draft_measured = per_token, True
-            self._draft_sums = point
+            self.draft_ms_per_token, self._draft_measured = ms / n, True
+            self._draft_sums = (1.0, n, n * n, ms, n * ms)
             return
+        ms = min(ms, self._spike_cap(n))
+        per_token, point = ms / n, (1.0, n, n * n, ms, n * ms)
         self.draft_ms_per_token = (1 - self.ema) * self.draft_ms_per_token + self.ema * per_token
         self._draft_sums = tuple((1 - self.ema) * s + self.ema * x for s, x in zip(self._draft_sums, point))
+
+    def _spike_cap(self, n: float) -> float:
+        """The most one draft of ``n`` positions may count for: ``_DRAFT_SPIKE`` times the larger
+        of its price per token and a draft's mean (a lookup costs the same for 1 or 8 tokens).
+
+        Why: one spiked draft bent the line. A learned drafter probed after sitting out ran its
+        2-token draft cold (13.6 ms with the catch-up taken out, against 2.3-2.8 warm); among its
+        few drafts of other lengths (4 tokens in 4.6 ms) that drew the line flat, the drafter read
+        as cheap (``draft_ms_marginal`` 0), was asked for its whole budget every step, and drafted
+        4 tokens at ~5 ms a step for 16 steps that the width step cut to nothing (`bench online
+        --drafter standalone`, day 0). A real rise in price still moves the EMA, by up to
+        ``ema`` x (``_DRAFT_SPIKE`` - 1) of it a draft (10 %)."""
+        w, _, _, sms, _ = self._draft_sums
+        return _DRAFT_SPIKE * max(self.draft_ms_per_token * n, sms / w)
 
     @property
     def draft_ms_marginal(self) -> float:
@@ -153,6 +169,10 @@ class CostModel:
         """What a learned draft of ``k`` positions costs: its tokens and, amortised, its catch-ups."""
         return k * self.draft_ms_per_token + (self.catch_up_ms_per_draft if k > 0 else 0.0)
 
+
+_DRAFT_SPIKE = 2.0
+"""A draft counts in ``CostModel``'s draft prices for at most this many times what one of its
+length has cost (``CostModel._spike_cap``)."""
 
 _MIN_LENGTH_SPREAD = 0.25
 """Variance of the drafted lengths (tokens^2) below which ``CostModel.draft_ms_marginal`` fits no

@@ -122,6 +122,27 @@ def test_a_drafts_marginal_cost_is_its_price_per_token_where_its_length_never_va
     assert costs.draft_ms(2) == pytest.approx(6.0)
 
 
+def test_one_spiked_draft_counts_at_most_twice_what_such_a_draft_costs():
+    costs = CostModel()
+    for n, ms in ((4, 4.55), (3, 3.65), (2, 2.57), (2, 2.76), (2, 2.30)):
+        costs.observe_draft(n, ms)
+    spiked = CostModel(**{f: getattr(costs, f) for f in costs.__dataclass_fields__})
+    twice = CostModel(**{f: getattr(costs, f) for f in costs.__dataclass_fields__})
+    spiked.observe_draft(2, 13.55)
+    twice.observe_draft(2, costs._spike_cap(2))
+    assert spiked.draft_ms_marginal == twice.draft_ms_marginal
+    assert spiked.draft_ms(2) == twice.draft_ms(2) and costs._spike_cap(2) < 13.55
+
+
+def test_a_real_rise_in_a_drafts_price_is_followed():
+    costs = CostModel()
+    for _ in range(20):
+        costs.observe_draft(2, 2.5)
+    for _ in range(40):  # a drafter three times as dear (a swap, a slow period)
+        costs.observe_draft(2, 7.5)
+    assert costs.draft_ms(2) == pytest.approx(7.5, rel=0.05)
+
+
 def test_drafts_longer_and_cheaper_at_once_add_nothing_per_token_rather_than_less_than_nothing():
     """A hybrid's learned drafts are short and dear, its suffix drafts long and cheap: the line
     through them slopes down."""

@@ -502,6 +502,35 @@ def test_a_drafter_whose_drafts_come_back_short_is_not_judged_costly_on_its_pric
     assert lookup.costs.draft_line_fitted and lookup.choose_k(_state(8)) == 8
 
 
+def test_a_learned_drafter_is_not_judged_cheap_after_one_cold_draft():
+    """Day 0 of a learned drafter as traced (`bench online --drafter standalone`; k, nodes verified,
+    draft ms, of them catch-up, verify ms), then a probe whose 2-token draft ran cold: 13.6 ms
+    with the catch-up taken out, against 2.3-2.8 warm. Counted at full weight, that one draft drew
+    the draft line flat: the drafter read as cheap, was asked for its whole budget every step at
+    an acceptance of 0.04, and drafted 4 tokens at ~5 ms a step, 16 steps in a row, for nothing."""
+    p = GoodputPolicy(4, remeasure_every=10_000)
+    plain = lambda: p.observe(0, np.zeros(1), np.zeros(1), 0.0, 12.5, width=0, batch=1)
+    for _ in range(3):
+        plain()
+    for k, nodes, ms, catch_up, verify in ((4, 0, 13.47, 8.92, 17.19), (3, 4, 3.65, 0.0, 14.45),
+                                            (2, 4, 2.57, 0.0, 13.97), (2, 4, 2.76, 0.0, 13.84),
+                                            (2, 1, 5.79, 3.49, 11.99), (2, 1, 32.86, 19.31, 14.65)):
+        p.observe(k, np.full(1, k), np.zeros(1), ms, verify, width=nodes, batch=1, proposed=k,
+                  catch_up_ms=catch_up)
+        for _ in range(8):
+            plain()
+    asked = []
+    for _ in range(16):
+        k = p.choose_k(_state(4))
+        asked.append(k)
+        if k:
+            p.observe(k, np.full(1, k), np.zeros(1), 1.25 * k, 12.5, width=0, batch=1, proposed=k)
+        else:
+            plain()
+    assert p.acceptance.value < 0.1
+    assert 4 not in asked, asked
+
+
 def _cold_start(policy, steps, plain_ms=12.2, cold_ms=17.7, position_ms=1.3):
     """An engine's first steps with a day-0 learned drafter whose drafts (trees of two candidates
     at each position, at most 4 nodes) are never accepted: its first step is cold (``cold_ms``),
