@@ -112,7 +112,10 @@ class GoodputPolicy:
         if k_max < 0:
             raise ValueError(f"k_max must be >= 0, got {k_max}")
         self.k_max = k_max
-        self.probe = ProbeSchedule(probe_every, min(k_max, probe_k if probe_k is not None else 2),
+        # A probe verifies at most a node per row (``choose_widths``), so a costly drafter's probe
+        # drafts one position: at 2, the second was drafted at every probe and never verified
+        # (~1.3 ms of a ~8 ms probe for a day-0 standalone drafter on a 2-core EPYC).
+        self.probe = ProbeSchedule(probe_every, min(k_max, probe_k if probe_k is not None else 1),
                                    probe_budget)
         self.acceptance = acceptance or _fresh_estimate()
         self.costs = costs or CostModel()
@@ -208,7 +211,8 @@ class GoodputPolicy:
             # ones: draft only on probes until one pays again, so that a draft that is thrown
             # away is not paid for every step (at batch 8 the suffix index's ~1 ms per drafted
             # position was 3-9 % of a step, every step).
-            return self._probe_or_plain(k, costly=not cheap, batch=batch)
+            return self._probe_or_plain(k if cheap else min(k, max(1, self.probe_k)),
+                                        costly=not cheap, batch=batch)
         if k == 0:
             return self._probe_or_plain(max(1, self.probe_k), costly=True, batch=batch)
         if self._since_plain.get(batch, 0) >= self.remeasure_every:

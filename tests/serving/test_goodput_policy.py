@@ -152,10 +152,19 @@ def test_a_costly_drafter_that_never_pays_costs_about_the_probe_budget():
     spaced by cost stay within the budget."""
     budgeted = _serve(GoodputPolicy(4, probe_budget=0.02), 3000, draft_ms_per_token=21.0)
     default = _serve(GoodputPolicy(4), 3000, draft_ms_per_token=21.0)
-    every_16 = _serve(GoodputPolicy(4, probe_budget=1.0), 3000, draft_ms_per_token=21.0)
+    every_16 = _serve(GoodputPolicy(4, probe_k=2, probe_budget=1.0), 3000, draft_ms_per_token=21.0)
     assert every_16 > 0.06
     assert budgeted < 0.03
     assert default < 0.015  # 1 %: what is left of the 3 % bar beside a trainer
+
+
+def test_a_costly_drafters_probe_drafts_only_what_it_verifies():
+    """A probe verifies at most a node per row, so a costly drafter's probe drafts one position:
+    asked for two, a day-0 standalone drafter drafted a second at every probe that nothing read."""
+    p = GoodputPolicy(4, remeasure_every=10_000)
+    _feed(p, 4, 0, draft_ms=21.0)
+    asked = [p.choose_k(_state()) for _ in range(3 * p.probe_interval())]
+    assert p.probes >= 2 and set(asked) == {0, 1}
 
 
 def test_a_new_drafter_is_probed_at_once_from_the_prior():
@@ -555,7 +564,8 @@ def test_a_cold_first_plain_step_does_not_make_drafting_look_free():
     """A forward of more tokens never costs less than a plain step, so a width measured below the
     engine's first, cold plain step is priced at that step: read as a discount, it kept a day-0
     learned drafter at ~0.01 acceptance drafting every step for its first 40-100 steps."""
-    assert _cold_start(GoodputPolicy(4), 200) <= 15  # ~6 while its estimate falls, then probes
+    policy = GoodputPolicy(4)
+    assert _cold_start(policy, 200) - policy.probes <= 8  # ~7 while its estimate falls
 
     costs = CostModel(ema=1.0)
     costs.observe_verify(4, 15.0)
