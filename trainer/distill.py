@@ -102,6 +102,8 @@ class FitResult:
     seconds: float = 0.0
     train_seconds: float = 0.0
     """Time in training steps only (no held-out evaluation)."""
+    yielded: bool = False
+    """Stopped because ``should_stop()`` said so (serving saturated) before ``max_steps``."""
 
 
 class Distiller:
@@ -167,6 +169,7 @@ class Distiller:
         bad = 0
         for i in range(max_steps):
             if should_stop is not None and should_stop():
+                res.yielded = True
                 break
             ts = time.perf_counter()
             parts = self.step(replay.sample(cfg.batch_traces, self.rng))

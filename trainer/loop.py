@@ -162,11 +162,21 @@ class TrainerLoop:
         first_step = self.distiller.global_step
         res = self.distiller.fit(self.replay, self.cfg.steps_per_round, k=self.gate_cfg.k, should_stop=self.saturated)
         self.stats.note_round(res, first_step)
-        self._trained_tokens = self.replay.tokens_seen
         self._log_round(res)
-        if self.stats.rounds % self.cfg.rounds_per_gate == 0 or self._gate_early:
-            self._gate_early = False
-            self.gate()
+        gate_due = self.stats.rounds % self.cfg.rounds_per_gate == 0 or self._gate_early
+        if res.yielded:
+            # Serving saturated mid-round: the steps taken stand and the pause is noted (a burst
+            # that began and ended inside one fit was otherwise never seen by operators). The round
+            # is unfinished, so the next one trains on these traces again, new traffic or not, and a
+            # gate due now (held-out scoring, on the cores serving needs) runs after it.
+            self.stats.paused_rounds += 1
+            self._note_pause(True)
+            self._gate_early = gate_due
+        else:
+            self._trained_tokens = self.replay.tokens_seen
+            if gate_due:
+                self._gate_early = False
+                self.gate()
         self.save()
         self.source.commit()  # only now: the records are in a checkpointed replay and were trained on
         self._uncheckpointed = 0

@@ -30,6 +30,35 @@ def test_offsets_are_committed_only_after_training_and_pauses_when_saturated(tmp
     assert loop.stats.train_steps == 5 and src.committed == 40
 
 
+def test_a_round_that_yields_to_serving_mid_fit_notes_the_pause_and_finishes_later(tmp_path):
+    """A burst that begins and ends inside one fit stops it between steps: that is a pause, as an
+    operator must see it; the gate due then (held-out scoring on the cores serving needs) waits,
+    and the next round with spare capacity trains on the same traces again, new traffic or not."""
+    src = ListTraceSource([make_trace("a", seed=i) for i in range(20)])
+    polls = {"n": 0, "busy_after": 3}
+
+    def saturated():  # asked at the round's start, then before each training step
+        polls["n"] += 1
+        return polls["n"] > polls["busy_after"]
+
+    loop = TrainerLoop(
+        src, StandaloneStudent(tiny_lm(seed=0)), FP,
+        loop=LoopConfig(poll_records=20, min_train_traces=8, steps_per_round=5, rounds_per_gate=1,
+                        checkpoint_dir=str(tmp_path / "ckpt")),
+        distill=DistillConfig(lr=3e-3, eval_every=5), gate=GateConfig(k=3, hybrid=False),
+        saturated=saturated)
+    gates = []
+    loop.gate = lambda: gates.append(loop.stats.train_steps)
+    loop.run_round()
+    assert loop.stats.train_steps == 2 and loop.stats.paused_rounds == 1 and loop._paused
+    assert gates == []
+    polls["busy_after"] = 10**9  # spare capacity again, and no new traffic
+    loop.run_round()
+    assert loop.stats.train_steps == 7 and gates == [7] and not loop._paused
+    loop.run_round()  # finished: no new traffic, no more steps
+    assert loop.stats.train_steps == 7
+
+
 def test_a_poll_of_dead_letters_alone_is_committed_but_pending_records_are_not(tmp_path):
     """A poll that returned no record (its messages, if any, were dead-lettered) commits when no
     earlier record awaits a checkpoint: else every restart would read and dead-letter them again."""
