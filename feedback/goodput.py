@@ -105,8 +105,8 @@ class CostModel:
         2-token draft cold (13.6 ms with the catch-up taken out, against 2.3-2.8 warm); among its
         few drafts of other lengths (4 tokens in 4.6 ms) that drew the line flat, the drafter read
         as cheap (``draft_ms_marginal`` 0), was asked for its whole budget every step, and drafted
-        4 tokens at ~5 ms a step for 16 steps that the width step cut to nothing (`bench online
-        --drafter standalone`, day 0). A real rise in price still moves the EMA, by up to
+        4 tokens at ~5 ms a step for 16 steps, none accepted, 12 of them cut to nothing by the width
+        step (`bench online --drafter standalone`, day 0). A real rise in price still moves the EMA, by up to
         ``ema`` x (``_DRAFT_SPIKE`` - 1) of it a draft (10 %)."""
         w, _, _, sms, _ = self._draft_sums
         return _DRAFT_SPIKE * max(self.draft_ms_per_token * n, sms / w)
