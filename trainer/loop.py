@@ -155,8 +155,7 @@ class TrainerLoop:
             # consumer finish its group join, which needs polls closer together than a round.
             return self.stats
         if self.saturated():
-            self.stats.paused_rounds += 1
-            self._note_pause(True)
+            self._pause_for_serving()
             return self.stats
         self._note_pause(False)
         first_step = self.distiller.global_step
@@ -169,8 +168,7 @@ class TrainerLoop:
             # that began and ended inside one fit was otherwise never seen by operators). The round
             # is unfinished, so the next one trains on these traces again, new traffic or not, and a
             # gate due now (held-out scoring, on the cores serving needs) runs after it.
-            self.stats.paused_rounds += 1
-            self._note_pause(True)
+            self._pause_for_serving()
             self._gate_early = gate_due
         else:
             self._trained_tokens = self.replay.tokens_seen
@@ -181,6 +179,11 @@ class TrainerLoop:
         self.source.commit()  # only now: the records are in a checkpointed replay and were trained on
         self._uncheckpointed = 0
         return self.stats
+
+    def _pause_for_serving(self) -> None:
+        """A round that serving's load stopped, before training or between its steps."""
+        self.stats.paused_rounds += 1
+        self._note_pause(True)
 
     def _note_pause(self, paused: bool) -> None:
         """Operators see when training paused for serving's load, and when it resumed."""

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -126,8 +128,7 @@ def test_one_spiked_draft_counts_at_most_twice_what_such_a_draft_costs():
     costs = CostModel()
     for n, ms in ((4, 4.55), (3, 3.65), (2, 2.57), (2, 2.76), (2, 2.30)):
         costs.observe_draft(n, ms)
-    spiked = CostModel(**{f: getattr(costs, f) for f in costs.__dataclass_fields__})
-    twice = CostModel(**{f: getattr(costs, f) for f in costs.__dataclass_fields__})
+    spiked, twice = dataclasses.replace(costs), dataclasses.replace(costs)
     spiked.observe_draft(2, 13.55)
     twice.observe_draft(2, costs._spike_cap(2))
     assert spiked.draft_ms_marginal == twice.draft_ms_marginal
