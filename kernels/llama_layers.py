@@ -98,6 +98,13 @@ class LayerStack:
         return cls(layers, lib, _address(attention.decode_attention), bf16_attention=bf16_attention,
                    **dims)
 
+    def native_args(self) -> tuple[int, int, int, int]:
+        """Addresses of ``llama_layers`` and of its layers, dims and attention-kernel arguments, for
+        native code that runs these layers itself (kernels/draft_chain.py); valid while this
+        stack lives."""
+        return (_address(self._lib.llama_layers), ctypes.addressof(self._layers),
+                ctypes.addressof(self._dims), self._attention_fn)
+
     def __call__(
         self,
         h: torch.Tensor,

@@ -21,38 +21,7 @@
 #include <string.h>
 
 #include "linear_common.h"
-
-typedef int (*linear_fn)(const float *x, int prologue, const float *g, float eps, const void *w,
-                         const float *res, float *y, long T, long N, long K, int threads);
-typedef int (*attention_fn)(const float *qkv, const float *cos, const float *sin, void *kcache,
-                            void *vcache, const int64_t *cols, const int64_t *rows,
-                            const uint8_t *mask, float *out, long B, long Bc, long T, long Hq,
-                            long Hkv, long D, long C, long L, float scale, int threads, int bf16);
-
-/* One decoder layer as served: norm weights [H] and packed projections, each with the
- * packed_linear entry for its panels' dtype. Mirrors kernels/llama_layers.py's Layer. */
-struct layer {
-    const float *ln1, *ln2;
-    const void *qkv, *o, *gu, *down;
-    linear_fn qkv_fn, o_fn, gu_fn, down_fn;
-};
-
-/* The model's sizes. Mirrors kernels/llama_layers.py's Dims. */
-struct dims {
-    long hidden, heads, kv_heads, head_dim, inter;
-    float eps, scale;
-};
-
-/* This forward's attention inputs, the same for every layer but the cache buffers: the
- * decode_attention arguments (see decode_attention.c). Mirrors llama_layers.py's Attention. */
-struct attention {
-    attention_fn fn;
-    const float *cos, *sin;      /* [B, Tq, D] */
-    const int64_t *cols, *rows;  /* [B, Tq], [B] or NULL */
-    const uint8_t *mask;         /* [B, Tq, L] */
-    long B, Bc, T, C, L;
-    int bf16;                    /* decode_attention's bf16 bits (bf16 operands; a bf16 cache) */
-};
+#include "llama_layers.h"
 
 /* Runs layers [0, n) on h [B * Tq, H] in place. keys[i], values[i]: layer i's cache buffers
  * [Bc, Hkv, C, D] (fp32, or bf16 with a->bf16's bit 2). hidden[i] (i < n; NULL where not wanted): a

@@ -20,6 +20,7 @@ from feedback.drafters.ops import attend, draft_in_bf16, mlp
 from feedback.registry.artifact_keys import DAY0_VERSION
 from kernels import decode_attention as native_attention
 from kernels import packed_linear
+from kernels.draft_chain import DraftChain
 from kernels.thin_linear import thin_linear
 from serving.drafters.base import DraftRequestView
 from serving.drafters.draft_kv import BatchKV
@@ -122,6 +123,11 @@ class PackedDraftNet:
         self.dtype = torch.float32
         self.kv_dtype = self.forward.kv_dtype  # the native attention's cache: bf16 on bf16 operands
         self.target_vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        f = self.forward
+        self.chain = DraftChain.build(f.stack, f.embed, f.rope.table(), f.final_norm, f.lm_head_served,
+                                      self.kv_dtype, self.vocab_map)
+        """A greedy draft of one request in one native call (kernels/draft_chain.py), where it runs:
+        ``LearnedDrafter.propose`` takes it for that case (serving/drafters/chained.py)."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:

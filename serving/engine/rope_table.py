@@ -38,6 +38,11 @@ class RopeTable:
             cos, sin = self.rotary(x, positions)  # [1, P, D] each
         return cos[0], sin[0]
 
+    def table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin [max_positions, D] as made at construction (for native code that looks rows
+        up itself: kernels/draft_chain.py), or None where positions are not tabled."""
+        return self._table if self.tabled else None
+
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, q, D] at ``position_ids`` [B, q] for activations ``x`` [B, q, H] (their
         dtype and device)."""
