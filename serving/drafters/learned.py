@@ -157,9 +157,10 @@ class LearnedDrafter:
                     f"{self.kind} drafter: propose for request {v.request_id!r} never add_request'ed"
                 )
             states.append(self._states[v.request_id])
+        if self.max_catch_up is not None:  # a row with nothing pending (that cannot draft) keeps all
+            for s in states:
+                s.skip_stale(self.max_catch_up)
         if batch == 1:  # the common case, in one native call where the net has one
-            if self.max_catch_up is not None:
-                states[0].skip_stale(self.max_catch_up)
             out = chained_proposal(self.net, states[0], views[0], k, self.branches, self.source_kind, k + 1)
             if out is not None:
                 out.draft_ms = (time.perf_counter() - t0) * 1e3
@@ -170,9 +171,6 @@ class LearnedDrafter:
             out.draft_ms = (time.perf_counter() - t0) * 1e3
             return out
         rows = [states[i] for i in active]
-        if self.max_catch_up is not None:
-            for s in rows:
-                s.skip_stale(self.max_catch_up)
         backlog = [s for s in rows if s.num_pending > k + 1]
         catch_up_ms = 0.0
         if backlog:
