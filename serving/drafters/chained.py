@@ -12,23 +12,24 @@ calls took 0.54 (ARCHITECTURE.md, "A draft in one native call").
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from serving.drafters.base import DraftProposal, DraftRequestView
+from serving.drafters.base import DraftRequestView
 from serving.drafters.draft_kv import RowState
 from serving.drafters.draft_tree import best_first_tree
 
 
-def chained_proposal(net, state: RowState | None, view: DraftRequestView, k: int, branches: int,
-                     source_kind: int, max_pending: int) -> DraftProposal | None:
-    """The proposal of one row through ``net.chain``, or None where the batched path must draft it:
-    no chain, a sampled row, a row that cannot draft or has features pending, more than
-    ``max_pending`` inputs to commit (a backlog, which the batched path commits and times apart),
-    or columns or positions the chain cannot reach. ``state`` is updated as the batched path
-    updates it (its pending inputs committed); the caller times it (``draft_ms``)."""
+def chained_draft(net, state: RowState, view: DraftRequestView, k: int, branches: int,
+                  max_pending: int) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor | None] | None:
+    """One row's draft through ``net.chain``, as ``LearnedDrafter._draft`` returns a batch's:
+    (tokens [1, n], probs [1, n], no distributions, parents [1, n] for a tree of ``branches`` > 1
+    candidates a position, else None); or None where the batched path must draft it: no chain, a
+    sampled row, a row that cannot draft or has features pending, more than ``max_pending`` inputs
+    to commit (a backlog, which the batched path commits and times apart), or positions past the
+    chain's rotary table. ``state`` is updated as the batched path updates it (its pending inputs
+    committed)."""
     chain = getattr(net, "chain", None)
-    if chain is None or state is None or view.temperature > 0 or k < 1 or not state.can_draft:
+    if chain is None or view.temperature > 0 or k < 1 or not state.can_draft:
         return None
     q = state.num_pending
     if q > max_pending or state.pending_features:
@@ -45,12 +46,6 @@ def chained_proposal(net, state: RowState | None, view: DraftRequestView, k: int
         state.last_hidden = draft.last_hidden
     if m > 1:
         tokens, confidence, parents = best_first_tree([draft.probs], [draft.ids])  # [1][k * m] each
-        out = DraftProposal(tokens=torch.tensor(tokens), lengths=torch.tensor([k * m]),
-                            probs=torch.tensor(confidence), source=np.full(1, source_kind, dtype=np.uint8),
-                            dists=None, parents=torch.tensor(parents))
-    else:
-        out = DraftProposal(tokens=torch.tensor([[ids[0] for ids in draft.ids]]), lengths=torch.tensor([k]),
-                            probs=torch.tensor([[p[0] for p in draft.probs]]),
-                            source=np.full(1, source_kind, dtype=np.uint8))
-    out.confidence = out.probs.clone()
-    return out
+        return torch.tensor(tokens), torch.tensor(confidence), None, torch.tensor(parents)
+    return (torch.tensor([[ids[0] for ids in draft.ids]]), torch.tensor([[p[0] for p in draft.probs]]),
+            None, None)

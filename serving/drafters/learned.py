@@ -31,7 +31,7 @@ from feedback.bus.trace import DrafterKind
 from feedback.goodput import LEARNED_BRANCHES
 from feedback.registry.artifact_keys import DAY0_VERSION
 from serving.drafters.base import DraftProposal, DraftRequestView, chain_parents
-from serving.drafters.chained import chained_proposal
+from serving.drafters.chained import chained_draft
 from serving.drafters.draft_kv import BatchKV, Layout, RowState
 from serving.drafters.draft_tree import best_first_tree
 
@@ -160,25 +160,26 @@ class LearnedDrafter:
         if self.max_catch_up is not None:  # a row with nothing pending (that cannot draft) keeps all
             for s in states:
                 s.skip_stale(self.max_catch_up)
-        if batch == 1:  # the common case, in one native call where the net has one
-            out = chained_proposal(self.net, states[0], views[0], k, self.branches, self.source_kind, k + 1)
-            if out is not None:
+        # the common case, one greedy row, in one native call where the net has one
+        drafted = chained_draft(self.net, states[0], views[0], k, self.branches, k + 1) if batch == 1 else None
+        catch_up_ms = 0.0
+        if drafted is not None:
+            active = [0]
+        else:
+            active = [i for i, s in enumerate(states) if s.can_draft]
+            if not active:
+                out = DraftProposal.empty(batch, k)
                 out.draft_ms = (time.perf_counter() - t0) * 1e3
                 return out
-        active = [i for i, s in enumerate(states) if s.can_draft]
-        if not active:
-            out = DraftProposal.empty(batch, k)
-            out.draft_ms = (time.perf_counter() - t0) * 1e3
-            return out
-        rows = [states[i] for i in active]
-        backlog = [s for s in rows if s.num_pending > k + 1]
-        catch_up_ms = 0.0
-        if backlog:
-            t_catch = time.perf_counter()
-            self._catch_up(backlog)
-            catch_up_ms = (time.perf_counter() - t_catch) * 1e3
-        cache, layout, last = self._extend(rows, extra=k - 1)
-        tokens, probs, dists, parents = self._draft(cache, layout, last, [views[i] for i in active], k)
+            rows = [states[i] for i in active]
+            backlog = [s for s in rows if s.num_pending > k + 1]
+            if backlog:
+                t_catch = time.perf_counter()
+                self._catch_up(backlog)
+                catch_up_ms = (time.perf_counter() - t_catch) * 1e3
+            cache, layout, last = self._extend(rows, extra=k - 1)
+            drafted = self._draft(cache, layout, last, [views[i] for i in active], k)
+        tokens, probs, dists, parents = drafted
         n = tokens.shape[1]  # nodes per drafting row: k for chains, k x branches for trees
 
         if len(active) == batch:  # every row drafted: the proposal is the draft as it is
